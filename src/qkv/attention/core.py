@@ -1,0 +1,160 @@
+"""`qkv.attention` and `qkv.explain`: one entry point, several backends, one set of conventions.
+
+A backend is a module (or any object) with:
+    name: str, summary: str,
+    why_not(request) -> str | None     None if it can serve the request, else the reason,
+    notes(request) -> list[str]        how it will serve it, for `explain`,
+    run(request) -> (output, weights or None).
+`auto` takes the first backend in `BACKENDS` (ordered fastest first) that can serve the request.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from qkv.attention import reference, sdpa
+from qkv.attention.request import AttentionRequest, make_request
+
+# Fastest first: `auto` walks this order. Later backends (tiled, triton) register themselves.
+BACKENDS: dict[str, ModuleType] = {sdpa.name: sdpa, reference.name: reference}
+
+
+def register_backend(backend, *, before: str | None = None) -> None:
+    """Add a backend; `before` names the backend it should be preferred to by `auto`."""
+    items = [(n, b) for n, b in BACKENDS.items() if n != backend.name]
+    index = next((i for i, (n, _) in enumerate(items) if n == before), len(items))
+    items.insert(index, (backend.name, backend))
+    BACKENDS.clear()
+    BACKENDS.update(items)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    bias: torch.Tensor | None = None,
+    window: int | tuple[int, int] | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Scaled dot-product attention, softmax(Q K^T * scale + bias) V (seed 002 section 2).
+
+    Args:
+        q: (B, H, L_q, D). k: (B, H_kv, L_k, D). v: (B, H_kv, L_k, D_v). H % H_kv == 0: H_kv < H
+            is grouped-query attention, H_kv == 1 multi-query (Shazeer 2019; Ainslie et al. 2023).
+        mask: bool, True where a query MAY attend, or a float additive mask; (L_q, L_k) or
+            4-D broadcastable to (B, H, L_q, L_k). Build one with `qkv.masks`.
+        causal: each query sees keys at or before its position, aligned bottom-right when
+            L_q != L_k (see `qkv.masks.causal`).
+        scale: multiplies Q K^T; default 1/sqrt(D).
+        bias: additive float scores, e.g. ALiBi (`qkv.positional.alibi_bias`); same shapes as mask.
+        window: int W (each query sees itself and the W - 1 keys before it) or (left, right).
+        dropout_p: dropout on the attention weights, applied whenever > 0: modules pass 0 in
+            eval mode (as with `F.scaled_dot_product_attention`).
+        return_weights: also return the weights (B, H, L_q, L_k) that multiplied V.
+        backend: "auto" (the fastest that serves the request; see `qkv.explain`) or a name in
+            `qkv.attention.BACKENDS`.
+
+    Returns:
+        output (B, H, L_q, D_v) in q's dtype, or (output, weights) if return_weights.
+        A query with no visible key gets output 0 (and weights 0), with finite gradients.
+    """
+    request = make_request(
+        q,
+        k,
+        v,
+        mask=mask,
+        causal=causal,
+        scale=scale,
+        bias=bias,
+        window=window,
+        dropout_p=dropout_p,
+        return_weights=return_weights,
+    )
+    chosen = _choose(request, backend)
+    if request.key_len == 0:  # nothing to attend to: every row is empty
+        output, weights = _empty_keys(request)
+    else:
+        output, weights = chosen.run(request)
+    return (output, weights) if return_weights else output
+
+
+def explain(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    bias: torch.Tensor | None = None,
+    window: int | tuple[int, int] | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+    backend: str = "auto",
+) -> str:
+    """Which backend `attention` would run for these arguments, and why, in words."""
+    request = make_request(
+        q,
+        k,
+        v,
+        mask=mask,
+        causal=causal,
+        scale=scale,
+        bias=bias,
+        window=window,
+        dropout_p=dropout_p,
+        return_weights=return_weights,
+    )
+    chosen = _choose(request, backend)
+    how = "named explicitly" if backend != "auto" else "the fastest backend that serves this call"
+    lines = [
+        f"backend {chosen.name!r}: {how}.",
+        f"  {chosen.name}: {chosen.summary}",
+        f"  call: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, {q.dtype}, "
+        f"{q.device}",
+    ]
+    lines += [f"  - {note}" for note in chosen.notes(request)]
+    if backend == "auto":
+        for name, other in BACKENDS.items():
+            if name == chosen.name:
+                break
+            lines.append(f"  passed over {name!r}: {other.why_not(request)}")
+    return "\n".join(lines)
+
+
+def _choose(request: AttentionRequest, backend: str):
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
+    if backend == "auto":
+        for candidate in BACKENDS.values():
+            if candidate.why_not(request) is None:
+                return candidate
+        raise RuntimeError("no attention backend can serve this request")  # reference serves all
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"backend: unknown backend {backend!r}; expected 'auto' or one of {list(BACKENDS)}"
+        )
+    chosen = BACKENDS[backend]
+    reason = chosen.why_not(request)
+    if reason is not None:
+        raise ValueError(
+            f"backend: {backend!r} cannot serve this request: {reason}; use backend='auto' "
+            f"or one that can (see qkv.explain)"
+        )
+    return chosen
+
+
+def _empty_keys(request: AttentionRequest) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """L_k == 0: every query row is fully masked, so the output is 0 (kernels reject L_k = 0)."""
+    B, H, L_q, _ = request.q.shape
+    output = request.q.new_zeros(B, H, L_q, request.v.shape[-1])
+    weights = request.q.new_zeros(B, H, L_q, 0) if request.return_weights else None
+    return output, weights

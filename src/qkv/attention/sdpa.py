@@ -1,0 +1,111 @@
+"""Backend `sdpa`: PyTorch's fused `F.scaled_dot_product_attention`, with qkv's conventions.
+
+What this wrapper adds to the raw call, and nothing more:
+- causal with L_q != L_k is aligned bottom-right (SDPA's `is_causal` aligns top-left), through
+  an explicit mask; with L_q == L_k, `is_causal=True` is passed through untouched;
+- windows, bool masks and additive biases become one SDPA `attn_mask`;
+- a query row with no visible key gives output 0 and finite gradients, by unmasking that row
+  for the kernel and zeroing its output afterwards (PyTorch's own behaviour here differs across
+  versions and kernels: NaN on some, uniform weights on others);
+- GQA/MQA via `enable_gqa` (torch >= 2.5), so K/V are not repeated where the kernel allows it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qkv.attention.request import AttentionRequest
+
+name = "sdpa"
+summary = "PyTorch's fused scaled_dot_product_attention (flash / memory-efficient / math kernels)"
+
+_HAS_ENABLE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def why_not(request: AttentionRequest) -> str | None:
+    if request.return_weights:
+        return "the fused kernel does not return the attention weights"
+    return None
+
+
+def notes(request: AttentionRequest) -> list[str]:
+    out = []
+    if request.causal and _plain_causal(request):
+        out.append("causal with L_q == L_k: passed as is_causal=True, no mask tensor")
+    elif request.causal:
+        out.append(
+            f"causal with L_q={request.query_len} != L_k={request.key_len}: an explicit "
+            f"bottom-right mask (SDPA's is_causal aligns top-left)"
+        )
+    if request.window is not None:
+        out.append(f"window {request.window}: an explicit (L_q, L_k) mask")
+    if _needs_mask(request):
+        out.append(
+            "rows with no visible key are unmasked for the kernel and their output zeroed "
+            "(one extra pass over the mask)"
+        )
+    if request.group_size > 1:
+        out.append(
+            f"GQA/MQA ({request.num_heads} query heads over {request.num_kv_heads} K/V heads): "
+            + (
+                "enable_gqa=True, K/V not repeated"
+                if _HAS_ENABLE_GQA
+                else "K/V repeated (torch < 2.5 has no enable_gqa)"
+            )
+        )
+    return out
+
+
+def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:
+    """Returns (output (B, H, L_q, D_v), None)."""
+    q, k, v = request.q, request.k, request.v
+    gqa = {}
+    if request.group_size > 1:
+        if _HAS_ENABLE_GQA:
+            gqa = {"enable_gqa": True}
+        else:
+            k = k.repeat_interleave(request.group_size, dim=1)  # (B, H, L_k, D)
+            v = v.repeat_interleave(request.group_size, dim=1)  # (B, H, L_k, D_v)
+    if not _needs_mask(request):
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            dropout_p=request.dropout_p,
+            is_causal=request.causal,
+            scale=request.scale,
+            **gqa,
+        ), None
+    attn_mask, row_visible = _kernel_mask(request)
+    output = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=request.dropout_p, scale=request.scale, **gqa
+    )
+    return output * row_visible.to(output.dtype), None  # rows with no visible key -> 0
+
+
+def _plain_causal(request: AttentionRequest) -> bool:
+    return request.query_len == request.key_len
+
+
+def _needs_mask(request: AttentionRequest) -> bool:
+    """False when the kernel can run maskless (no mask, bias, window, or only aligned causal)."""
+    structural_only = request.mask is None and request.bias is None and request.window is None
+    return not (structural_only and (not request.causal or _plain_causal(request)))
+
+
+def _kernel_mask(request: AttentionRequest) -> tuple[torch.Tensor, torch.Tensor]:
+    """One SDPA attn_mask with no empty rows, and which rows had any visible key.
+
+    Returns (attn_mask broadcastable to (B, H, L_q, L_k), row_visible (..., L_q, 1) bool).
+    """
+    allowed = request.allowed()
+    additive = request.additive()
+    if additive is None:
+        row_visible = allowed.any(dim=-1, keepdim=True)
+        return allowed | ~row_visible, row_visible
+    additive = additive.to(request.q.dtype)
+    if allowed is not None:
+        additive = additive.masked_fill(~allowed, float("-inf"))
+    row_visible = (additive > float("-inf")).any(dim=-1, keepdim=True)
+    return additive.masked_fill(~row_visible, 0.0), row_visible
