@@ -36,7 +36,7 @@ def notes(request: AttentionRequest) -> list[str]:
 
 def run(request: AttentionRequest) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (output (B, H, L_q, D_v), weights (B, H, L_q, L_k)), both in q's dtype."""
-    q, k, v = request.q, request.k, request.v
+    q, v = request.q, request.v
     compute_dtype = torch.promote_types(q.dtype, torch.float32)
     scores = _grouped_scores(request, compute_dtype)  # (B, H, L_q, L_k)
     additive = request.additive()
