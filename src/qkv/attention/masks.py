@@ -11,6 +11,8 @@ section 2.3 and Q15). The converters at the bottom of this file cross that borde
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = [
@@ -114,7 +116,9 @@ def combine(*masks: torch.Tensor | None) -> torch.Tensor | None:
         for mask in present[1:]:
             result = result & mask
         return result
-    dtype = torch.promote_types(*[m.dtype for m in present if m.is_floating_point()], torch.float32)
+    dtype = functools.reduce(
+        torch.promote_types, [m.dtype for m in present if m.is_floating_point()], torch.float32
+    )
     result = torch.zeros((), dtype=dtype, device=present[0].device)
     for mask in present:
         result = result + (to_additive(mask, dtype) if mask.dtype == torch.bool else mask)
