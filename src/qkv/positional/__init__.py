@@ -1,0 +1,32 @@
+"""Positional information for attention (seed 002 section 8: RoPE / ALiBi / absolute).
+
+- Absolute, added to the token embeddings: `sinusoidal_table` / `SinusoidalPositionalEncoding`
+  (Vaswani et al. 2017) and `LearnedPositionalEmbedding` (BERT, GPT-2).
+- Relative, inside attention: RoPE rotates queries and keys (`rope_cos_sin`, `apply_rope`,
+  `RotaryEmbedding`; Su et al. 2021), ALiBi biases the scores (`alibi_slopes`, `alibi_bias`;
+  Press et al. 2022), passed to `qkv.attention(..., bias=alibi_bias(...))`.
+"""
+
+from qkv.positional.alibi import alibi_bias, alibi_slopes
+from qkv.positional.learned import LearnedPositionalEmbedding
+from qkv.positional.rotary import (
+    RotaryEmbedding,
+    apply_rope,
+    half_split_to_interleaved,
+    interleaved_to_half_split,
+    rope_cos_sin,
+)
+from qkv.positional.sinusoidal import SinusoidalPositionalEncoding, sinusoidal_table
+
+__all__ = [
+    "LearnedPositionalEmbedding",
+    "RotaryEmbedding",
+    "SinusoidalPositionalEncoding",
+    "alibi_bias",
+    "alibi_slopes",
+    "apply_rope",
+    "half_split_to_interleaved",
+    "interleaved_to_half_split",
+    "rope_cos_sin",
+    "sinusoidal_table",
+]
