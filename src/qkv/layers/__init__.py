@@ -1,0 +1,27 @@
+"""`qkv.layers`: the modules a Transformer is built from, each on top of `qkv.attention`.
+
+- `MultiHeadAttention`: MHA, GQA and MQA; self- and cross-attention; optional RoPE or ALiBi.
+- `FeedForward` (ReLU/GELU) and `SwiGLU`: the position-wise sub-layer.
+- `LayerNorm` and `RMSNorm`.
+- `EncoderBlock` and `DecoderBlock`: sub-layers in "Add & Norm", post-norm or pre-norm.
+
+`MultiHeadAttention` and the blocks have `from_torch` (and `MultiHeadAttention.to_torch`) to
+cross over to PyTorch's own modules.
+"""
+
+from qkv.layers.attention import MultiHeadAttention
+from qkv.layers.blocks import DecoderBlock, EncoderBlock, post_norm, pre_norm
+from qkv.layers.feedforward import FeedForward, SwiGLU
+from qkv.layers.norms import LayerNorm, RMSNorm
+
+__all__ = [
+    "DecoderBlock",
+    "EncoderBlock",
+    "FeedForward",
+    "LayerNorm",
+    "MultiHeadAttention",
+    "RMSNorm",
+    "SwiGLU",
+    "post_norm",
+    "pre_norm",
+]

@@ -1,0 +1,244 @@
+"""Multi-head attention as a module: projections around `qkv.attention` (seed 002 sections 3-4).
+
+    MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_o,
+    head_h = Attention(Q W_q^(h), K W_k^(h), V W_v^(h))                 (Vaswani et al. 2017)
+
+The H per-head projections are stored as one matrix each (`q_proj`: E -> H * D), and the heads
+are split by a reshape (seed 002 section 3.1). Keys and values may have fewer heads than the
+queries: H_kv = H is MHA, 1 < H_kv < H grouped-query attention (GQA, Ainslie et al. 2023),
+H_kv = 1 multi-query attention (MQA, Shazeer 2019); seed 002 section 6.2. The attention itself is
+`qkv.attention`, never re-implemented here: masks, causal alignment, windows, backends and the
+NaN guard for fully masked rows all come from there.
+
+Self-attention reads queries, keys and values from `x`; cross-attention reads keys and values
+from a `context` (the encoder's memory in a decoder, seed 002 section 4.1).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qkv.attention import attention
+from qkv.layers import torch_interop
+from qkv.layers._checks import check_positive_int, check_probability
+from qkv.positional import RotaryEmbedding, alibi_bias
+
+__all__ = ["MultiHeadAttention"]
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head (MHA), grouped-query (GQA) or multi-query (MQA) attention; self or cross.
+
+    Args:
+        embed_dim: E, the width of the input and of the output.
+        num_heads: H query heads; head_dim D = E // H.
+        num_kv_heads: H_kv key/value heads, dividing H (default H: plain MHA).
+        context_dim: width of the cross-attention context (default E).
+        bias: biases on the four projections.
+        dropout: dropout probability on the attention weights, in training mode only.
+        rope: a `qkv.positional.RotaryEmbedding` applied to q and k (self-attention only).
+        alibi: add the ALiBi bias -slope_h * |i - j| to the scores (Press et al. 2022;
+            self-attention only).
+        backend: the `qkv.attention` backend ("auto" picks the fastest that serves the call).
+
+    Parameters: q_proj (E -> H * D), k_proj and v_proj (context_dim -> H_kv * D),
+    out_proj (H * D -> E).
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        *,
+        context_dim: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        rope: RotaryEmbedding | None = None,
+        alibi: bool = False,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        _check_sizes(embed_dim, num_heads, num_kv_heads, context_dim)
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.context_dim = context_dim
+        self.dropout = check_probability("dropout", dropout)
+        self.rope = _check_rope(rope, self.head_dim)
+        if not isinstance(alibi, bool):
+            raise TypeError(f"alibi: expected a bool, got {type(alibi).__name__} {alibi!r}")
+        self.alibi = alibi
+        if not isinstance(backend, str):
+            raise TypeError(f"backend: expected a str, got {type(backend).__name__} {backend!r}")
+        self.backend = backend
+        factory = {"bias": bias, "device": device, "dtype": dtype}
+        kv_in = embed_dim if context_dim is None else context_dim
+        self.q_proj = nn.Linear(embed_dim, num_heads * self.head_dim, **factory)
+        self.k_proj = nn.Linear(kv_in, num_kv_heads * self.head_dim, **factory)
+        self.v_proj = nn.Linear(kv_in, num_kv_heads * self.head_dim, **factory)
+        self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, **factory)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None = None,
+        *,
+        mask: torch.Tensor | None = None,
+        causal: bool = False,
+        window: int | tuple[int, int] | None = None,
+        positions: torch.Tensor | None = None,
+        return_weights: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attend from `x` (B, L_q, E) to itself, or to `context` (B, L_k, context_dim).
+
+        mask, causal and window mean what they mean in `qkv.attention`: a bool mask is True
+        where a query MAY attend (a float mask is additive), of shape (L_q, L_k) or
+        (B|1, H|1, L_q|1, L_k), e.g. `qkv.masks.padding(lengths, L_k)` -> (B, 1, 1, L_k).
+        positions: token positions for `rope`, (L,) or (B, L); default 0 .. L - 1.
+
+        Returns the output (B, L_q, E), or (output, weights (B, H, L_q, L_k)) if return_weights;
+        the weights are computed only then (`qkv.attention` then picks a backend that has them).
+        """
+        self._check_call(x, context, positions)
+        B, L_q, _ = x.shape
+        source = x if context is None else context
+        L_k = source.shape[1]
+        H, H_kv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).view(B, L_q, H, D).transpose(1, 2)  # (B, H, L_q, D)
+        k = self.k_proj(source).view(B, L_k, H_kv, D).transpose(1, 2)  # (B, H_kv, L_k, D)
+        v = self.v_proj(source).view(B, L_k, H_kv, D).transpose(1, 2)  # (B, H_kv, L_k, D)
+        if self.rope is not None:
+            q, k = self.rope(q, k, positions=positions)
+        result = attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            causal=causal,
+            window=window,
+            bias=self._alibi_bias(L_q, L_k, q),
+            dropout_p=self.dropout if self.training else 0.0,
+            return_weights=return_weights,
+            backend=self.backend,
+        )
+        output, weights = result if return_weights else (result, None)
+        output = output.transpose(1, 2).reshape(B, L_q, H * D)  # (B, L_q, H * D): concat heads
+        output = self.out_proj(output)  # (B, L_q, E)
+        return (output, weights) if return_weights else output
+
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
+        """The same attention as PyTorch's `nn.MultiheadAttention`, with its weights copied.
+
+        `in_proj_weight` (3E, E) is split in Q, K, V order (seed 002 Q14), or the separate
+        `q/k/v_proj_weight` are taken when kdim/vdim differ from E; biases, out_proj and the
+        dropout probability follow. The result is batch-first whatever `module.batch_first`
+        says (the weights do not depend on it). add_bias_kv, add_zero_attn and kdim != vdim
+        raise ValueError: qkv does not model them.
+        """
+        layer = cls(**torch_interop.mha_config_from_torch(module))
+        torch_interop.load_mha_from_torch(layer, module)
+        return layer
+
+    def to_torch(self) -> nn.MultiheadAttention:
+        """A batch-first `nn.MultiheadAttention` computing the same function (plain MHA only)."""
+        reasons = []
+        if self.num_kv_heads != self.num_heads:
+            reasons.append(
+                f"num_kv_heads={self.num_kv_heads} != num_heads={self.num_heads} "
+                f"(nn.MultiheadAttention has no GQA/MQA)"
+            )
+        if self.rope is not None:
+            reasons.append("rope is set (nn.MultiheadAttention has no rotary embedding)")
+        if self.alibi:
+            reasons.append("alibi=True (nn.MultiheadAttention has no ALiBi bias)")
+        if reasons:
+            raise ValueError(
+                "to_torch: expected plain multi-head attention, but " + "; ".join(reasons)
+            )
+        return torch_interop.mha_to_torch(self)
+
+    def extra_repr(self) -> str:
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"context_dim={self.context_dim}, dropout={self.dropout}, alibi={self.alibi}, "
+            f"backend={self.backend!r}"
+        )
+
+    def _alibi_bias(self, L_q: int, L_k: int, q: torch.Tensor) -> torch.Tensor | None:
+        """(1, H, L_q, L_k) ALiBi scores, or None; fp32 at least, like the softmax statistics."""
+        if not self.alibi:
+            return None
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        return alibi_bias(self.num_heads, L_q, L_k, device=q.device, dtype=dtype)
+
+    def _check_call(
+        self, x: torch.Tensor, context: torch.Tensor | None, positions: torch.Tensor | None
+    ) -> None:
+        _check_sequence("x", x, self.embed_dim)
+        if context is not None:
+            width = self.embed_dim if self.context_dim is None else self.context_dim
+            _check_sequence("context", context, width)
+            if context.shape[0] != x.shape[0]:
+                raise ValueError(
+                    f"context: expected batch size {x.shape[0]} (that of x), got {context.shape[0]}"
+                )
+            if self.rope is not None or self.alibi:
+                raise ValueError(
+                    "context: cross-attention with rope or alibi is not supported; both encode "
+                    "the distance between positions of one sequence, and queries and keys come "
+                    "from different sequences here; expected context=None (self-attention)"
+                )
+        if positions is not None and self.rope is None:
+            raise ValueError(
+                "positions: given, but this layer has no rope to use them; expected "
+                "positions=None, or a layer built with rope=RotaryEmbedding(...)"
+            )
+
+
+def _check_sizes(
+    embed_dim: int, num_heads: int, num_kv_heads: int, context_dim: int | None
+) -> None:
+    check_positive_int("embed_dim", embed_dim)
+    check_positive_int("num_heads", num_heads)
+    check_positive_int("num_kv_heads", num_kv_heads)
+    if context_dim is not None:
+        check_positive_int("context_dim", context_dim)
+    if embed_dim % num_heads:
+        raise ValueError(
+            f"embed_dim: {embed_dim} is not divisible by num_heads={num_heads}; expected a "
+            f"multiple of num_heads (head_dim = embed_dim // num_heads)"
+        )
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_kv_heads: {num_kv_heads} does not divide num_heads={num_heads}; expected a "
+            f"divisor (MHA: equal, GQA: a divisor, MQA: 1)"
+        )
+
+
+def _check_rope(rope: RotaryEmbedding | None, head_dim: int) -> RotaryEmbedding | None:
+    if rope is None:
+        return None
+    if not isinstance(rope, nn.Module):
+        raise TypeError(
+            f"rope: expected a qkv.positional.RotaryEmbedding or None, got {type(rope).__name__}"
+        )
+    rope_dim = getattr(rope, "head_dim", head_dim)
+    if rope_dim != head_dim:
+        raise ValueError(
+            f"rope: built for head_dim={rope_dim}, expected head_dim={head_dim} "
+            f"(embed_dim // num_heads)"
+        )
+    return rope
+
+
+def _check_sequence(name: str, tensor: torch.Tensor, width: int) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() != 3 or tensor.shape[-1] != width:
+        raise ValueError(f"{name}: expected shape (B, L, {width}), got {tuple(tensor.shape)}")
