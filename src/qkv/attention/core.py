@@ -3,6 +3,7 @@
 A backend is a module (or any object) with:
     name: str, summary: str,
     why_not(request) -> str | None     None if it can serve the request, else the reason,
+    why_not_auto(request) (optional)   why `auto` should pass it over although it could serve,
     notes(request) -> list[str]        how it will serve it, for `explain`,
     run(request) -> (output, weights or None).
 `auto` takes the first backend in `BACKENDS` (ordered fastest first) that can serve the request.
@@ -59,8 +60,8 @@ def attention(
         dropout_p: dropout on the attention weights, applied whenever > 0: modules pass 0 in
             eval mode (as with `F.scaled_dot_product_attention`).
         return_weights: also return the weights (B, H, L_q, L_k) that multiplied V.
-        backend: "auto" (the fastest that serves the request; see `qkv.explain`) or a name in
-            `qkv.attention.BACKENDS`.
+        backend: "auto" (the fastest that serves the request; see `qkv.explain`) or a name
+            in `qkv.BACKENDS`.
 
     Returns:
         output (B, H, L_q, D_v) in q's dtype, or (output, weights) if return_weights.
@@ -126,7 +127,7 @@ def explain(
         for name, other in BACKENDS.items():
             if name == chosen.name:
                 break
-            lines.append(f"  passed over {name!r}: {other.why_not(request)}")
+            lines.append(f"  passed over {name!r}: {_why_not_auto(other, request)}")
     return "\n".join(lines)
 
 
@@ -135,7 +136,7 @@ def _choose(request: AttentionRequest, backend: str):
         raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
     if backend == "auto":
         for candidate in BACKENDS.values():
-            if candidate.why_not(request) is None:
+            if _why_not_auto(candidate, request) is None:
                 return candidate
         raise RuntimeError("no attention backend can serve this request")  # reference serves all
     if backend not in BACKENDS:
@@ -150,6 +151,14 @@ def _choose(request: AttentionRequest, backend: str):
             f"or one that can (see qkv.explain)"
         )
     return chosen
+
+
+def _why_not_auto(backend, request: AttentionRequest) -> str | None:
+    """Why `auto` skips a backend: it cannot serve the call, or it can but another is faster."""
+    reason = backend.why_not(request)
+    if reason is None and hasattr(backend, "why_not_auto"):
+        reason = backend.why_not_auto(request)
+    return reason
 
 
 def _empty_keys(request: AttentionRequest) -> tuple[torch.Tensor, torch.Tensor | None]:
