@@ -3,19 +3,30 @@
     import qkv
     out = qkv.attention(q, k, v, causal=True)          # (B, H, L, D) tensors
     print(qkv.explain(q, k, v, causal=True))           # which backend runs, and why
+    out, lse = qkv.flash_attention(q, k, v, window=1024, return_lse=True)
+    maps = qkv.attention_weights(q, k, lse, window=1024, heads=[0], rows=[5, 6])
 
 `qkv.attention` is the function; its subpackage (masks, backends) stays importable with
 `from qkv.attention import ...`, and the backend registry is `qkv.BACKENDS`.
 """
 
 from qkv import masks, positional
-from qkv.attention import BACKENDS, attention, explain, register_backend
+from qkv.attention import (
+    BACKENDS,
+    attention,
+    attention_weights,
+    explain,
+    flash_attention,
+    register_backend,
+)
 
 __version__ = "0.1.0"
 __all__ = [
     "BACKENDS",
     "attention",
+    "attention_weights",
     "explain",
+    "flash_attention",
     "masks",
     "positional",
     "register_backend",

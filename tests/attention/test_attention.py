@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 import qkv
 from tests.attention.reference_math import sdpa_reference
 
-BACKENDS = ["reference", "sdpa", "auto"]
+BACKENDS = ["reference", "sdpa", "tiled", "auto"]
 
 
 @st.composite
@@ -74,7 +74,7 @@ def test_output_and_gradients_match_sdpa_in_float64(call, backend):
         )
 
 
-@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "tiled"])
 def test_fully_masked_rows_give_zero_output_and_finite_gradients(backend):
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 6, 8, requires_grad=True) for _ in range(3))
@@ -90,7 +90,7 @@ def test_fully_masked_rows_give_zero_output_and_finite_gradients(backend):
     assert torch.all(late[:, :, :4] == 0) and late[:, :, 4:].abs().sum() > 0
 
 
-@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "tiled"])
 def test_a_row_masked_only_by_an_additive_minus_inf_is_also_zero(backend):
     q, k, v = (torch.randn(1, 2, 3, 4) for _ in range(3))
     additive = torch.zeros(3, 3)
@@ -118,7 +118,7 @@ def test_weights_are_the_softmax_sdpa_multiplies_v_by():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "tiled"])
 def test_low_precision_error_is_at_most_twice_pytorchs(dtype, backend):
     # DESIGN section 4: compare with fp64 and allow twice the error PyTorch makes itself.
     torch.manual_seed(2)
@@ -142,7 +142,7 @@ def test_reference_backend_survives_fp16_scores_that_overflow():
     torch.testing.assert_close(output.double(), exact, atol=2e-3, rtol=2e-3)
 
 
-@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "tiled"])
 def test_gradcheck_float64(backend):
     torch.manual_seed(3)
     q = torch.randn(1, 4, 5, 3, dtype=torch.float64, requires_grad=True)

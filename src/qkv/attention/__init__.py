@@ -3,5 +3,19 @@
 from qkv.attention import masks
 from qkv.attention.core import BACKENDS, attention, explain, register_backend
 from qkv.attention.request import AttentionRequest
+from qkv.attention.tiled import TraceStep, attention_weights, flash_attention
+from qkv.attention.tiled import backend as _tiled_backend
 
-__all__ = ["AttentionRequest", "BACKENDS", "attention", "explain", "masks", "register_backend"]
+register_backend(_tiled_backend, before="sdpa")  # auto prefers it only for large windows
+
+__all__ = [
+    "AttentionRequest",
+    "BACKENDS",
+    "TraceStep",
+    "attention",
+    "attention_weights",
+    "explain",
+    "flash_attention",
+    "masks",
+    "register_backend",
+]

@@ -1,0 +1,55 @@
+"""Backend `tiled`: `qkv.flash_attention` serving `qkv.attention` calls.
+
+`auto` prefers it to SDPA only where SDPA would have to be handed a dense (L_q, L_k) mask that
+qkv builds for it (a sliding window) and the tiles that the window hides are many: there the
+tiled loop skips them, while SDPA computes every score and reads the mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qkv.attention.request import AttentionRequest
+from qkv.attention.tiled.function import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, flash_backend_call
+
+name = "tiled"
+summary = "FlashAttention in PyTorch: online softmax over tiles, O(L) memory, skips hidden tiles"
+
+# Below this many scores a dense mask is cheap and SDPA's fused kernel wins (benchmarks/flash.py).
+MIN_SCORES_FOR_WINDOW = 4096 * 4096
+
+
+def why_not(request: AttentionRequest) -> str | None:
+    if request.return_weights:
+        return (
+            "it returns no weights (recompute them exactly with qkv.attention_weights from the "
+            "log-sum-exp of qkv.flash_attention(..., return_lse=True))"
+        )
+    return None
+
+
+def why_not_auto(request: AttentionRequest) -> str | None:
+    """Why `auto` passes over a request this backend could serve: SDPA is faster there."""
+    if request.window is None:
+        return "SDPA needs no dense mask for this call, and its fused kernel is faster"
+    if request.mask is not None or request.bias is not None:
+        return "the call brings its own dense mask or bias, which SDPA reads as well as tiles do"
+    scores = request.query_len * request.key_len
+    if scores < MIN_SCORES_FOR_WINDOW:
+        return f"L_q * L_k = {scores} < {MIN_SCORES_FOR_WINDOW}: SDPA with a dense mask is faster"
+    return None
+
+
+def notes(request: AttentionRequest) -> list[str]:
+    mask_bytes = request.query_len * request.key_len * request.batch
+    return [
+        f"tiles of {DEFAULT_BLOCK_Q} queries x {DEFAULT_BLOCK_K} keys; tiles hidden by the "
+        f"causal/window structure are skipped",
+        f"no dense mask: SDPA would need one of {mask_bytes / 2**20:.1f} MiB (bool) and "
+        f"would compute every hidden score",
+        "saves only O and the log-sum-exp; the backward recomputes each tile",
+    ]
+
+
+def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:
+    return flash_backend_call(request), None

@@ -1,0 +1,240 @@
+"""`qkv.flash_attention`: exact attention in O(L) memory, forward and backward, any mask or bias.
+
+The loops live in `kernels.py`; the masking of each tile in `tiles.py`. This file checks the
+arguments, converts to the row layout, and wires both loops into a `torch.autograd.Function`
+that saves only the inputs, the output and the log-sum-exp (FlashAttention-2, section 3.1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from qkv.attention.request import AttentionRequest, make_request
+from qkv.attention.tiled import kernels
+from qkv.attention.tiled.tiles import TilePlan
+
+DEFAULT_BLOCK_Q = 256
+DEFAULT_BLOCK_K = 256
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The non-tensor part of a call (plus the dense bool mask, which needs no gradient)."""
+
+    plan: TilePlan
+    scale: float
+    softcap: float | None
+    score_mod: kernels.ScoreMod | None
+    dropout_p: float
+    seed: int
+    mask: torch.Tensor | None
+    trace: Callable[[kernels.TraceStep], None] | None
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    window: int | tuple[int, int] | None = None,
+    sinks: int = 0,
+    bias: torch.Tensor | None = None,
+    score_mod: kernels.ScoreMod | None = None,
+    lengths: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    block_q: int = DEFAULT_BLOCK_Q,
+    block_k: int = DEFAULT_BLOCK_K,
+    return_lse: bool = False,
+    trace: Callable[[kernels.TraceStep], None] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """FlashAttention (Dao et al. 2022; FlashAttention-2, Dao 2023) as tiled PyTorch.
+
+    Never materialises the L_q x L_k scores: query blocks stream over key blocks with a running
+    max and sum (online softmax), and the backward recomputes each tile from the saved
+    log-sum-exp. Tiles that no query can see are skipped.
+
+    Args:
+        q: (B, H, L_q, D); k: (B, H_kv, L_k, D); v: (B, H_kv, L_k, D_v); H % H_kv == 0 (GQA/MQA
+            served without repeating K/V).
+        causal, window, scale, dropout_p: as in `qkv.attention` (bottom-right alignment).
+        sinks: the first `sinks` keys stay visible to every query that may see them causally
+            (StreamingLLM, Xiao et al. 2024; seed 002 section 8.1), on top of the window.
+        bias: additive scores, 2-D or 4-D broadcastable to (B, H, L_q, L_k); gets a gradient.
+        score_mod: f(score, batch, head, q_idx, k_idx) -> score, applied elementwise after the
+            bias with broadcastable index tensors, e.g. ALiBi as
+            `lambda s, b, h, i, j: s - slopes[h] * (i - j).abs()`; differentiated per tile.
+        lengths: (B,) valid keys per batch row (padding without an L x L mask).
+        mask: an optional dense mask as in `qkv.attention` (bool, True = may attend).
+        softcap: logit soft-capping, scores -> softcap * tanh(scores / softcap) (Gemma 2).
+        block_q, block_k: tile sizes; any lengths work, tails are partial tiles.
+        return_lse: also return the log-sum-exp (B, H, L_q), fp32 (fp64 for fp64
+            inputs), -inf on rows with no visible key.
+        trace: called after every tile with a `TraceStep` (running max and sum): a glass box.
+
+    Returns:
+        output (B, H, L_q, D_v), or (output, lse) if return_lse. Rows with no visible key: 0.
+    """
+    request = make_request(
+        q,
+        k,
+        v,
+        mask=mask,
+        causal=causal,
+        scale=scale,
+        bias=None,
+        window=window,
+        dropout_p=dropout_p,
+        return_weights=False,
+    )
+    if mask is not None and mask.dtype != torch.bool:
+        bias = mask if bias is None else bias + mask  # an additive mask is a bias
+        mask = None
+    if bias is not None:
+        make_request(
+            q,
+            k,
+            v,
+            mask=None,
+            causal=causal,
+            scale=scale,
+            bias=bias,
+            window=window,
+            dropout_p=dropout_p,
+            return_weights=False,
+        )
+    settings = Settings(
+        plan=_plan(request, sinks, lengths, block_q, block_k),
+        scale=request.scale,
+        softcap=_check_softcap(softcap),
+        score_mod=_check_callable("score_mod", score_mod),
+        dropout_p=request.dropout_p,
+        seed=int(torch.randint(0, 2**62, (1,)).item()) if request.dropout_p > 0 else 0,
+        mask=mask,
+        trace=_check_callable("trace", trace),
+    )
+    output, lse = _FlashAttention.apply(q, k, v, bias, settings)
+    return (output, lse) if return_lse else output
+
+
+def flash_backend_call(request: AttentionRequest) -> torch.Tensor:
+    """Serve a `qkv.attention` request (the `tiled` backend) with the default tiles."""
+    return flash_attention(
+        request.q,
+        request.k,
+        request.v,
+        causal=request.causal,
+        window=request.window,
+        bias=request.bias,
+        mask=request.mask,
+        scale=request.scale,
+        dropout_p=request.dropout_p,
+    )
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bias, settings: Settings):
+        problem = _problem(q, k, v, bias, settings)
+        out_rows, lse_rows = kernels.forward(problem, settings.trace)
+        ctx.save_for_backward(q, k, v, bias, out_rows, lse_rows)
+        ctx.settings = settings
+        output = kernels.from_rows(out_rows, problem.group).to(q.dtype)  # (B, H, L_q, D_v)
+        lse = kernels.from_rows(lse_rows, problem.group).squeeze(-1)  # (B, H, L_q)
+        ctx.mark_non_differentiable(lse)
+        return output, lse
+
+    @staticmethod
+    def backward(ctx, d_output, _d_lse):
+        q, k, v, bias, out_rows, lse_rows = ctx.saved_tensors
+        settings: Settings = ctx.settings
+        problem = _problem(q, k, v, bias, settings)
+        d_out_rows = kernels.to_rows(d_output.to(out_rows.dtype), k.shape[1])
+        d_q_rows, d_k, d_v, d_bias = kernels.backward(
+            problem, out_rows, lse_rows, d_out_rows, need_bias_grad=ctx.needs_input_grad[3]
+        )
+        d_q = kernels.from_rows(d_q_rows * settings.scale, problem.group).to(q.dtype)
+        if d_bias is not None:
+            d_bias = d_bias.reshape(bias.shape).to(bias.dtype)
+        return d_q, d_k.to(k.dtype), d_v.to(v.dtype), d_bias, None
+
+
+def _problem(q, k, v, bias, settings: Settings) -> kernels.Problem:
+    """Inputs in the row layout and the compute dtype (fp32, or fp64 for fp64 inputs)."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    H, H_kv = q.shape[1], k.shape[1]
+    return kernels.Problem(
+        q_rows=kernels.to_rows(q.to(dtype) * settings.scale, H_kv),
+        k=k.to(dtype),
+        v=v.to(dtype),
+        group=H // H_kv,
+        bias=None if bias is None else _grouped(bias.to(dtype), H, H_kv),
+        mask=None if settings.mask is None else _grouped(settings.mask, H, H_kv),
+        plan=settings.plan,
+        softcap=settings.softcap,
+        score_mod=settings.score_mod,
+        dropout_p=settings.dropout_p,
+        seed=settings.seed,
+    )
+
+
+def _grouped(t: torch.Tensor, H: int, H_kv: int) -> torch.Tensor:
+    """(L_q, L_k) or (B|1, H|1, L_q|1, L_k|1) -> (B|1, H_kv|1, G|1, L_q|1, L_k|1), a view."""
+    t = t.view(1, 1, *t.shape) if t.dim() == 2 else t
+    if t.shape[1] == 1:
+        return t.unsqueeze(1)  # (B|1, 1, 1, L_q|1, L_k|1)
+    return t.view(t.shape[0], H_kv, H // H_kv, *t.shape[2:])
+
+
+def _plan(request: AttentionRequest, sinks, lengths, block_q, block_k) -> TilePlan:
+    for name, value in (("sinks", sinks), ("block_q", block_q), ("block_k", block_k)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+        if value < (0 if name == "sinks" else 1):
+            raise ValueError(
+                f"{name}: expected an int >= {0 if name == 'sinks' else 1}, got {value}"
+            )
+    return TilePlan(
+        query_len=request.query_len,
+        key_len=request.key_len,
+        block_q=block_q,
+        block_k=block_k,
+        causal=request.causal,
+        window=request.window,
+        sinks=sinks,
+        lengths=_check_lengths(lengths, request.batch, request.key_len),
+        has_dense_mask=request.mask is not None,
+    )
+
+
+def _check_lengths(lengths, batch: int, key_len: int) -> tuple[int, ...] | None:
+    if lengths is None:
+        return None
+    if not isinstance(lengths, torch.Tensor) or lengths.shape != (batch,):
+        raise ValueError(f"lengths: expected a tensor of shape ({batch},), got {lengths!r}")
+    if lengths.is_floating_point() or lengths.dtype == torch.bool:
+        raise TypeError(f"lengths: expected an integer tensor, got dtype {lengths.dtype}")
+    values = tuple(int(n) for n in lengths.tolist())
+    if any(n < 0 or n > key_len for n in values):
+        raise ValueError(f"lengths: expected values in [0, L_k={key_len}], got {list(values)}")
+    return values
+
+
+def _check_softcap(softcap: float | None) -> float | None:
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
+        raise ValueError(f"softcap: expected a positive number or None, got {softcap!r}")
+    return float(softcap)
+
+
+def _check_callable(name: str, value):
+    if value is not None and not callable(value):
+        raise TypeError(f"{name}: expected a callable or None, got {type(value).__name__}")
+    return value

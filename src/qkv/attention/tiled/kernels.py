@@ -1,0 +1,231 @@
+"""FlashAttention's two loops in PyTorch: the forward (online softmax) and the backward
+(recomputation from the log-sum-exp). Dao et al. 2022; Dao 2023, Algorithms 1 and 2; seed 000
+"FlashAttention", seed 002 section 7 and Q23.
+
+Layout. GQA is served without repeating K/V: the G query heads that share a K/V head are laid
+out as extra rows, so queries are (B, H_kv, L_q * G, D) with row r = i * G + g, and a block of
+queries [q_start, q_end) is the contiguous row range [q_start * G, q_end * G). One score tile is
+then a plain batched matmul, (B, H_kv, bq * G, D) @ (B, H_kv, D, bk), viewed as
+(B, H_kv, bq, G, bk) wherever a mask, bias or score_mod needs the query and head apart.
+
+Numbers. Tiles are computed in fp32 (fp64 stays fp64) whatever the input dtype; masked scores
+are -inf; a row that has seen no visible key keeps m = -inf, l = 0, and ends with output 0 and
+log-sum-exp -inf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from qkv.attention.tiled.tiles import Tile, TilePlan, dropout_keep
+
+ScoreMod = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TraceStep:
+    """The state of one query block's online softmax after it has folded in one key tile."""
+
+    q_block: int
+    k_block: int
+    tile: Tile
+    running_max: torch.Tensor  # (B, H, bq) m: the largest score seen so far per query
+    running_sum: torch.Tensor  # (B, H, bq) l: sum of exp(score - m) so far per query
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything the loops read: inputs in the row layout (compute dtype) and the masking."""
+
+    q_rows: torch.Tensor  # (B, H_kv, L_q * G, D), already multiplied by the scale
+    k: torch.Tensor  # (B, H_kv, L_k, D)
+    v: torch.Tensor  # (B, H_kv, L_k, D_v)
+    group: int  # G query heads per K/V head
+    bias: torch.Tensor | None  # (B|1, H_kv|1, G|1, L_q|1, L_k|1)
+    mask: torch.Tensor | None  # bool, same layout as bias
+    plan: TilePlan
+    softcap: float | None
+    score_mod: ScoreMod | None
+    dropout_p: float
+    seed: int
+
+    def rows(self, start: int, end: int) -> slice:
+        return slice(start * self.group, end * self.group)
+
+
+def to_rows(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """(B, H, L, D) -> (B, H_kv, L * G, D), row i * G + g holding query head h_kv * G + g."""
+    B, H, L, D = x.shape
+    grouped = x.view(B, num_kv_heads, H // num_kv_heads, L, D).transpose(2, 3)  # (B,H_kv,L,G,D)
+    return grouped.reshape(B, num_kv_heads, L * (H // num_kv_heads), D)
+
+
+def from_rows(x: torch.Tensor, group: int) -> torch.Tensor:
+    """(B, H_kv, L * G, D) -> (B, H, L, D); the inverse of `to_rows`."""
+    B, H_kv, rows, D = x.shape
+    grouped = x.view(B, H_kv, rows // group, group, D).transpose(2, 3)  # (B, H_kv, G, L, D)
+    return grouped.reshape(B, H_kv * group, rows // group, D)
+
+
+def tile_of(t: torch.Tensor, q_start: int, q_end: int, k_start: int, k_end: int) -> torch.Tensor:
+    """Slice a (B|1, H_kv|1, G|1, L_q|1, L_k|1) tensor to a (.., bq|1, G|1, bk|1) tile view."""
+    rows = slice(q_start, q_end) if t.shape[3] > 1 else slice(0, 1)
+    cols = slice(k_start, k_end) if t.shape[4] > 1 else slice(0, 1)
+    return t[:, :, :, rows, cols].transpose(2, 3)
+
+
+def _score_mod_indices(problem: Problem, q_start: int, q_end: int, k_start: int, k_end: int):
+    """Broadcastable (batch, head, query index, key index) for a (B, H_kv, bq, G, bk) tile."""
+    device, H_kv, G = problem.k.device, problem.k.shape[1], problem.group
+    batch = torch.arange(problem.k.shape[0], device=device).view(-1, 1, 1, 1, 1)
+    head = torch.arange(H_kv, device=device).view(-1, 1) * G + torch.arange(G, device=device)
+    q_idx = torch.arange(q_start, q_end, device=device).view(1, 1, -1, 1, 1)
+    k_idx = torch.arange(k_start, k_end, device=device).view(1, 1, 1, 1, -1)
+    return batch, head.view(1, H_kv, 1, G, 1), q_idx, k_idx
+
+
+def tile_scores(
+    problem: Problem, q_start: int, q_end: int, k_start: int, k_end: int, tile: Tile
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]]:
+    """Scores of one tile, (B, H_kv, bq * G, bk), masked with -inf; and their chain rule.
+
+    The second result maps d(masked scores) to (d(q k^T * scale), d(bias)), undoing the
+    score_mod (by autograd on the tile) and the soft-cap (d tanh = 1 - tanh^2).
+    """
+    rows = problem.rows(q_start, q_end)
+    raw = problem.q_rows[:, :, rows] @ problem.k[:, :, k_start:k_end].transpose(-1, -2)
+    B, H_kv, n_rows, bk = raw.shape
+    scores = raw.view(B, H_kv, q_end - q_start, problem.group, bk)  # (B, H_kv, bq, G, bk)
+    tanh = None
+    if problem.softcap is not None:  # Gemma 2: cap * tanh(scores / cap), before any bias
+        tanh = torch.tanh(scores / problem.softcap)
+        scores = problem.softcap * tanh
+    if problem.bias is not None:
+        scores = scores + tile_of(problem.bias, q_start, q_end, k_start, k_end)
+    modded, before_mod = scores, None
+    if problem.score_mod is not None:
+        with torch.enable_grad():
+            before_mod = scores.detach().requires_grad_()
+            modded = problem.score_mod(
+                before_mod, *_score_mod_indices(problem, q_start, q_end, k_start, k_end)
+            )
+    masked = modded.detach() if before_mod is not None else modded
+    if tile is Tile.PARTIAL:
+        visible = problem.plan.tile_mask(q_start, q_end, k_start, k_end, raw.device)
+        if problem.mask is not None:
+            visible = visible & tile_of(problem.mask, q_start, q_end, k_start, k_end)
+        masked = masked.masked_fill(~visible, float("-inf"))
+    masked = masked.reshape(raw.shape)  # (B, H_kv, bq * G, bk)
+
+    def chain_rule(d_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        d_bias = d_scores.view(B, H_kv, q_end - q_start, problem.group, bk)
+        if before_mod is not None:
+            (d_bias,) = torch.autograd.grad(modded, before_mod, d_bias)
+        d_raw = d_bias if tanh is None else d_bias * (1 - tanh * tanh)
+        return d_raw.reshape(B, H_kv, n_rows, bk), d_bias
+
+    return masked, chain_rule
+
+
+def forward(
+    problem: Problem, trace: Callable[[TraceStep], None] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online softmax over key tiles (FlashAttention-2, Algorithm 1).
+
+    Returns out_rows (B, H_kv, L_q * G, D_v) and lse_rows (B, H_kv, L_q * G, 1).
+    """
+    q_rows, v, plan = problem.q_rows, problem.v, problem.plan
+    out_rows = q_rows.new_zeros(*q_rows.shape[:-1], v.shape[-1])
+    lse_rows = q_rows.new_full((*q_rows.shape[:-1], 1), float("-inf"))
+    for qi, (q_start, q_end) in enumerate(plan.query_blocks()):
+        rows = problem.rows(q_start, q_end)
+        running_max = lse_rows[:, :, rows].clone()  # m = -inf
+        running_sum = torch.zeros_like(running_max)  # l = 0
+        acc = out_rows[:, :, rows].clone()  # unnormalised output, 0
+        for kj, (k_start, k_end) in enumerate(plan.key_blocks()):
+            tile = plan.classify(q_start, q_end, k_start, k_end)
+            if tile is Tile.HIDDEN:
+                continue
+            scores, _ = tile_scores(problem, q_start, q_end, k_start, k_end, tile)
+            new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
+            finite_max = new_max.masked_fill(new_max == float("-inf"), 0.0)  # rows seen nothing
+            probs = scores.sub_(finite_max).exp_()  # (B, H_kv, bq * G, bk), in place
+            rescale = torch.exp(running_max - finite_max)  # shrinks what was summed before
+            running_sum = running_sum * rescale + probs.sum(dim=-1, keepdim=True)
+            probs = _dropout(problem, qi, kj, probs)
+            acc.mul_(rescale)
+            _batched(acc).baddbmm_(_batched(probs), _batched(v[:, :, k_start:k_end]))
+            running_max = new_max
+            if trace is not None:
+                trace(_trace_step(problem, qi, kj, tile, running_max, running_sum))
+        empty = running_sum == 0  # no visible key: output 0, lse -inf
+        out_rows[:, :, rows] = torch.where(empty, 0.0, acc / running_sum.masked_fill(empty, 1.0))
+        lse_rows[:, :, rows] = running_max + torch.log(running_sum)
+    return out_rows, lse_rows
+
+
+def backward(
+    problem: Problem,
+    out_rows: torch.Tensor,
+    lse_rows: torch.Tensor,
+    d_out_rows: torch.Tensor,
+    need_bias_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Recompute each tile's probabilities from the log-sum-exp (FlashAttention-2, Alg. 2).
+
+    Returns d(q_rows) with respect to the *scaled* queries, dk, dv, and d(bias) (or None).
+    """
+    q_rows, k, v, plan = problem.q_rows, problem.k, problem.v, problem.plan
+    d_q_rows, d_k, d_v = torch.zeros_like(q_rows), torch.zeros_like(k), torch.zeros_like(v)
+    d_bias = torch.zeros_like(problem.bias) if need_bias_grad else None
+    delta = (d_out_rows * out_rows).sum(dim=-1, keepdim=True)  # D_i = rowsum(dO * O)
+    lse_finite = lse_rows.masked_fill(lse_rows == float("-inf"), 0.0)  # empty rows: P = 0
+    for kj, (k_start, k_end) in enumerate(plan.key_blocks()):
+        k_tile, v_tile = k[:, :, k_start:k_end], v[:, :, k_start:k_end]
+        for qi, (q_start, q_end) in enumerate(plan.query_blocks()):
+            tile = plan.classify(q_start, q_end, k_start, k_end)
+            if tile is Tile.HIDDEN:
+                continue
+            rows = problem.rows(q_start, q_end)
+            scores, chain_rule = tile_scores(problem, q_start, q_end, k_start, k_end, tile)
+            probs = torch.exp(scores - lse_finite[:, :, rows])  # P, exactly the forward's
+            d_probs = d_out_rows[:, :, rows] @ v_tile.transpose(-1, -2)  # dP = dO V^T
+            kept = _dropout(problem, qi, kj, probs)
+            d_v[:, :, k_start:k_end] += kept.transpose(-1, -2) @ d_out_rows[:, :, rows]
+            d_probs = _dropout(problem, qi, kj, d_probs)
+            d_scores = probs * (d_probs - delta[:, :, rows])  # dS = P * (dP - D)
+            d_raw, d_bias_tile = chain_rule(d_scores)
+            d_q_rows[:, :, rows] += d_raw @ k_tile
+            d_k[:, :, k_start:k_end] += d_raw.transpose(-1, -2) @ q_rows[:, :, rows]
+            if d_bias is not None:
+                _accumulate(tile_of(d_bias, q_start, q_end, k_start, k_end), d_bias_tile)
+    return d_q_rows, d_k, d_v, d_bias
+
+
+def _batched(x: torch.Tensor) -> torch.Tensor:
+    """(B, H_kv, rows, cols) -> (B * H_kv, rows, cols), a view, for the in-place baddbmm."""
+    return x.view(-1, *x.shape[2:])
+
+
+def _dropout(problem: Problem, qi: int, kj: int, x: torch.Tensor) -> torch.Tensor:
+    """Inverted dropout with the tile's own seeded mask (identical in forward and backward)."""
+    if problem.dropout_p == 0.0:
+        return x
+    keep = dropout_keep(problem.seed, qi, kj, x.shape, problem.dropout_p, x.device)
+    return x * keep / (1.0 - problem.dropout_p)
+
+
+def _accumulate(target: torch.Tensor, update: torch.Tensor) -> None:
+    """target += update, summing update over the axes where target broadcasts (size 1)."""
+    axes = tuple(i for i, size in enumerate(target.shape) if size == 1 and update.shape[i] != 1)
+    target += update.sum(dim=axes, keepdim=True) if axes else update
+
+
+def _trace_step(problem, qi, kj, tile, running_max, running_sum) -> TraceStep:
+    def per_head(x: torch.Tensor) -> torch.Tensor:  # (B, H_kv, bq * G, 1) -> (B, H, bq)
+        return from_rows(x, problem.group).squeeze(-1).clone()
+
+    return TraceStep(qi, kj, tile, per_head(running_max), per_head(running_sum))

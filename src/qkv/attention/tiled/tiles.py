@@ -1,0 +1,134 @@
+"""Which keys each query may see, decided one (query block x key block) tile at a time.
+
+The tiled algorithm never builds the L_q x L_k mask. For each tile it first asks, with integer
+interval arithmetic on the block bounds, whether the tile is entirely hidden (skip it: causal and
+windowed attention then cost work proportional to what is visible), entirely visible (no mask at
+all), or partly visible (build the small (bq, bk) mask from index arithmetic).
+
+Visibility of key j from query i (positions aligned bottom-right: i' = i + L_k - L_q):
+    structural(i', j) = [not causal or j <= i'] and [i' - left <= j <= i' + right]   (window)
+    sink(i', j)       = j < sinks and j <= i' + future      (StreamingLLM: the first keys stay)
+    visible           = (structural or sink) and j < lengths[b] and dense_mask[b, h, i, j]
+where `future` is 0 under causal, `right` under a window, and unbounded otherwise.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class Tile(enum.Enum):
+    HIDDEN = "hidden"  # no query of the block sees any key of the block: skip the tile
+    VISIBLE = "visible"  # every query sees every key: no mask needed
+    PARTIAL = "partial"  # build the tile's mask
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """The masking of one call, with block sizes: everything forward and backward agree on."""
+
+    query_len: int
+    key_len: int
+    block_q: int
+    block_k: int
+    causal: bool
+    window: tuple[int, int] | None  # (left, right) key counts
+    sinks: int
+    lengths: tuple[int, ...] | None  # valid keys per batch row, as Python ints (one host sync)
+    has_dense_mask: bool
+
+    @property
+    def shift(self) -> int:
+        """Query i sits at key position i + shift (bottom-right alignment)."""
+        return self.key_len - self.query_len
+
+    @property
+    def future(self) -> float:
+        """How far ahead of a query a sink key may lie and still be visible."""
+        if self.causal:
+            return 0
+        return self.window[1] if self.window is not None else float("inf")
+
+    def blocks(self, length: int, block: int) -> list[tuple[int, int]]:
+        return [(start, min(start + block, length)) for start in range(0, length, block)]
+
+    def query_blocks(self) -> list[tuple[int, int]]:
+        return self.blocks(self.query_len, self.block_q)
+
+    def key_blocks(self) -> list[tuple[int, int]]:
+        return self.blocks(self.key_len, self.block_k)
+
+    def classify(self, q_start: int, q_end: int, k_start: int, k_end: int) -> Tile:
+        """Decide a tile from its bounds alone (queries [q_start, q_end), keys [k_start, k_end))."""
+        q_min, q_max = q_start + self.shift, q_end - 1 + self.shift  # aligned query positions
+        k_min, k_max = k_start, k_end - 1
+        longest = max(self.lengths) if self.lengths is not None else self.key_len
+        shortest = min(self.lengths) if self.lengths is not None else self.key_len
+        if k_min >= longest:
+            return Tile.HIDDEN
+        structural_none = (self.causal and k_min > q_max) or (
+            self.window is not None
+            and (k_max < q_min - self.window[0] or k_min > q_max + self.window[1])
+        )
+        sink_none = k_min >= self.sinks or k_min > q_max + self.future
+        if structural_none and sink_none:
+            return Tile.HIDDEN
+        structural_all = (not self.causal or k_max <= q_min) and (
+            self.window is None
+            or (k_min >= q_max - self.window[0] and k_max <= q_min + self.window[1])
+        )
+        if structural_all and k_max < shortest and not self.has_dense_mask:
+            return Tile.VISIBLE
+        return Tile.PARTIAL
+
+    def tile_mask(
+        self, q_start: int, q_end: int, k_start: int, k_end: int, device: torch.device
+    ) -> torch.Tensor:
+        """Bool (B|1, 1, bq, 1, bk) mask of a PARTIAL tile, laid out like the score tiles.
+
+        Score tiles are (B, H_kv, bq, G, bk): G query heads share each K/V head (GQA).
+        """
+        query_index = torch.arange(q_start, q_end, device=device)
+        key_index = torch.arange(k_start, k_end, device=device)
+        return self.visible(query_index, key_index)[:, :, :, None, :]
+
+    def visible(self, query_index: torch.Tensor, key_index: torch.Tensor) -> torch.Tensor:
+        """Bool (B|1, 1, n_q, n_k): may query query_index[a] see key key_index[b]?"""
+        query_pos = query_index.view(-1, 1) + self.shift  # (n_q, 1), aligned bottom-right
+        key_pos = key_index.view(1, -1)  # (1, n_k)
+        structural = torch.ones(
+            query_pos.shape[0], key_pos.shape[1], dtype=torch.bool, device=key_pos.device
+        )
+        if self.causal:
+            structural &= key_pos <= query_pos
+        if self.window is not None:
+            left, right = self.window
+            structural &= (key_pos >= query_pos - left) & (key_pos <= query_pos + right)
+        if self.sinks:
+            sink = key_pos < self.sinks
+            if self.future != float("inf"):
+                sink = sink & (key_pos <= query_pos + self.future)
+            structural |= sink
+        mask = structural[None, None]  # (1, 1, n_q, n_k)
+        if self.lengths is not None:
+            lengths = torch.tensor(self.lengths, device=key_pos.device).view(-1, 1, 1, 1)
+            mask = mask & (key_pos.view(1, 1, 1, -1) < lengths)  # (B, 1, n_q, n_k)
+        return mask
+
+
+def dropout_keep(
+    seed: int,
+    q_block: int,
+    k_block: int,
+    shape: tuple[int, ...],
+    p: float,
+    device: torch.device,
+) -> torch.Tensor:
+    """Which weights of one tile survive dropout: a pure function of (seed, tile), so the
+    backward pass regenerates exactly the forward's mask without storing it."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed * 1_000_003 + q_block * 65_537 + k_block) % (2**63 - 1))
+    return torch.rand(shape, generator=generator, device=device) >= p
