@@ -223,6 +223,7 @@ def test_auto_takes_tiled_only_for_long_windows():
     assert qkv.explain(*long, causal=True).startswith("backend 'sdpa'")
     text = qkv.explain(*long, window=1024)
     assert text.startswith("backend 'tiled'") and "no dense mask" in text
+    assert "leaves ~85% of the scores visible" in qkv.explain(*long, window=3500)
 
 
 @pytest.mark.parametrize(

@@ -109,8 +109,8 @@ def combine(*masks: torch.Tensor | None) -> torch.Tensor | None:
     present = [m for m in masks if m is not None]
     for index, mask in enumerate(present):
         _check_mask_dtype(f"masks[{index}]", mask)
-    if not present:
-        return None
+    if len(present) <= 1:
+        return present[0] if present else None
     if all(m.dtype == torch.bool for m in present):
         result = present[0]
         for mask in present[1:]:

@@ -88,27 +88,13 @@ def flash_attention(
         mask=mask,
         causal=causal,
         scale=scale,
-        bias=None,
+        bias=bias,
         window=window,
         dropout_p=dropout_p,
         return_weights=False,
     )
-    if mask is not None and mask.dtype != torch.bool:
-        bias = mask if bias is None else bias + mask  # an additive mask is a bias
-        mask = None
-    if bias is not None:
-        make_request(
-            q,
-            k,
-            v,
-            mask=None,
-            causal=causal,
-            scale=scale,
-            bias=bias,
-            window=window,
-            dropout_p=dropout_p,
-            return_weights=False,
-        )
+    bias = request.additive()  # a float mask is one more additive term
+    mask = request.mask if request.has_bool_mask else None
     settings = Settings(
         plan=_plan(request, sinks, lengths, block_q, block_k),
         scale=request.scale,
@@ -209,7 +195,7 @@ def _plan(request: AttentionRequest, sinks, lengths, block_q, block_k) -> TilePl
         window=request.window,
         sinks=sinks,
         lengths=_check_lengths(lengths, request.batch, request.key_len),
-        has_dense_mask=request.mask is not None,
+        has_dense_mask=request.has_bool_mask,  # a float mask was folded into the bias
     )
 
 
