@@ -18,6 +18,7 @@ from qkv.attention import (
     explain,
     flash_attention,
     register_backend,
+    triton_attention,
 )
 
 __version__ = "0.1.0"
@@ -30,5 +31,6 @@ __all__ = [
     "masks",
     "positional",
     "register_backend",
+    "triton_attention",
     "__version__",
 ]

@@ -30,10 +30,9 @@ def sdpa_reference(q, k, v, *, mask=None, causal=False, scale=None, bias=None, w
     H_kv, L_k = k.shape[1], k.shape[2]
     k = k.repeat_interleave(H // H_kv, dim=1)  # (B, H, L_k, D)
     v = v.repeat_interleave(H // H_kv, dim=1)  # (B, H, L_k, D_v)
-    additive = torch.zeros(B, H, L_q, L_k, dtype=q.dtype)
-    additive = additive.masked_fill(
-        ~visible_keys(L_q, L_k, causal=causal, window=window), -torch.inf
-    )
+    additive = torch.zeros(B, H, L_q, L_k, dtype=q.dtype, device=q.device)
+    visible = visible_keys(L_q, L_k, causal=causal, window=window).to(q.device)
+    additive = additive.masked_fill(~visible, -torch.inf)
     if mask is not None and mask.dtype == torch.bool:
         additive = additive.masked_fill(~mask, -torch.inf)
     elif mask is not None:

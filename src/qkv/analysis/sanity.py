@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import qkv
 from qkv import masks
+from qkv.attention.core import serving_backends
 from qkv.layers import EncoderBlock, MultiHeadAttention
 from qkv.positional import (
     alibi_slopes,
@@ -188,7 +189,7 @@ def _vs_sdpa() -> tuple[str, bool]:
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     worst = max(
         _max_abs(qkv.attention(q, k, v, causal=True, backend=name), expected)
-        for name in qkv.BACKENDS
+        for name in serving_backends(q, k, v, causal=True)
     )
     return _within(worst, 1e-12, "|delta out|")
 
@@ -212,7 +213,7 @@ def _gqa() -> tuple[str, bool]:
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     worst = max(
         _max_abs(qkv.attention(q, k, v, causal=True, backend=name), expected)
-        for name in qkv.BACKENDS
+        for name in serving_backends(q, k, v, causal=True)
     )
     return _within(worst, 1e-12, "|delta out|")
 

@@ -131,6 +131,23 @@ def explain(
     return "\n".join(lines)
 
 
+def serving_backends(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> list[str]:
+    """Names of the backends that can serve `attention(q, k, v, **options)`, fastest first."""
+    request = make_request(q, k, v, **{**_DEFAULT_OPTIONS, **options})
+    return [name for name, backend in BACKENDS.items() if backend.why_not(request) is None]
+
+
+_DEFAULT_OPTIONS = {
+    "mask": None,
+    "causal": False,
+    "scale": None,
+    "bias": None,
+    "window": None,
+    "dropout_p": 0.0,
+    "return_weights": False,
+}
+
+
 def _choose(request: AttentionRequest, backend: str):
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a str, got {type(backend).__name__}")

@@ -1,0 +1,67 @@
+"""Backend `triton`: qkv's FlashAttention-2 Triton kernels serving `qkv.attention` calls.
+
+Layer 3 of 3. Knows when the kernels apply without importing Triton, so `import qkv` never
+needs it. `auto` picks it on CUDA tensors it can serve; on CPU it runs only when named and
+TRITON_INTERPRET=1 is set (the interpreter is for testing, far slower than any other backend).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from qkv.attention.request import AttentionRequest
+from qkv.attention.triton.function import triton_attention, unsupported
+
+name = "triton"
+summary = "qkv's FlashAttention-2 Triton kernels (GPU): fused, O(L) memory, hidden blocks skipped"
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def why_not(request: AttentionRequest) -> str | None:
+    if request.q.device.type != "cuda" and not _interpreting():
+        return "it needs CUDA tensors (or TRITON_INTERPRET=1, for tests)"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if request.return_weights:
+        return "it returns no weights"
+    if request.mask is not None or request.bias is not None:
+        return (
+            "it takes no dense mask or bias (qkv.triton_attention takes lengths= for padding "
+            "and alibi_slopes= for ALiBi instead)"
+        )
+    if request.dropout_p > 0:
+        return "it has no dropout"
+    return unsupported(request.q, request.v)
+
+
+def why_not_auto(request: AttentionRequest) -> str | None:
+    if request.q.device.type != "cuda":
+        return "CPU tensors: the Triton interpreter is for tests, far slower than SDPA"
+    return None
+
+
+def notes(request: AttentionRequest) -> list[str]:
+    out = ["one program per (query block, head); K/V streamed through SRAM; exp2 online softmax"]
+    if request.causal or request.window is not None:
+        out.append("key blocks hidden by the causal/window structure are never loaded")
+    if request.group_size > 1:
+        out.append(f"GQA/MQA: each query head reads K/V head h // {request.group_size}, no copy")
+    return out
+
+
+def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:
+    output = triton_attention(
+        request.q,
+        request.k,
+        request.v,
+        causal=request.causal,
+        window=request.window,
+        scale=request.scale,
+    )
+    return output, None

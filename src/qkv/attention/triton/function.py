@@ -1,0 +1,121 @@
+"""`qkv.triton_attention`: the Triton kernels behind a `torch.autograd.Function`.
+
+Layer 2 of 3: checks the call, makes the inputs contiguous, and saves only q, k, v, the output
+and the log-sum-exp for the backward (FlashAttention-2). Triton is imported on the first call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qkv.attention.request import make_request
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 128
+
+
+def triton_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    window: int | tuple[int, int] | None = None,
+    sinks: int = 0,
+    alibi_slopes: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """FlashAttention-2 on the GPU: the same conventions as `qkv.flash_attention`.
+
+    q: (B, H, L_q, D); k, v: (B, H_kv, L_k, D) with H % H_kv == 0 (no K/V copy); D <= 128;
+    fp16, bf16 (fp32 accumulation) or fp32. causal/window aligned bottom-right; `sinks` first
+    keys always visible (StreamingLLM); `alibi_slopes` (H,) adds -slope_h * |i' - j| (ALiBi);
+    `lengths` (B,) valid keys per row. Returns output, or (output, lse (B, H, L_q) fp32).
+    """
+    from qkv.attention.triton.launch import Masking
+
+    request = make_request(
+        q,
+        k,
+        v,
+        mask=None,
+        causal=causal,
+        scale=scale,
+        bias=None,
+        window=window,
+        dropout_p=0.0,
+        return_weights=False,
+    )
+    reason = unsupported(q, v)
+    if reason is not None:
+        raise ValueError(f"q, k, v: {reason}")
+    masking = Masking(
+        causal=request.causal,
+        window=request.window,
+        sinks=_check_sinks(sinks),
+        lengths=_device_lengths(lengths, request.batch, request.key_len, q.device),
+        slopes=_device_slopes(alibi_slopes, request.num_heads, q.device),
+        scale=request.scale,
+    )
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    output, lse = _TritonAttention.apply(q, k, v, masking)
+    return (output, lse) if return_lse else output
+
+
+def unsupported(q: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the kernels cannot take these tensors, or None."""
+    if q.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {q.dtype} is not one of fp16, bf16, fp32"
+    if q.shape[-1] > MAX_HEAD_DIM:
+        return f"head dim {q.shape[-1]} > {MAX_HEAD_DIM}"
+    if v.shape[-1] != q.shape[-1]:
+        return f"v's head dim {v.shape[-1]} differs from q's {q.shape[-1]}"
+    return None
+
+
+class _TritonAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, masking):
+        from qkv.attention.triton import launch
+
+        output, lse = launch.forward(q, k, v, masking)
+        ctx.save_for_backward(q, k, v, output, lse)
+        ctx.masking = masking
+        ctx.mark_non_differentiable(lse)
+        return output, lse
+
+    @staticmethod
+    def backward(ctx, d_output, _d_lse):
+        from qkv.attention.triton import launch
+
+        q, k, v, output, lse = ctx.saved_tensors
+        d_q, d_k, d_v = launch.backward(q, k, v, output, lse, d_output, ctx.masking)
+        return d_q, d_k, d_v, None
+
+
+def _check_sinks(sinks: int) -> int:
+    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+        raise ValueError(f"sinks: expected an int >= 0, got {sinks!r}")
+    return sinks
+
+
+def _device_lengths(lengths, batch: int, key_len: int, device) -> torch.Tensor | None:
+    if lengths is None:
+        return None
+    if not isinstance(lengths, torch.Tensor) or lengths.shape != (batch,):
+        raise ValueError(f"lengths: expected a tensor of shape ({batch},), got {lengths!r}")
+    if lengths.is_floating_point() or lengths.dtype == torch.bool:
+        raise TypeError(f"lengths: expected an integer tensor, got dtype {lengths.dtype}")
+    if bool((lengths < 0).any()) or bool((lengths > key_len).any()):
+        raise ValueError(f"lengths: expected values in [0, L_k={key_len}], got {lengths.tolist()}")
+    return lengths.to(device=device, dtype=torch.int32).contiguous()
+
+
+def _device_slopes(slopes, num_heads: int, device) -> torch.Tensor | None:
+    if slopes is None:
+        return None
+    if not isinstance(slopes, torch.Tensor) or slopes.shape != (num_heads,):
+        raise ValueError(f"alibi_slopes: expected a tensor of shape ({num_heads},), got {slopes!r}")
+    return slopes.to(device=device, dtype=torch.float32).contiguous()

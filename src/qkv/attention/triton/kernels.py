@@ -1,0 +1,652 @@
+"""FlashAttention-2 as Triton kernels: forward, and backward from the saved log-sum-exp.
+
+Layer 1 of 3 (kernels -> `function.py`, the autograd.Function -> `backend.py`, qkv.attention's
+backend `triton`). Dao 2023, Algorithms 1 and 2; seed 002 section 7.
+
+Each program of the forward owns BLOCK_M queries of one (batch, query head) and streams the
+keys and values of that head's K/V head (GQA/MQA: head // group, never a copy) through SRAM,
+keeping the running max m and sum l in fp32 registers. Scores are kept in base 2 (the scale
+is multiplied by log2(e)) so the exponentials are exp2, one instruction on the GPU. Key blocks
+that the causal/window structure hides are not visited: the loop bounds come from the block's
+first and last query, and sink keys are a second, short loop.
+
+The backward runs two kernels after a preprocess (delta = rowsum(dO * O)): one program per key
+block accumulates dK and dV over every query head of its group and every visible query block,
+and one program per query block accumulates dQ over the visible key blocks, so no atomics.
+
+Visibility of key j from query i, with i' = i + L_k - L_q (bottom-right alignment), matches
+`qkv.attention.tiled.tiles`: ([j <= i'] if causal) and (i' - left <= j <= i' + right if a
+window), or (j < sinks and j <= i' + future); and always j < length[b].
+"""
+
+import triton
+import triton.language as tl
+
+LN2: tl.constexpr = 0.6931471805599453
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr):
+    """a @ b with fp32 accumulation. "upcast" multiplies in fp32: Triton 3.9's interpreter gets
+    bf16 tl.dot wrong, so CPU tests of bf16 inputs take this path (GPUs never do)."""
+    if PRECISION == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _visible(
+    q_pos, k_pos, key_len, left, right, sinks, future, CAUSAL: tl.constexpr, WINDOW: tl.constexpr
+):
+    """(BLOCK_M, BLOCK_N) mask from aligned query positions q_pos and key positions k_pos."""
+    ok = k_pos[None, :] < key_len
+    structural = ok
+    if CAUSAL:
+        structural = structural & (k_pos[None, :] <= q_pos[:, None])
+    if WINDOW:
+        structural = structural & (k_pos[None, :] >= q_pos[:, None] - left)
+        structural = structural & (k_pos[None, :] <= q_pos[:, None] + right)
+    sink = ok & (k_pos[None, :] < sinks) & (k_pos[None, :] <= q_pos[:, None] + future)
+    return structural | sink
+
+
+@triton.jit
+def _key_range(
+    q_first,
+    q_last,
+    key_len,
+    left,
+    right,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """[lo, hi): the key blocks any of the queries at aligned positions q_first..q_last sees."""
+    hi = key_len
+    if CAUSAL:
+        hi = tl.minimum(hi, q_last + 1)
+    if WINDOW:
+        hi = tl.minimum(hi, q_last + right + 1)
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(0, q_first - left)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    hi = tl.maximum(hi, 0)
+    return lo, hi
+
+
+@triton.jit
+def _fwd_block(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_ptrs,
+    v_ptrs,
+    stride_kn,
+    stride_vn,
+    start,
+    stop,
+    q_pos,
+    offs_n,
+    d_mask,
+    key_len,
+    left,
+    right,
+    sinks,
+    future,
+    scale_log2,
+    slope_log2,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    ALIBI: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Fold key blocks [start, stop) into the running (acc, m, l): the online softmax."""
+    for start_n in range(start, stop, BLOCK_N):
+        k_pos = start_n + offs_n
+        in_range = k_pos < key_len
+        k = tl.load(
+            k_ptrs + start_n * stride_kn, mask=in_range[:, None] & d_mask[None, :], other=0.0
+        )
+        s = _dot(q, tl.trans(k), PRECISION) * scale_log2  # base-2 scores
+        if ALIBI:
+            s -= slope_log2 * tl.abs(q_pos[:, None] - k_pos[None, :]).to(tl.float32)
+        visible = _visible(q_pos, k_pos, key_len, left, right, sinks, future, CAUSAL, WINDOW)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_ptrs + start_n * stride_vn, mask=in_range[:, None] & d_mask[None, :], other=0.0
+        )
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def attention_forward_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    Lengths,
+    Slopes,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    num_heads,
+    group,
+    L_q,
+    L_k,
+    head_dim,
+    scale_log2,
+    left,
+    right,
+    sinks,
+    future,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    ALIBI: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    batch, head = pid_bh // num_heads, pid_bh % num_heads
+    kv_head = head // group
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    q_pos = offs_m + (L_k - L_q)
+    key_len = L_k
+    if HAS_LENGTHS:
+        key_len = tl.load(Lengths + batch)
+    slope_log2 = 0.0
+    if ALIBI:
+        slope_log2 = tl.load(Slopes + head) * 1.4426950408889634
+
+    q = tl.load(
+        Q + batch * stride_qb + head * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+        mask=(offs_m < L_q)[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    k_ptrs = (
+        K + batch * stride_kb + kv_head * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
+    )
+    v_ptrs = (
+        V + batch * stride_vb + kv_head * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+    )
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+
+    q_first = pid_m * BLOCK_M + (L_k - L_q)
+    lo, hi = _key_range(
+        q_first, q_first + BLOCK_M - 1, key_len, left, right, CAUSAL, WINDOW, BLOCK_N
+    )
+    sink_stop = tl.minimum(lo, ((sinks + BLOCK_N - 1) // BLOCK_N) * BLOCK_N)
+    acc, m_i, l_i = _fwd_block(
+        acc,
+        m_i,
+        l_i,
+        q,
+        k_ptrs,
+        v_ptrs,
+        stride_kn,
+        stride_vn,
+        0,
+        sink_stop,
+        q_pos,
+        offs_n,
+        d_mask,
+        key_len,
+        left,
+        right,
+        sinks,
+        future,
+        scale_log2,
+        slope_log2,
+        CAUSAL,
+        WINDOW,
+        ALIBI,
+        PRECISION,
+        BLOCK_N,
+    )
+    acc, m_i, l_i = _fwd_block(
+        acc,
+        m_i,
+        l_i,
+        q,
+        k_ptrs,
+        v_ptrs,
+        stride_kn,
+        stride_vn,
+        lo,
+        hi,
+        q_pos,
+        offs_n,
+        d_mask,
+        key_len,
+        left,
+        right,
+        sinks,
+        future,
+        scale_log2,
+        slope_log2,
+        CAUSAL,
+        WINDOW,
+        ALIBI,
+        PRECISION,
+        BLOCK_N,
+    )
+
+    empty = l_i == 0.0  # no visible key: output 0, lse -inf
+    out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    row_mask = offs_m < L_q
+    tl.store(
+        Out + batch * stride_ob + head * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=row_mask[:, None] & d_mask[None, :],
+    )
+    tl.store(Lse + pid_bh * L_q + offs_m, lse, mask=row_mask)
+
+
+@triton.jit
+def attention_backward_preprocess(
+    Out,
+    DOut,
+    Delta,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    num_heads,
+    L_q,
+    head_dim,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """delta_i = sum_d dO_id * O_id (FlashAttention-2, Algorithm 2 line 4), fp32."""
+    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    batch, head = pid_bh // num_heads, pid_bh % num_heads
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m < L_q)[:, None] & (offs_d < head_dim)[None, :]
+    offset = batch * stride_ob + head * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
+    o = tl.load(Out + offset, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DOut + offset, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Delta + pid_bh * L_q + offs_m, tl.sum(o * do, 1), mask=offs_m < L_q)
+
+
+@triton.jit
+def _recompute_probs(
+    q,
+    k,
+    lse_log2,
+    q_pos,
+    k_pos,
+    key_len,
+    left,
+    right,
+    sinks,
+    future,
+    scale_log2,
+    slope_log2,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    ALIBI: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """P of one (query block, key block) tile from the saved log-sum-exp, 0 where hidden."""
+    s = _dot(q, tl.trans(k), PRECISION) * scale_log2
+    if ALIBI:
+        s -= slope_log2 * tl.abs(q_pos[:, None] - k_pos[None, :]).to(tl.float32)
+    visible = _visible(q_pos, k_pos, key_len, left, right, sinks, future, CAUSAL, WINDOW)
+    p = tl.math.exp2(s - lse_log2[:, None])
+    return tl.where(visible, p, 0.0)
+
+
+@triton.jit
+def attention_backward_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DOut,
+    DK,
+    DV,
+    Lse,
+    Delta,
+    Lengths,
+    Slopes,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    num_kv_heads,
+    group,
+    L_q,
+    L_k,
+    head_dim,
+    scale_log2,
+    left,
+    right,
+    sinks,
+    future,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    ALIBI: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One program: one key block of one K/V head; loops over its group's query heads."""
+    pid_n, pid_bh = tl.program_id(0), tl.program_id(1)
+    batch, kv_head = pid_bh // num_kv_heads, pid_bh % num_kv_heads
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    key_len = L_k
+    if HAS_LENGTHS:
+        key_len = tl.load(Lengths + batch)
+    kv_mask = (offs_n < L_k)[:, None] & d_mask[None, :]
+    k = tl.load(
+        K + batch * stride_kb + kv_head * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    v = tl.load(
+        V + batch * stride_vb + kv_head * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    shift = L_k - L_q
+    # The queries that can see this key block (sinks may be seen by every later query).
+    q_lo = 0
+    if CAUSAL:
+        q_lo = tl.maximum(0, pid_n * BLOCK_N - shift)
+    if WINDOW:
+        q_lo = tl.maximum(q_lo, pid_n * BLOCK_N - right - shift)
+    if pid_n * BLOCK_N < sinks:
+        q_lo = tl.maximum(0, pid_n * BLOCK_N - future - shift)
+    q_lo = (q_lo // BLOCK_M) * BLOCK_M
+    q_hi = L_q
+    if WINDOW and pid_n * BLOCK_N >= sinks:  # later queries have slid past this block
+        q_hi = tl.minimum(L_q, (pid_n + 1) * BLOCK_N + left - shift)
+    for g in range(0, group):
+        head = kv_head * group + g
+        slope_log2 = 0.0
+        if ALIBI:
+            slope_log2 = tl.load(Slopes + head) * 1.4426950408889634
+        row = (batch * num_kv_heads * group + head) * L_q
+        for start_m in range(q_lo, q_hi, BLOCK_M):
+            rows = start_m + offs_m
+            row_mask = rows < L_q
+            offset = (
+                batch * stride_qb + head * stride_qh + rows[:, None] * stride_qm + offs_d[None, :]
+            )
+            q = tl.load(Q + offset, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+            do_offset = (
+                batch * stride_ob + head * stride_oh + rows[:, None] * stride_om + offs_d[None, :]
+            )
+            do = tl.load(DOut + do_offset, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+            lse = tl.load(Lse + row + rows, mask=row_mask, other=float("inf"))
+            lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+            delta = tl.load(Delta + row + rows, mask=row_mask, other=0.0)
+            p = _recompute_probs(
+                q,
+                k,
+                lse_log2,
+                rows + shift,
+                offs_n,
+                key_len,
+                left,
+                right,
+                sinks,
+                future,
+                scale_log2,
+                slope_log2,
+                CAUSAL,
+                WINDOW,
+                ALIBI,
+                PRECISION,
+            )
+            dv += _dot(tl.trans(p.to(do.dtype)), do, PRECISION)
+            dp = _dot(do, tl.trans(v), PRECISION).to(tl.float32)
+            ds = p * (dp - delta[:, None])  # dS = P * (dP - D)
+            dk += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION)
+    dk *= scale_log2 * LN2  # d(q . k * scale)/dk = scale * q
+    out_offset = (
+        batch * stride_kb + kv_head * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
+    )
+    tl.store(DK + out_offset, dk.to(DK.dtype.element_ty), mask=kv_mask)
+    out_offset = (
+        batch * stride_vb + kv_head * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+    )
+    tl.store(DV + out_offset, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_block(
+    dq,
+    q,
+    do,
+    lse_log2,
+    delta,
+    k_base,
+    v_base,
+    stride_kn,
+    stride_vn,
+    start,
+    stop,
+    q_pos,
+    offs_n,
+    d_mask,
+    L_k,
+    key_len,
+    left,
+    right,
+    sinks,
+    future,
+    scale_log2,
+    slope_log2,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    ALIBI: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Accumulate dQ = dS K over key blocks [start, stop) (scale applied by the caller)."""
+    offs_d = tl.arange(0, d_mask.shape[0])
+    for start_n in range(start, stop, BLOCK_N):
+        k_pos = start_n + offs_n
+        kv_mask = (k_pos < L_k)[:, None] & d_mask[None, :]
+        k = tl.load(k_base + k_pos[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + k_pos[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        p = _recompute_probs(
+            q,
+            k,
+            lse_log2,
+            q_pos,
+            k_pos,
+            key_len,
+            left,
+            right,
+            sinks,
+            future,
+            scale_log2,
+            slope_log2,
+            CAUSAL,
+            WINDOW,
+            ALIBI,
+            PRECISION,
+        )
+        dp = _dot(do, tl.trans(v), PRECISION).to(tl.float32)
+        ds = p * (dp - delta[:, None])  # dS = P * (dP - D)
+        dq += _dot(ds.to(k.dtype), k, PRECISION)
+    return dq
+
+
+@triton.jit
+def attention_backward_dq_kernel(
+    Q,
+    K,
+    V,
+    DOut,
+    DQ,
+    Lse,
+    Delta,
+    Lengths,
+    Slopes,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    num_heads,
+    group,
+    L_q,
+    L_k,
+    head_dim,
+    scale_log2,
+    left,
+    right,
+    sinks,
+    future,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    ALIBI: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One program: one query block of one query head; loops over the visible key blocks."""
+    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    batch, head = pid_bh // num_heads, pid_bh % num_heads
+    kv_head = head // group
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    row_mask = offs_m < L_q
+    key_len = L_k
+    if HAS_LENGTHS:
+        key_len = tl.load(Lengths + batch)
+    slope_log2 = 0.0
+    if ALIBI:
+        slope_log2 = tl.load(Slopes + head) * 1.4426950408889634
+    offset = batch * stride_qb + head * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
+    q = tl.load(Q + offset, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    do_offset = batch * stride_ob + head * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
+    do = tl.load(DOut + do_offset, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    lse = tl.load(Lse + pid_bh * L_q + offs_m, mask=row_mask, other=float("inf"))
+    lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(Delta + pid_bh * L_q + offs_m, mask=row_mask, other=0.0)
+    q_pos = offs_m + (L_k - L_q)
+    q_first = pid_m * BLOCK_M + (L_k - L_q)
+    lo, hi = _key_range(
+        q_first, q_first + BLOCK_M - 1, key_len, left, right, CAUSAL, WINDOW, BLOCK_N
+    )
+    sink_stop = tl.minimum(lo, ((sinks + BLOCK_N - 1) // BLOCK_N) * BLOCK_N)
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    k_base = K + batch * stride_kb + kv_head * stride_kh
+    v_base = V + batch * stride_vb + kv_head * stride_vh
+    dq = _dq_block(
+        dq,
+        q,
+        do,
+        lse_log2,
+        delta,
+        k_base,
+        v_base,
+        stride_kn,
+        stride_vn,
+        0,
+        sink_stop,
+        q_pos,
+        offs_n,
+        d_mask,
+        L_k,
+        key_len,
+        left,
+        right,
+        sinks,
+        future,
+        scale_log2,
+        slope_log2,
+        CAUSAL,
+        WINDOW,
+        ALIBI,
+        PRECISION,
+        BLOCK_N,
+    )
+    dq = _dq_block(
+        dq,
+        q,
+        do,
+        lse_log2,
+        delta,
+        k_base,
+        v_base,
+        stride_kn,
+        stride_vn,
+        lo,
+        hi,
+        q_pos,
+        offs_n,
+        d_mask,
+        L_k,
+        key_len,
+        left,
+        right,
+        sinks,
+        future,
+        scale_log2,
+        slope_log2,
+        CAUSAL,
+        WINDOW,
+        ALIBI,
+        PRECISION,
+        BLOCK_N,
+    )
+    dq *= scale_log2 * LN2
+    tl.store(DQ + offset, dq.to(DQ.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
