@@ -39,14 +39,13 @@ from common import (
     log,
     machine_info,
     matmul_rate,
-    synchronize,
     time_interleaved,
     try_import_pyplot,
     write_json,
 )
-from torch.profiler import ProfilerActivity, profile
 
 import qkv
+from qkv.analysis.memory import peak_bytes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HEADS, HEAD_DIM, WINDOW = 8, 64, 1024
@@ -90,28 +89,6 @@ def forward_backward(fn, q, k, v):
         q.grad = k.grad = v.grad = None
 
     return run
-
-
-def peak_bytes(run, device: str) -> int:
-    """Peak bytes allocated during `run()` beyond what was allocated before it."""
-    if torch.device(device).type == "cuda":
-        synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        run()
-        synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    events = sorted(
-        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-        key=lambda e: e.start_ns(),
-    )
-    current = peak = 0
-    for event in events:
-        current += event.nbytes()
-        peak = max(peak, current)
-    return peak
 
 
 def useful_flops(setting: str, L: int, backward: bool) -> float:

@@ -4,9 +4,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.profiler import ProfilerActivity, profile
 
 import qkv
+from qkv.analysis.memory import peak_bytes
 from qkv.attention.tiled import kernels
 from qkv.attention.tiled.tiles import dropout_keep
 from tests.attention.reference_math import eager_reference, visible_with_sinks
@@ -187,24 +187,10 @@ def test_attention_weights_recompute_the_exact_map_of_chosen_heads_and_rows():
     torch.testing.assert_close(weights, full[:, [3, 0]][:, :, [9, 2, 0]])
 
 
-def _peak_bytes(fn) -> int:
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted(
-        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-        key=lambda e: e.start_ns(),
-    )
-    current = peak = 0
-    for event in events:
-        current += event.nbytes()
-        peak = max(peak, current)
-    return peak
-
-
 def test_forward_plus_backward_peak_memory_grows_linearly_in_length():
     def peak(L, backend):
         q, k, v = (torch.randn(1, 2, L, 16, requires_grad=True) for _ in range(3))
-        return _peak_bytes(
+        return peak_bytes(
             lambda: qkv.attention(q, k, v, causal=True, backend=backend).sum().backward()
         )
 

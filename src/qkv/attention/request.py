@@ -202,3 +202,26 @@ def _check_dropout(dropout_p: float) -> float:
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p: expected a probability in [0, 1), got {dropout_p}")
     return float(dropout_p)
+
+
+def check_count(name: str, value: int, *, minimum: int) -> int:
+    """An int argument such as sinks (>= 0) or a block size (>= 1)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+def check_lengths(lengths, batch: int, key_len: int) -> tuple[int, ...] | None:
+    """Valid keys per batch row, (B,) integers in [0, L_k], as Python ints (one host sync)."""
+    if lengths is None:
+        return None
+    if not isinstance(lengths, torch.Tensor) or lengths.shape != (batch,):
+        raise ValueError(f"lengths: expected a tensor of shape ({batch},), got {lengths!r}")
+    if lengths.is_floating_point() or lengths.dtype == torch.bool:
+        raise TypeError(f"lengths: expected an integer tensor, got dtype {lengths.dtype}")
+    values = tuple(int(n) for n in lengths.tolist())
+    if any(n < 0 or n > key_len for n in values):
+        raise ValueError(f"lengths: expected values in [0, L_k={key_len}], got {list(values)}")
+    return values

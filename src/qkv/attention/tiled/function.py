@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qkv.attention.request import AttentionRequest, make_request
+from qkv.attention.request import AttentionRequest, check_count, check_lengths, make_request
 from qkv.attention.tiled import kernels
 from qkv.attention.tiled.tiles import TilePlan
 
@@ -179,37 +179,17 @@ def _grouped(t: torch.Tensor, H: int, H_kv: int) -> torch.Tensor:
 
 
 def _plan(request: AttentionRequest, sinks, lengths, block_q, block_k) -> TilePlan:
-    for name, value in (("sinks", sinks), ("block_q", block_q), ("block_k", block_k)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
-        if value < (0 if name == "sinks" else 1):
-            raise ValueError(
-                f"{name}: expected an int >= {0 if name == 'sinks' else 1}, got {value}"
-            )
     return TilePlan(
         query_len=request.query_len,
         key_len=request.key_len,
-        block_q=block_q,
-        block_k=block_k,
+        block_q=check_count("block_q", block_q, minimum=1),
+        block_k=check_count("block_k", block_k, minimum=1),
         causal=request.causal,
         window=request.window,
-        sinks=sinks,
-        lengths=_check_lengths(lengths, request.batch, request.key_len),
+        sinks=check_count("sinks", sinks, minimum=0),
+        lengths=check_lengths(lengths, request.batch, request.key_len),
         has_dense_mask=request.has_bool_mask,  # a float mask was folded into the bias
     )
-
-
-def _check_lengths(lengths, batch: int, key_len: int) -> tuple[int, ...] | None:
-    if lengths is None:
-        return None
-    if not isinstance(lengths, torch.Tensor) or lengths.shape != (batch,):
-        raise ValueError(f"lengths: expected a tensor of shape ({batch},), got {lengths!r}")
-    if lengths.is_floating_point() or lengths.dtype == torch.bool:
-        raise TypeError(f"lengths: expected an integer tensor, got dtype {lengths.dtype}")
-    values = tuple(int(n) for n in lengths.tolist())
-    if any(n < 0 or n > key_len for n in values):
-        raise ValueError(f"lengths: expected values in [0, L_k={key_len}], got {list(values)}")
-    return values
 
 
 def _check_softcap(softcap: float | None) -> float | None:

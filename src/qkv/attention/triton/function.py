@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from qkv.attention.request import make_request
+from qkv.attention.request import check_count, check_lengths, make_request
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 128
@@ -54,7 +54,7 @@ def triton_attention(
     masking = Masking(
         causal=request.causal,
         window=request.window,
-        sinks=_check_sinks(sinks),
+        sinks=check_count("sinks", sinks, minimum=0),
         lengths=_device_lengths(lengths, request.batch, request.key_len, q.device),
         slopes=_device_slopes(alibi_slopes, request.num_heads, q.device),
         scale=request.scale,
@@ -95,22 +95,9 @@ class _TritonAttention(torch.autograd.Function):
         return d_q, d_k, d_v, None
 
 
-def _check_sinks(sinks: int) -> int:
-    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
-        raise ValueError(f"sinks: expected an int >= 0, got {sinks!r}")
-    return sinks
-
-
 def _device_lengths(lengths, batch: int, key_len: int, device) -> torch.Tensor | None:
-    if lengths is None:
-        return None
-    if not isinstance(lengths, torch.Tensor) or lengths.shape != (batch,):
-        raise ValueError(f"lengths: expected a tensor of shape ({batch},), got {lengths!r}")
-    if lengths.is_floating_point() or lengths.dtype == torch.bool:
-        raise TypeError(f"lengths: expected an integer tensor, got dtype {lengths.dtype}")
-    if bool((lengths < 0).any()) or bool((lengths > key_len).any()):
-        raise ValueError(f"lengths: expected values in [0, L_k={key_len}], got {lengths.tolist()}")
-    return lengths.to(device=device, dtype=torch.int32).contiguous()
+    values = check_lengths(lengths, batch, key_len)
+    return None if values is None else torch.tensor(values, device=device, dtype=torch.int32)
 
 
 def _device_slopes(slopes, num_heads: int, device) -> torch.Tensor | None:
