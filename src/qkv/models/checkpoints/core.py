@@ -1,0 +1,146 @@
+"""Reading and writing checkpoints: safetensors + JSON, never pickle.
+
+A Hugging Face directory holds config.json and model.safetensors (or pytorch_model.bin, read
+only through `torch.load(weights_only=True)`). Each model family has a `KeyMap` (in this
+package, beside this file) that renames checkpoint keys to qkv's parameter names and back; this
+module does the rest: read, rename, check every key and shape, and only then load, so a bad
+checkpoint leaves the model untouched and raises one error that lists everything wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+Tensors = dict[str, torch.Tensor]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model: lists missing, unexpected, mis-shaped keys."""
+
+
+@dataclass(frozen=True)
+class KeyMap:
+    """Renames between a checkpoint's keys and a qkv model's state_dict keys.
+
+    `to_qkv(checkpoint_tensors) -> qkv_tensors` may also split, fuse or transpose tensors
+    (GPT-2's fused c_attn, Conv1D weights); `to_checkpoint` is its inverse. `ignore` lists
+    checkpoint keys that carry no weights (buffers such as position_ids).
+    """
+
+    to_qkv: Callable[[Tensors], Tensors]
+    to_checkpoint: Callable[[Tensors], Tensors]
+    ignore: tuple[str, ...] = field(default=())
+
+
+def read_config(path: str | Path) -> dict:
+    """config.json of a checkpoint directory, with a clear error when it is missing or bad."""
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"path: {path} has no config.json; expected a checkpoint directory")
+    try:
+        return json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"path: {config_path} is not valid JSON: {error}") from error
+
+
+def read_tensors(path: str | Path) -> Tensors:
+    """All tensors of a checkpoint directory: model.safetensors (sharded too) or a .bin file
+    loaded with weights_only=True (no arbitrary code from pickles)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    directory = Path(path)
+    files = sorted(directory.glob("model*.safetensors"))
+    if files:
+        tensors: Tensors = {}
+        for file in files:
+            try:
+                tensors.update(load_file(str(file)))
+            except (SafetensorError, OSError) as error:
+                raise CheckpointError(
+                    f"path: {file} is not a readable safetensors file: {error}"
+                ) from error
+        return tensors
+    binary = directory / "pytorch_model.bin"
+    if binary.is_file():
+        try:
+            return torch.load(binary, map_location="cpu", weights_only=True)
+        except Exception as error:  # torch raises several types for a corrupt file
+            raise CheckpointError(f"path: {binary} could not be read: {error}") from error
+    raise CheckpointError(
+        f"path: {directory} has no model.safetensors or pytorch_model.bin; expected weights"
+    )
+
+
+def load_into(model: nn.Module, checkpoint: Tensors, key_map: KeyMap) -> None:
+    """Rename, check everything, then copy: all or nothing."""
+    ignored = {k for k in checkpoint if any(k.endswith(suffix) for suffix in key_map.ignore)}
+    renamed = key_map.to_qkv({k: t for k, t in checkpoint.items() if k not in ignored})
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(renamed))
+    unexpected = sorted(set(renamed) - set(expected))
+    misshaped = sorted(
+        f"{k}: checkpoint {tuple(renamed[k].shape)}, model {tuple(expected[k].shape)}"
+        for k in set(expected) & set(renamed)
+        if renamed[k].shape != expected[k].shape
+    )
+    if missing or unexpected or misshaped:
+        raise CheckpointError(
+            "checkpoint does not fit the model:"
+            + _listing("missing", [_with_checkpoint_name(k, expected, key_map) for k in missing])
+            + _listing("unexpected", unexpected)
+            + _listing("mis-shaped", misshaped)
+        )
+    with torch.no_grad():
+        for key, target in expected.items():
+            target.copy_(renamed[key])
+
+
+def write(path: str | Path, config: dict, model: nn.Module, key_map: KeyMap) -> Path:
+    """config.json + model.safetensors in the checkpoint's own names (transformers loads it)."""
+    from safetensors.torch import save_file
+
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = key_map.to_checkpoint(
+        {k: t.detach().cpu().contiguous() for k, t in model.state_dict().items()}
+    )
+    save_file(_unshared(tensors), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return directory
+
+
+def _unshared(tensors: Tensors) -> Tensors:
+    """safetensors refuses tensors that share memory (tied weights): give each its own."""
+    seen: set[int] = set()
+    out = {}
+    for key, tensor in tensors.items():
+        pointer = tensor.untyped_storage().data_ptr()
+        out[key] = tensor.clone() if pointer in seen else tensor
+        seen.add(pointer)
+    return out
+
+
+def _with_checkpoint_name(key: str, expected: Tensors, key_map: KeyMap) -> str:
+    """`key (checkpoint: name)`: a missing tensor under the name the checkpoint should have."""
+    try:
+        names = sorted(key_map.to_checkpoint({key: expected[key]}))
+    except Exception:  # a fused map (GPT-2's c_attn) needs its siblings: show the qkv name only
+        return key
+    shown = ", ".join(names[:2]) + (", ..." if len(names) > 2 else "")
+    return f"{key} (checkpoint: {shown})" if names and names != [key] else key
+
+
+def _listing(label: str, keys: list[str]) -> str:
+    if not keys:
+        return ""
+    shown = "\n    ".join(keys[:20]) + (
+        f"\n    ... and {len(keys) - 20} more" if len(keys) > 20 else ""
+    )
+    return f"\n  {label} ({len(keys)}):\n    {shown}"

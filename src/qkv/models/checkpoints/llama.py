@@ -1,0 +1,209 @@
+"""Hugging Face `LlamaForCausalLM` and `MistralForCausalLM` <-> `qkv.models.GPT`.
+
+Both checkpoints share one layout (Touvron et al. 2023; Jiang et al. 2023):
+
+    model.embed_tokens.weight                       token_embedding.weight
+    model.layers.{i}.input_layernorm.weight         blocks.{i}.attn_norm.weight
+    model.layers.{i}.self_attn.{q,k,v}_proj.*       blocks.{i}.self_attn.{q,k,v}_proj.*
+    model.layers.{i}.self_attn.o_proj.*             blocks.{i}.self_attn.out_proj.*
+    model.layers.{i}.post_attention_layernorm.weight blocks.{i}.ffn_norm.weight
+    model.layers.{i}.mlp.{gate,up,down}_proj.*      blocks.{i}.ffn.{gate,up,down}_proj.*
+    model.norm.weight                               final_norm.weight
+    lm_head.weight                                  lm_head.weight (absent when tied)
+
+RoPE: Hugging Face stores q/k_proj already permuted for the half-split layout (`rotate_half`),
+which is qkv's layout "half", so no permutation is needed. k/v_proj have num_key_value_heads *
+head_dim rows (GQA/MQA).
+
+Mistral's sliding window: transformers 5.x builds it as `kv_idx > q_idx - sliding_window` on top
+of the causal mask (masking_utils.sliding_window_overlay), i.e. query i sees keys
+i - W < j <= i: itself and the W - 1 keys before it. That is exactly qkv's `window=W`, so the
+number is carried over unchanged.
+"""
+
+from __future__ import annotations
+
+from qkv.models.checkpoints import Architecture, CheckpointError, KeyMap, register
+from qkv.models.gpt import GPT, GPTConfig
+
+__all__ = ["gpt_config_from_llama", "llama_config", "llama_key_map", "mistral_config"]
+
+_LAYER_NAMES = {  # checkpoint name inside model.layers.{i}. -> qkv name inside blocks.{i}.
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    **{
+        f"self_attn.{hf}.{kind}": f"self_attn.{ours}.{kind}"
+        for hf, ours in (("q_proj", "q_proj"), ("k_proj", "k_proj"), ("v_proj", "v_proj"))
+        + (("o_proj", "out_proj"),)
+        for kind in ("weight", "bias")
+    },
+    **{
+        f"mlp.{name}.{kind}": f"ffn.{name}.{kind}"
+        for name in ("gate_proj", "up_proj", "down_proj")
+        for kind in ("weight", "bias")
+    },
+}
+
+
+def _names(num_layers: int) -> dict[str, str]:
+    """Every checkpoint key -> qkv key, for a model with `num_layers` blocks."""
+    names = {
+        "model.embed_tokens.weight": "token_embedding.weight",
+        "model.norm.weight": "final_norm.weight",
+        "lm_head.weight": "lm_head.weight",
+    }
+    for i in range(num_layers):
+        for hf, ours in _LAYER_NAMES.items():
+            names[f"model.layers.{i}.{hf}"] = f"blocks.{i}.{ours}"
+    return names
+
+
+def llama_key_map(model: GPT) -> KeyMap:
+    """Renames only: Llama's nn.Linear weights are stored as qkv stores them, (out, in)."""
+    to_ours = _names(model.config.num_layers)
+    to_theirs = {ours: hf for hf, ours in to_ours.items()}
+    tied = model.config.tie_embeddings
+
+    def to_qkv(tensors):
+        renamed = {to_ours.get(k, k): t for k, t in tensors.items()}
+        if tied:  # the head is the embedding; a saved copy (older writers) is not needed
+            renamed["lm_head.weight"] = renamed.get("token_embedding.weight")
+        return {k: t for k, t in renamed.items() if t is not None}
+
+    def to_checkpoint(tensors):
+        kept = {k: t for k, t in tensors.items() if not (tied and k == "lm_head.weight")}
+        return {to_theirs.get(k, k): t for k, t in kept.items()}
+
+    return KeyMap(to_qkv=to_qkv, to_checkpoint=to_checkpoint, ignore=("rotary_emb.inv_freq",))
+
+
+def gpt_config_from_llama(config: dict) -> GPTConfig:
+    """config.json of a Llama or Mistral checkpoint -> GPTConfig; unsupported options raise."""
+    _refuse_unsupported(config)
+    heads = config["num_attention_heads"]
+    attention_bias = bool(config.get("attention_bias", False))
+    return GPTConfig(
+        vocab_size=config["vocab_size"],
+        embed_dim=config["hidden_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        ffn_dim=config["intermediate_size"],
+        max_positions=config.get("max_position_embeddings", 2048),
+        position="rope",
+        rope_base=float(_rope_parameters(config).get("rope_theta", 10000.0)),
+        norm="rmsnorm",
+        norm_eps=config.get("rms_norm_eps", 1e-6),
+        ffn="swiglu",
+        bias=attention_bias,
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        sliding_window=config.get("sliding_window"),
+        attention_dropout=float(config.get("attention_dropout", 0.0)),
+    )
+
+
+def _rope_parameters(config: dict) -> dict:
+    """transformers 5 writes `rope_parameters`; 4.x wrote `rope_theta` and `rope_scaling`."""
+    parameters = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    if "rope_theta" in config:
+        parameters.setdefault("rope_theta", config["rope_theta"])
+    return parameters
+
+
+def _refuse_unsupported(config: dict) -> None:
+    required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+    missing = [key for key in (*required, "intermediate_size") if key not in config]
+    if missing:
+        raise CheckpointError(
+            f"config.json: missing {missing}; expected a Llama/Mistral config, got model_type "
+            f"{config.get('model_type')!r}"
+        )
+    rope_type = _rope_parameters(config).get("rope_type", _rope_parameters(config).get("type"))
+    problems = []
+    if rope_type not in (None, "default"):
+        problems.append(f"rope_type={rope_type!r} (qkv implements 'default' RoPE only)")
+    if config.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={config['hidden_act']!r} (expected 'silu': SwiGLU)")
+    head_dim = config.get("head_dim")
+    expected_head_dim = config["hidden_size"] // config["num_attention_heads"]
+    if head_dim is not None and head_dim != expected_head_dim:
+        problems.append(f"head_dim={head_dim} (expected hidden_size // num_attention_heads)")
+    if bool(config.get("mlp_bias", False)) != bool(config.get("attention_bias", False)):
+        problems.append("mlp_bias != attention_bias (qkv has one `bias` for both)")
+    if problems:
+        raise CheckpointError("config.json: unsupported " + "; ".join(problems))
+
+
+def _check_llama_layout(config: GPTConfig, *, windowed: bool) -> None:
+    """Raise CheckpointError unless `config` is a Llama-style (or Mistral-style) model."""
+    problems = [
+        f"{field}={getattr(config, field)!r} (expected {want!r})"
+        for field, want in (("position", "rope"), ("norm", "rmsnorm"), ("ffn", "swiglu"))
+        if getattr(config, field) != want
+    ]
+    if config.dropout:
+        problems.append(f"dropout={config.dropout} (Llama has attention dropout only; expected 0)")
+    if windowed and config.bias:
+        problems.append("bias=True (Mistral has no attention_bias; expected False)")
+    if windowed != (config.sliding_window is not None):
+        want = "an int (Mistral)" if windowed else "None (Llama; use Mistral for a window)"
+        problems.append(f"sliding_window={config.sliding_window!r} (expected {want})")
+    if problems:
+        raise CheckpointError("config: " + "; ".join(problems))
+
+
+def _common_config(model: GPT) -> dict:
+    config = model.config
+    dtype = str(model.token_embedding.weight.dtype).removeprefix("torch.")
+    rope = {"rope_theta": config.rope_base, "rope_type": "default"}
+    return {
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.embed_dim,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "intermediate_size": config.ffn_dim,
+        "max_position_embeddings": config.max_positions,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.norm_eps,
+        "rope_parameters": rope,  # transformers 5
+        "rope_theta": config.rope_base,  # transformers 4
+        "tie_word_embeddings": config.tie_embeddings,
+        "attention_dropout": config.attention_dropout,
+        "dtype": dtype,  # transformers 5
+        "torch_dtype": dtype,  # transformers 4
+    }
+
+
+def llama_config(model: GPT) -> dict:
+    """GPT -> config.json of a LlamaForCausalLM (raises CheckpointError if it is not one)."""
+    config = model.config
+    _check_llama_layout(config, windowed=False)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **_common_config(model),
+        "attention_bias": config.bias,
+        "mlp_bias": config.bias,
+    }
+
+
+def mistral_config(model: GPT) -> dict:
+    """GPT -> config.json of a MistralForCausalLM (a Llama layout with a sliding window)."""
+    config = model.config
+    _check_llama_layout(config, windowed=True)
+    return {
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        **_common_config(model),
+        "sliding_window": config.sliding_window,
+    }
+
+
+def _build(config: dict) -> GPT:
+    return GPT(gpt_config_from_llama(config))
+
+
+register(Architecture("LlamaForCausalLM", GPT, _build, llama_key_map, llama_config))
+register(Architecture("MistralForCausalLM", GPT, _build, llama_key_map, mistral_config))
