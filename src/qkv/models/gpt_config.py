@@ -1,0 +1,215 @@
+"""`GPTConfig`: one frozen dataclass for every decoder-only model (GPT-2, Llama, Mistral).
+
+A decoder-only language model is a stack of pre-norm blocks (causal self-attention, then a
+feed-forward network) between a token embedding and a vocabulary projection (seed 002 section
+4.1: "every GPT layer" is self-attention; seed 003 DL0039 for the tied output projection). The
+families differ only in components, and the config names them:
+
+    component       GPT-2 (Radford et al. 2019)     Llama 2 (Touvron et al. 2023) / Mistral
+    position        "learned" (added to embeddings)  "rope" (rotates q and k; seed 003 DL0052)
+    norm            "layernorm" (with bias)          "rmsnorm"
+    ffn             "gelu_tanh" (4 * E)              "swiglu" (gated, ~8/3 * E; seed 003 DL0045)
+    K/V heads       = num_heads (MHA)                fewer for GQA (70B, Mistral; seed 002 6.2)
+    output head     tied to the embedding            separate lm_head
+    sliding_window  None                             4096 in Mistral 7B
+
+The presets carry the published sizes (Hugging Face config.json of each checkpoint), so that
+parameter counts and KV-cache sizes computed from them are the real ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+__all__ = ["FFN_KINDS", "GPTConfig", "NORM_KINDS", "POSITION_KINDS", "PRESETS"]
+
+POSITION_KINDS = ("learned", "rope")
+NORM_KINDS = ("layernorm", "rmsnorm")
+FFN_KINDS = ("gelu_tanh", "swiglu")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """Sizes and component choices of a decoder-only Transformer (`qkv.models.GPT`).
+
+    vocab_size V, embed_dim E, num_layers, num_heads H, num_kv_heads H_kv (None: = H, plain
+    MHA; 1 < H_kv < H: GQA; 1: MQA), ffn_dim (the FFN's hidden width), max_positions (the
+    learned table's rows, or the trained context length with RoPE), position / norm / ffn (the
+    component kinds above), rope_base (theta of RoPE), norm_eps, bias (on every projection and
+    LayerNorm), tie_embeddings (lm_head shares the token embedding), sliding_window (None, or W:
+    each query sees itself and the W - 1 keys before it), dropout (embeddings and residual
+    branches) and attention_dropout (attention weights).
+    """
+
+    vocab_size: int
+    embed_dim: int
+    num_layers: int
+    num_heads: int
+    ffn_dim: int
+    num_kv_heads: int | None = None
+    max_positions: int = 2048
+    position: str = "rope"
+    rope_base: float = 10000.0
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-5
+    ffn: str = "swiglu"
+    bias: bool = False
+    tie_embeddings: bool = False
+    sliding_window: int | None = None
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "ffn_dim"):
+            _check_positive_int(name, getattr(self, name))
+        _check_positive_int("max_positions", self.max_positions)
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)  # frozen: resolve once
+        _check_positive_int("num_kv_heads", self.num_kv_heads)
+        _check_heads(self.embed_dim, self.num_heads, self.num_kv_heads)
+        _check_choice("position", self.position, POSITION_KINDS)
+        _check_choice("norm", self.norm, NORM_KINDS)
+        _check_choice("ffn", self.ffn, FFN_KINDS)
+        _check_positive_float("norm_eps", self.norm_eps)
+        _check_rope(self)
+        for name in ("bias", "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.sliding_window is not None:
+            _check_positive_int("sliding_window", self.sliding_window)
+        _check_probability("dropout", self.dropout)
+        _check_probability("attention_dropout", self.attention_dropout)
+
+    @property
+    def head_dim(self) -> int:
+        """D = E // H, the width of one attention head."""
+        return self.embed_dim // self.num_heads
+
+    @classmethod
+    def from_name(cls, name: str, **overrides: object) -> GPTConfig:
+        """A named preset (see `PRESETS`), optionally with some fields replaced.
+
+        Example: `GPTConfig.from_name("gpt2", dropout=0.0)`.
+        """
+        if name not in PRESETS:
+            raise ValueError(f"name: unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise TypeError(
+                f"overrides: unknown fields {unknown}; expected some of {sorted(fields)}"
+            )
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected a positive int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value}")
+
+
+def _check_positive_float(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a positive float, got {type(value).__name__} {value!r}")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name}: expected a finite float > 0, got {value}")
+
+
+def _check_probability(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a float in [0, 1), got {type(value).__name__} {value!r}")
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name}: expected a probability in [0, 1), got {value}")
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+
+
+def _check_heads(embed_dim: int, num_heads: int, num_kv_heads: int) -> None:
+    if embed_dim % num_heads:
+        raise ValueError(
+            f"embed_dim: {embed_dim} is not divisible by num_heads={num_heads}; expected a "
+            f"multiple of num_heads (head_dim = embed_dim // num_heads)"
+        )
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_kv_heads: {num_kv_heads} does not divide num_heads={num_heads}; expected a "
+            f"divisor (MHA: equal, GQA: a divisor, MQA: 1)"
+        )
+
+
+def _check_rope(config: GPTConfig) -> None:
+    _check_positive_float("rope_base", config.rope_base)
+    if config.position == "rope" and config.head_dim % 2:
+        raise ValueError(
+            f"embed_dim: head_dim = {config.embed_dim} // {config.num_heads} = {config.head_dim} "
+            f"is odd; RoPE rotates pairs of coordinates, expected an even head_dim"
+        )
+
+
+def _gpt2(embed_dim: int, num_layers: int, num_heads: int) -> GPTConfig:
+    """GPT-2 (Radford et al. 2019): learned positions, LayerNorm, GELU(tanh) FFN of 4 * E,
+    biases everywhere, tied output head; 1024 positions, vocabulary 50257 (byte-level BPE)."""
+    return GPTConfig(
+        vocab_size=50257,
+        embed_dim=embed_dim,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        ffn_dim=4 * embed_dim,
+        max_positions=1024,
+        position="learned",
+        norm="layernorm",
+        ffn="gelu_tanh",
+        bias=True,
+        tie_embeddings=True,
+        dropout=0.1,
+        attention_dropout=0.1,
+    )
+
+
+def _llama(embed_dim: int, num_layers: int, num_heads: int, num_kv_heads: int, ffn_dim: int):
+    """Llama 2 (Touvron et al. 2023): RoPE (theta 10000), RMSNorm (eps 1e-5), SwiGLU, no
+    biases, separate lm_head; 4096 positions, vocabulary 32000 (SentencePiece)."""
+    return GPTConfig(
+        vocab_size=32000,
+        embed_dim=embed_dim,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        ffn_dim=ffn_dim,
+        max_positions=4096,
+    )
+
+
+_TINY_LLAMA = GPTConfig(
+    vocab_size=100, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64,
+    max_positions=64,
+)  # fmt: skip
+
+PRESETS: dict[str, GPTConfig] = {
+    "gpt2": _gpt2(768, 12, 12),  # 124,439,808 parameters (tied head)
+    "gpt2-medium": _gpt2(1024, 24, 16),
+    "gpt2-large": _gpt2(1280, 36, 20),
+    "gpt2-xl": _gpt2(1600, 48, 25),
+    "llama-2-7b": _llama(4096, 32, 32, 32, 11008),
+    "llama-2-13b": _llama(5120, 40, 40, 40, 13824),
+    "llama-2-70b": _llama(8192, 80, 64, 8, 28672),  # GQA: 8 K/V heads for 64 query heads
+    # Mistral 7B v0.1 (Jiang et al. 2023): GQA 8, sliding window 4096, 32768 positions.
+    "mistral-7b": dataclasses.replace(
+        _llama(4096, 32, 32, 8, 14336), max_positions=32768, sliding_window=4096
+    ),
+    # ~52M parameters, Llama-style with GQA: the size benchmarks/models.py times.
+    "llama-50m": _llama(512, 6, 8, 4, 1536),
+    # Tiny models for tests and examples (vocabulary 100, E = 32, 2 layers).
+    "tiny-gpt2": dataclasses.replace(
+        _gpt2(32, 2, 4), vocab_size=100, max_positions=64, dropout=0.0, attention_dropout=0.0
+    ),
+    "tiny-llama": _TINY_LLAMA,
+    "tiny-llama-mqa": dataclasses.replace(_TINY_LLAMA, num_kv_heads=1),  # MQA (Shazeer 2019)
+    "tiny-mistral": dataclasses.replace(_TINY_LLAMA, sliding_window=4),
+}
