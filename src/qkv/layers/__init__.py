@@ -12,15 +12,20 @@ cross over to PyTorch's own modules.
 from qkv.layers.attention import MultiHeadAttention
 from qkv.layers.blocks import DecoderBlock, EncoderBlock, post_norm, pre_norm
 from qkv.layers.feedforward import FeedForward, SwiGLU
+from qkv.layers.kv_cache import CrossAttentionCache, LayerCache, SinkKVCache, StaticKVCache
 from qkv.layers.norms import LayerNorm, RMSNorm
 
 __all__ = [
+    "CrossAttentionCache",
     "DecoderBlock",
     "EncoderBlock",
     "FeedForward",
+    "LayerCache",
     "LayerNorm",
     "MultiHeadAttention",
     "RMSNorm",
+    "SinkKVCache",
+    "StaticKVCache",
     "SwiGLU",
     "post_norm",
     "pre_norm",

@@ -22,6 +22,7 @@ from torch import nn
 from qkv.attention import attention
 from qkv.layers import torch_interop
 from qkv.layers._checks import check_positive_int, check_probability
+from qkv.layers.kv_cache import CrossAttentionCache, LayerCache
 from qkv.positional import RotaryEmbedding, alibi_bias
 
 __all__ = ["MultiHeadAttention"]
@@ -92,6 +93,7 @@ class MultiHeadAttention(nn.Module):
         window: int | tuple[int, int] | None = None,
         positions: torch.Tensor | None = None,
         return_weights: bool = False,
+        cache: LayerCache | CrossAttentionCache | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend from `x` (B, L_q, E) to itself, or to `context` (B, L_k, context_dim).
 
@@ -99,6 +101,10 @@ class MultiHeadAttention(nn.Module):
         where a query MAY attend (a float mask is additive), of shape (L_q, L_k) or
         (B|1, H|1, L_q|1, L_k), e.g. `qkv.masks.padding(lengths, L_k)` -> (B, 1, 1, L_k).
         positions: token positions for `rope`, (L,) or (B, L); default 0 .. L - 1.
+        cache: for decoding (`qkv.layers.kv_cache`): self-attention writes the new keys and
+        values into a `LayerCache` and attends over everything cached (x holds only the new
+        tokens); cross-attention computes the context's keys and values once into a
+        `CrossAttentionCache`.
 
         Returns the output (B, L_q, E), or (output, weights (B, H, L_q, L_k)) if return_weights;
         the weights are computed only then (`qkv.attention` then picks a backend that has them).
@@ -109,10 +115,21 @@ class MultiHeadAttention(nn.Module):
         L_k = source.shape[1]
         H, H_kv, D = self.num_heads, self.num_kv_heads, self.head_dim
         q = self.q_proj(x).view(B, L_q, H, D).transpose(1, 2)  # (B, H, L_q, D)
-        k = self.k_proj(source).view(B, L_k, H_kv, D).transpose(1, 2)  # (B, H_kv, L_k, D)
-        v = self.v_proj(source).view(B, L_k, H_kv, D).transpose(1, 2)  # (B, H_kv, L_k, D)
-        if self.rope is not None:
-            q, k = self.rope(q, k, positions=positions)
+
+        def project_keys_values() -> tuple[torch.Tensor, torch.Tensor]:
+            k = self.k_proj(source).view(B, L_k, H_kv, D).transpose(1, 2)  # (B, H_kv, L_k, D)
+            v = self.v_proj(source).view(B, L_k, H_kv, D).transpose(1, 2)  # (B, H_kv, L_k, D)
+            return k, v
+
+        if isinstance(cache, CrossAttentionCache):
+            k, v = cache.keys_values(project_keys_values)  # the memory's, computed once
+        elif cache is not None:
+            q, k, v = cache.attend_inputs(q, *project_keys_values(), self.rope, positions)
+        else:
+            k, v = project_keys_values()
+            if self.rope is not None:
+                q, k = self.rope(q, k, positions=positions)
+        L_k = k.shape[2]
         result = attention(
             q,
             k,

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkv.layers import FeedForward, LayerNorm, MultiHeadAttention, RMSNorm, SwiGLU, pre_norm
+from qkv.layers.kv_cache import LayerCache, SinkKVCache, StaticKVCache
 from qkv.models.checkpoints import HuggingFaceIO
 from qkv.models.gpt_config import GPTConfig
 from qkv.models.outputs import CausalLMOutput
@@ -106,13 +107,15 @@ class GPTBlock(nn.Module):
         *,
         mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
-        """x (B, L, E) -> (B, L, E). mask: a qkv key mask (B, 1, 1, L), True = real token.
-        positions: (L,) or (B, L) for RoPE; None means 0 .. L - 1."""
+        """x (B, L, E) -> (B, L, E). mask: a qkv key mask (B, 1, 1, L_k), True = real token.
+        positions: (L,) or (B, L) for RoPE; None means 0 .. L - 1. cache: this layer's KV
+        cache when decoding (x then holds only the new tokens)."""
 
         def attend(h: torch.Tensor) -> torch.Tensor:
             return self.self_attn(
-                h, mask=mask, causal=True, window=self.window, positions=positions
+                h, mask=mask, causal=True, window=self.window, positions=positions, cache=cache
             )
 
         x = pre_norm(x, attend, self.attn_norm, self.dropout)
@@ -171,6 +174,7 @@ class GPT(HuggingFaceIO, nn.Module):
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        cache: StaticKVCache | SinkKVCache | None = None,
     ) -> CausalLMOutput:
         """Next-token logits for every position.
 
@@ -178,12 +182,15 @@ class GPT(HuggingFaceIO, nn.Module):
         tokens, 0/False on padding (the polarity of `qkv.masks`); padded keys are never
         attended to. labels (B, L): token ids, shifted inside, -100 where no loss is wanted.
         position_ids (B, L) or (L,): absolute positions, default 0 .. L - 1.
+        cache: a KV cache (`qkv.layers.kv_cache`) when decoding: input_ids are then only the new
+        tokens, attention_mask covers the cached tokens and the new ones (B, cached + L), and
+        position_ids should be given (`qkv.generate` does all of this).
 
         Returns CausalLMOutput(logits (B, L, V), loss (mean next-token cross-entropy) or None,
         last_hidden_state (B, L, E) after the final norm).
         """
         B, L = _check_input_ids(input_ids, self.config)
-        mask = _key_mask(attention_mask, B, L)
+        mask = _key_mask(attention_mask, B, L + (0 if cache is None else cache.length))
         _check_same_shape("labels", labels, B, L)
         if labels is not None and (labels.is_floating_point() or labels.dtype == torch.bool):
             raise TypeError(
@@ -199,8 +206,11 @@ class GPT(HuggingFaceIO, nn.Module):
             x = x + self.position_embedding(positions)  # (B, L, E)
             rope_positions = None  # added once here; attention itself needs none
         x = self.dropout(x)
-        for block in self.blocks:
-            x = block(x, mask=mask, positions=rope_positions)
+        for index, block in enumerate(self.blocks):
+            layer_cache = None if cache is None else cache.layer(index)
+            x = block(x, mask=mask, positions=rope_positions, cache=layer_cache)
+        if cache is not None:
+            cache.advance(L)
         hidden = self.final_norm(x)  # (B, L, E)
         logits = self.lm_head(hidden)  # (B, L, V)
         loss = None if labels is None else next_token_loss(logits, labels)
