@@ -214,6 +214,9 @@ class BertModel(HuggingFaceIO, nn.Module):
             self.config, input_ids, attention_mask, token_type_ids
         )
         x = self.embeddings(input_ids, token_type_ids)  # (B, L, E)
+        # An all-real mask is dropped so attention takes its mask-free fast path (as GPT does).
+        if key_mask is not None and bool(key_mask.all()):
+            key_mask = None
         mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, L)
         for index in range(self.config.num_layers):
             x = self.layer(index)(x, mask=mask)
