@@ -5,6 +5,7 @@
     print(qkv.explain(q, k, v, causal=True))           # which backend runs, and why
     out, lse = qkv.flash_attention(q, k, v, window=1024, return_lse=True)
     maps = qkv.attention_weights(q, k, lse, window=1024, heads=[0], rows=[5, 6])
+    tokens = qkv.generate(model, input_ids, max_new_tokens=32)   # KV-cached decoding
 
 `qkv.attention` is the function; its subpackage (masks, backends) stays importable with
 `from qkv.attention import ...`, and the backend registry is `qkv.BACKENDS`.
@@ -20,6 +21,7 @@ from qkv.attention import (
     register_backend,
     triton_attention,
 )
+from qkv.generation import generate
 
 __version__ = "0.1.0"
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "attention_weights",
     "explain",
     "flash_attention",
+    "generate",
     "masks",
     "positional",
     "register_backend",

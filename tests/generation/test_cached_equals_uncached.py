@@ -1,36 +1,78 @@
-"""Cached decoding gives the tokens and logits of recomputing the whole prefix every step."""
+"""Cached decoding gives the tokens and logits of recomputing the whole prefix every step
+(DESIGN.md section 4): the reference is the model run without any cache on the full left-padded
+sequence, with the positions every row's real tokens would have alone."""
 
 import pytest
 import torch
 
-import qkv.models as models
-from qkv.generation import generate
+from qkv.generation import decode_steps, generate
+from tests.generation.reference_models import left_padded_prompts, qkv_model
+
+PRESETS = ["tiny-gpt2", "tiny-llama", "tiny-llama-mqa", "tiny-mistral"]
+NEW_TOKENS = 12
 
 
 def _recompute(model, ids, mask, steps):
-    """Greedy decoding without a cache: the whole (left-padded) prefix, every step."""
+    """Greedy decoding without a cache: the whole (left-padded) prefix, every step.
+
+    Returns the sequences (B, L + steps) and each step's last-position logits (B, steps, V).
+    """
     logits_per_step = []
-    for _ in range(steps):
-        positions = (mask.cumsum(1) - 1).clamp(min=0)
-        logits = model(ids, attention_mask=mask, position_ids=positions).logits[:, -1]
-        logits_per_step.append(logits)
-        ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    with torch.no_grad():
+        for _ in range(steps):
+            positions = (mask.cumsum(1) - 1).clamp(min=0)
+            logits = model(ids, attention_mask=mask, position_ids=positions).logits[:, -1]
+            logits_per_step.append(logits)
+            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
     return ids, torch.stack(logits_per_step, dim=1)
 
 
-@pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-llama", "tiny-llama-mqa", "tiny-mistral"])
-def test_cached_greedy_equals_recompute_on_a_left_padded_batch(preset):
-    torch.manual_seed(0)
-    model = models.GPT(models.GPTConfig.from_name(preset)).eval()
-    ids = torch.randint(0, model.config.vocab_size, (3, 9))
-    mask = torch.ones(3, 9, dtype=torch.long)
-    mask[1, :4] = 0  # left padding
-    mask[2, :1] = 0
+@pytest.mark.parametrize("preset", PRESETS)
+def test_cached_logits_and_tokens_equal_recompute_on_a_left_padded_batch(preset):
+    """GPT-2 (learned positions), Llama GQA, MQA and Mistral's window of 4 (narrower than the
+    21 tokens decoded, so the window bites): every step's logits within 1e-5."""
+    model = qkv_model(preset)
+    ids, mask = left_padded_prompts()
+    steps = list(decode_steps(model, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS))
+    cached_tokens = torch.stack([s.tokens for s in steps], dim=1)  # (B, new)
+    cached_logits = torch.stack([s.logits for s in steps], dim=1)  # (B, new, V)
+    expected_ids, expected_logits = _recompute(model, ids, mask, NEW_TOKENS)
+    assert expected_logits.abs().max() > 1.0  # far from the near-zero, near-tied regime
+    # 1e-5 absolute or relative: logits of magnitude ~10 in fp32 carry about 1e-6 of relative
+    # rounding from summing in a different order (one query against the cache vs all of them).
+    torch.testing.assert_close(cached_logits, expected_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(cached_tokens, expected_ids[:, ids.shape[1] :])
+
+
+@pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-llama"])
+def test_generate_stream_and_on_token_agree(preset):
+    model = qkv_model(preset)
+    ids, mask = left_padded_prompts()
     streamed = []
-    with torch.no_grad():
-        cached = generate(model, ids, attention_mask=mask, max_new_tokens=12,
-                          on_token=lambda t: streamed.append(t))  # fmt: skip
-        expected, _ = _recompute(model, ids, mask, 12)
-    assert torch.equal(cached, expected)
-    assert torch.equal(torch.stack(streamed, dim=1), cached[:, 9:])
+    output = generate(model, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                      on_token=streamed.append)  # fmt: skip
+    expected, _ = _recompute(model, ids, mask, NEW_TOKENS)
+    assert torch.equal(output, expected)
+    assert torch.equal(torch.stack(streamed, dim=1), output[:, ids.shape[1] :])
+
+
+def test_a_padded_row_decodes_as_it_would_alone():
+    """Row 1 of the batch (4 pads) gives the logits of its unpadded prompt decoded by itself."""
+    model = qkv_model("tiny-llama")
+    ids, mask = left_padded_prompts()
+    batch = list(decode_steps(model, ids, attention_mask=mask, max_new_tokens=6))
+    alone = list(decode_steps(model, ids[1:2, 4:], max_new_tokens=6))
+    for in_batch, single in zip(batch, alone, strict=True):
+        torch.testing.assert_close(in_batch.logits[1:2], single.logits, rtol=0, atol=1e-5)
+
+
+def test_decoding_builds_no_autograd_graph():
+    """Without the caller's torch.no_grad, neither the logits nor the cache keep a graph, and
+    grad mode is unchanged in the caller's code between steps."""
+    model = qkv_model("tiny-llama")
+    ids, _ = left_padded_prompts()
+    for step in decode_steps(model, ids, max_new_tokens=3):
+        assert torch.is_grad_enabled()
+        assert not step.logits.requires_grad
+        assert not step.cache.keys.requires_grad and not step.cache.values.requires_grad

@@ -1,6 +1,18 @@
-"""Generation: KV-cached decoding, sampling, beam search, attention sinks."""
+"""Generation: KV-cached decoding, sampling, beam search, attention sinks, text in and out."""
 
-from qkv.generation.generate import generate, stream
+from qkv.generation.beam import beam_search, greedy_decode
+from qkv.generation.generate import DecodeStep, decode_steps, generate, make_cache, stream
 from qkv.generation.sampling import filter_top_k, filter_top_p, next_token
 
-__all__ = ["filter_top_k", "filter_top_p", "generate", "next_token", "stream"]
+__all__ = [
+    "DecodeStep",
+    "beam_search",
+    "decode_steps",
+    "filter_top_k",
+    "filter_top_p",
+    "generate",
+    "greedy_decode",
+    "make_cache",
+    "next_token",
+    "stream",
+]

@@ -7,17 +7,40 @@ attends over the cache: O(t) per step instead of O(t^2).
 Batches of prompts of different lengths are left-padded: the pad tokens are masked out as keys
 and every row's position ids count only its real tokens, so row b's tokens get the same
 positions (and RoPE angles) as if it were alone.
+
+Three entry points, one loop: `decode_steps` yields a `DecodeStep` (tokens, the logits they were
+chosen from, the cache) per step; `stream` yields only the tokens; `generate` returns the whole
+sequences. All three check their arguments when called, before any decoding.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from qkv.generation.sampling import check_sampling, next_token
 from qkv.layers.kv_cache import SinkKVCache, StaticKVCache
+
+__all__ = ["DecodeStep", "decode_steps", "generate", "make_cache", "stream"]
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One decoding step.
+
+    tokens (B,) int64: the token chosen for each row (`eos_token_id` for rows already done).
+    logits (B, V) fp32: the model's next-token logits that step, before temperature and
+    filtering (what transformers' `generate(output_logits=True)` returns).
+    cache: the KV cache decoding writes into, to inspect (its length, its memory); not to
+    modify.
+    """
+
+    tokens: torch.Tensor
+    logits: torch.Tensor
+    cache: StaticKVCache | SinkKVCache
 
 
 def generate(
@@ -69,26 +92,62 @@ def stream(
     sinks: tuple[int, int] | None = None,
 ) -> Iterator[torch.Tensor]:
     """The same decoding as `generate`, yielding each step's tokens (B,) as they come."""
+    steps = decode_steps(
+        model, input_ids, max_new_tokens=max_new_tokens, attention_mask=attention_mask,
+        temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
+        seed=seed, sinks=sinks,
+    )  # fmt: skip
+    return (step.tokens for step in steps)
+
+
+def decode_steps(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    attention_mask: torch.Tensor | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | None = None,
+    seed: int | None = None,
+    sinks: tuple[int, int] | None = None,
+) -> Iterator[DecodeStep]:
+    """The same decoding as `generate`, yielding a `DecodeStep` (tokens, logits, cache) per step.
+
+    Arguments are checked here, when called; the decoding runs as the iterator is consumed.
+    """
     config = model.config
     B, L = _check_call(config, input_ids, max_new_tokens, eos_token_id, sinks)
     check_sampling(temperature, top_k, top_p, config.vocab_size)
     mask = _prompt_mask(attention_mask, B, L, input_ids.device)
-    if sinks is not None and attention_mask is not None and not bool(mask.all()):
-        raise ValueError("attention_mask: padded prompts are not supported with sinks")
-    cache = _make_cache(model, B, L + max_new_tokens, sinks, input_ids)
+    if sinks is not None and not bool(mask.all()):
+        raise ValueError(
+            "attention_mask: padded prompts are not supported with sinks (a StreamingLLM cache "
+            "holds only real tokens); expected an all-ones mask, or one prompt per call"
+        )
+    cache = make_cache(model, batch=B, max_length=L + max_new_tokens, sinks=sinks)
     generator = _generator(seed, input_ids.device) if temperature > 0 else None
+    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    return _decode(model, input_ids, mask, cache, max_new_tokens, eos_token_id, sampling, generator)
+
+
+def _decode(model, input_ids, mask, cache, max_new_tokens, eos_token_id, sampling, generator):
+    """The decoding loop of `decode_steps`, its arguments already checked."""
+    B = input_ids.shape[0]
     positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, L): real tokens count
     finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
     tokens, step_mask, step_positions = input_ids, mask, positions
     for _ in range(max_new_tokens):
-        logits = _forward(model, tokens, step_mask, step_positions, cache)  # (B, V)
-        chosen = next_token(
-            logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
-        )
+        # no_grad per call, not around the loop: a grad mode set inside a generator would leak
+        # into the caller's code between steps.
+        with torch.no_grad():
+            logits = _forward(model, tokens, step_mask, step_positions, cache)  # (B, V)
+        chosen = next_token(logits, **sampling, generator=generator)
         if eos_token_id is not None:
             chosen = torch.where(finished, eos_token_id, chosen)
             finished = finished | (chosen == eos_token_id)
-        yield chosen
+        yield DecodeStep(tokens=chosen, logits=logits, cache=cache)
         if eos_token_id is not None and bool(finished.all()):  # the one host sync per step
             return
         tokens = chosen.unsqueeze(1)  # (B, 1)
@@ -106,16 +165,31 @@ def _forward(model, tokens, mask, positions, cache) -> torch.Tensor:
     return output.logits[:, -1].float()
 
 
-def _make_cache(model, batch: int, length: int, sinks, input_ids) -> StaticKVCache | SinkKVCache:
+def make_cache(
+    model: nn.Module,
+    *,
+    batch: int,
+    max_length: int,
+    sinks: tuple[int, int] | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> StaticKVCache | SinkKVCache:
+    """The KV cache `generate` decodes `model` with: `max_length` slots per row, or a
+    StreamingLLM cache of num_sinks + window slots when `sinks=(num_sinks, window)`.
+
+    Sized by the model's key/value heads H_kv, not its query heads (seed 002 section 6.2);
+    dtype and device default to those of the model's parameters.
+    """
     config = model.config
-    dtype = next(model.parameters()).dtype
+    parameter = next(model.parameters())
     shape = {
         "num_layers": config.num_layers, "batch": batch, "num_kv_heads": config.num_kv_heads,
-        "head_dim": config.head_dim, "dtype": dtype, "device": input_ids.device,
+        "head_dim": config.head_dim, "dtype": parameter.dtype if dtype is None else dtype,
+        "device": parameter.device if device is None else device,
     }  # fmt: skip
     if sinks is not None:
         return SinkKVCache(num_sinks=sinks[0], window=sinks[1], **shape)
-    return StaticKVCache(max_length=length, **shape)
+    return StaticKVCache(max_length=max_length, **shape)
 
 
 def _prompt_mask(attention_mask, B: int, L: int, device) -> torch.Tensor:
@@ -134,13 +208,19 @@ def _generator(seed: int | None, device) -> torch.Generator | None:
     return generator
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _check_call(config, input_ids, max_new_tokens: int, eos_token_id, sinks) -> tuple[int, int]:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids: expected a non-empty (B, L) tensor, got {input_ids!r}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+    if not _is_int(max_new_tokens):
         raise TypeError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r}")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens}")
+    if eos_token_id is not None and not _is_int(eos_token_id):
+        raise TypeError(f"eos_token_id: expected an int or None, got {eos_token_id!r}")
     if eos_token_id is not None and not 0 <= eos_token_id < config.vocab_size:
         raise ValueError(
             f"eos_token_id: {eos_token_id} is outside the vocabulary [0, {config.vocab_size})"
@@ -152,14 +232,30 @@ def _check_call(config, input_ids, max_new_tokens: int, eos_token_id, sinks) -> 
             f"context of {config.max_positions}; expected fewer, or sinks=(num_sinks, window) "
             f"for StreamingLLM decoding"
         )
-    if sinks is not None and config.position != "rope":
+    if sinks is not None:
+        _check_sinks(config, sinks)
+    return B, L
+
+
+def _check_sinks(config, sinks) -> None:
+    if not (
+        isinstance(sinks, (tuple, list))
+        and len(sinks) == 2
+        and all(_is_int(n) for n in sinks)
+        and sinks[0] >= 0
+        and sinks[1] >= 1
+    ):
+        raise ValueError(
+            f"sinks: expected (num_sinks, window), ints with num_sinks >= 0 and window >= 1, "
+            f"got {sinks!r}"
+        )
+    if config.position != "rope":
         raise ValueError(
             f"sinks: StreamingLLM caches re-rotate keys by their cache position, which needs "
             f"RoPE; this model has {config.position!r} positions"
         )
-    if sinks is not None and (len(sinks) != 2 or sinks[0] + sinks[1] > config.max_positions):
+    if sinks[0] + sinks[1] > config.max_positions:
         raise ValueError(
-            f"sinks: expected (num_sinks, window) with a total <= {config.max_positions}, "
-            f"got {sinks!r}"
+            f"sinks: num_sinks + window = {sinks[0] + sinks[1]} exceeds the model's context of "
+            f"{config.max_positions}; expected a total <= {config.max_positions}"
         )
-    return B, L

@@ -67,8 +67,10 @@ def check_sampling(
     """Clear errors for sampling arguments, naming each."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"temperature: expected a number >= 0, got {temperature!r}")
-    if temperature < 0:
-        raise ValueError(f"temperature: expected a number >= 0 (0 = greedy), got {temperature}")
+    if not 0 <= temperature < float("inf"):  # also refuses NaN
+        raise ValueError(
+            f"temperature: expected a finite number >= 0 (0 = greedy), got {temperature}"
+        )
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k: expected an int >= 1 or None, got {top_k!r}")
     if top_p is not None and (

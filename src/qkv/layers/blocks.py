@@ -22,6 +22,7 @@ from torch import nn
 from qkv.layers import torch_interop
 from qkv.layers.attention import MultiHeadAttention
 from qkv.layers.feedforward import FeedForward
+from qkv.layers.kv_cache import CrossAttentionCache, LayerCache
 from qkv.layers.norms import LayerNorm
 
 __all__ = ["DecoderBlock", "EncoderBlock", "post_norm", "pre_norm"]
@@ -148,17 +149,31 @@ class DecoderBlock(nn.Module):
         mask: torch.Tensor | None = None,
         memory_mask: torch.Tensor | None = None,
         causal: bool = True,
+        self_cache: LayerCache | None = None,
+        cross_cache: CrossAttentionCache | None = None,
     ) -> torch.Tensor:
         """x (B, L, E) attends to itself (causally by default) and to memory (B, L_mem, E).
 
         mask: a qkv mask over x's own keys (e.g. target padding); memory_mask: over the memory's
         keys, (B, 1, 1, L_mem) from `qkv.masks.padding`, or (L, L_mem). Returns (B, L, E).
+
+        Incremental decoding (seed 004, "autoregressive inference"): with `self_cache` x holds
+        only the new tokens, whose keys and values join the cached ones (mask then covers every
+        cached key, causal aligns the new queries bottom-right); with `cross_cache` the memory's
+        keys and values are projected on the first call and reused after.
         """
+        _check_caches(self_cache, cross_cache)
         x = self.residual(
-            x, lambda h: self.self_attn(h, mask=mask, causal=causal), self.norm1, self.dropout
+            x,
+            lambda h: self.self_attn(h, mask=mask, causal=causal, cache=self_cache),
+            self.norm1,
+            self.dropout,
         )
         x = self.residual(
-            x, lambda h: self.cross_attn(h, memory, mask=memory_mask), self.norm2, self.dropout
+            x,
+            lambda h: self.cross_attn(h, memory, mask=memory_mask, cache=cross_cache),
+            self.norm2,
+            self.dropout,
         )
         return self.residual(x, self.ffn, self.norm3, self.dropout)
 
@@ -197,6 +212,21 @@ def _load_ffn_and_norms(block: nn.Module, layer: nn.Module, norms: tuple[str, ..
     torch_interop.copy_weight_and_bias(block.ffn.down_proj, layer.linear2)
     for name in norms:
         torch_interop.copy_weight_and_bias(getattr(block, name), getattr(layer, name))
+
+
+def _check_caches(self_cache: object, cross_cache: object) -> None:
+    """Each attention layer takes its own kind of cache: swapping them would silently attend
+    to the wrong keys (a LayerCache in cross-attention appends the memory to the target's)."""
+    if self_cache is not None and not isinstance(self_cache, LayerCache):
+        raise TypeError(
+            f"self_cache: expected a qkv.layers.LayerCache (e.g. StaticKVCache.layer(i)) or "
+            f"None, got {type(self_cache).__name__}"
+        )
+    if cross_cache is not None and not isinstance(cross_cache, CrossAttentionCache):
+        raise TypeError(
+            f"cross_cache: expected a qkv.layers.CrossAttentionCache or None, got "
+            f"{type(cross_cache).__name__}"
+        )
 
 
 def _check_bool(name: str, value: object) -> bool:

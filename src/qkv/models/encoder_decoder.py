@@ -8,7 +8,9 @@ Training uses teacher forcing (seed 004, "Data Flow: Training vs. Inference"): t
 ground-truth target, shifted one position to the right behind a start token (`shift_right`), is
 fed to the decoder at once, and the look-ahead (causal) mask keeps position i from seeing the
 tokens after it, so all positions train in parallel. Inference is autoregressive: `encode` once,
-then call `decode` on the growing prefix, one token more each step.
+then call `decode` on the growing prefix, one token more each step. With a `DecoderCache`
+(`decode(..., cache=)`) each step feeds only the newest token: the self-attention keys/values of
+the prefix are cached, and the memory's cross-attention projections are computed once.
 
 The blocks are `qkv.layers.EncoderBlock` / `DecoderBlock` (post-norm "Add & Norm" as in the
 paper, or pre-norm with `norm_first`); `from_torch` builds the same stacks from an
@@ -24,6 +26,8 @@ from torch import nn
 
 from qkv.layers import DecoderBlock, EncoderBlock, LayerNorm
 from qkv.layers.torch_interop import copy_weight_and_bias
+from qkv.models._inputs import check_ids, describe, key_mask
+from qkv.models.decoder_cache import DecoderCache
 from qkv.models.encoder_decoder_config import TRANSFORMER_PRESETS, TransformerConfig
 from qkv.models.losses import IGNORE_INDEX, sequence_cross_entropy
 from qkv.models.outputs import Seq2SeqOutput
@@ -32,6 +36,7 @@ from qkv.positional import SinusoidalPositionalEncoding
 
 __all__ = [
     "TRANSFORMER_PRESETS",
+    "DecoderCache",
     "DecoderStack",
     "EncoderStack",
     "Transformer",
@@ -47,7 +52,7 @@ def shift_right(labels: torch.Tensor, *, bos_token_id: int, pad_token_id: int) -
     becomes `pad_token_id`, since it is no token. Seed 004: "Decoder Input: <SOS> How are you?"
     for "Target Output: How are you? <EOS>".
     """
-    _check_ids("labels", labels, allow_ignored=True)
+    check_ids("labels", labels, allow_ignored=True)
     shifted = labels.new_empty(labels.shape)  # (B, L)
     shifted[:, :1] = bos_token_id
     shifted[:, 1:] = labels[:, :-1]
@@ -101,13 +106,27 @@ class DecoderStack(nn.Module):
         *,
         mask: torch.Tensor | None = None,
         memory_mask: torch.Tensor | None = None,
+        cache: DecoderCache | None = None,
     ) -> torch.Tensor:
         """x (B, L_tgt, E) attends causally to itself (the look-ahead mask) and to memory.
 
         mask: qkv key mask over the target, memory_mask over the memory ((B, 1, 1, L) each).
+        cache: incremental decoding; x is then the new tokens only, and mask (if any) covers
+        every cached target key, (B, 1, 1, cache.length + L_tgt).
         """
-        for block in self.blocks:
-            x = block(x, memory, mask=mask, memory_mask=memory_mask, causal=True)
+        for index, block in enumerate(self.blocks):
+            self_cache, cross_cache = (None, None) if cache is None else cache.layer(index)
+            x = block(
+                x,
+                memory,
+                mask=mask,
+                memory_mask=memory_mask,
+                causal=True,
+                self_cache=self_cache,
+                cross_cache=cross_cache,
+            )
+        if cache is not None:
+            cache.advance(x.shape[1])
         return self.norm(x)
 
     @classmethod
@@ -154,20 +173,21 @@ class Transformer(nn.Module):
 
     def embed_source(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Source ids (B, L) -> dropout(embedding * sqrt(E) + PE): (B, L, E)."""
-        _check_ids("input_ids", input_ids, vocab_size=self.config.src_vocab_size)
+        check_ids("input_ids", input_ids, vocab_size=self.config.src_vocab_size)
         return self._embed(input_ids, self.source_embedding)
 
-    def embed_target(self, decoder_input_ids: torch.Tensor) -> torch.Tensor:
-        """Target ids (B, L) -> dropout(embedding * sqrt(E) + PE): (B, L, E)."""
-        _check_ids("decoder_input_ids", decoder_input_ids, vocab_size=self.config.tgt_vocab_size)
-        return self._embed(decoder_input_ids, self.target_embedding)
+    def embed_target(self, decoder_input_ids: torch.Tensor, *, start: int = 0) -> torch.Tensor:
+        """Target ids (B, L) at positions start .. start + L - 1 -> dropout(embedding * sqrt(E)
+        + PE): (B, L, E). `start` > 0 embeds the new tokens of an incremental decoding step."""
+        check_ids("decoder_input_ids", decoder_input_ids, vocab_size=self.config.tgt_vocab_size)
+        return self._embed(decoder_input_ids, self.target_embedding, start=start)
 
     def encode(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Source ids (B, L_src) -> memory (B, L_src, E). attention_mask: (B, L_src), 1/True on
         real tokens (padding keys are not attended to)."""
-        mask = _key_mask("attention_mask", attention_mask, tuple(input_ids.shape))
+        mask = key_mask("attention_mask", attention_mask, tuple(input_ids.shape))
         return self.encoder(self.embed_source(input_ids), mask=mask)
 
     def decode(
@@ -177,21 +197,33 @@ class Transformer(nn.Module):
         *,
         memory_mask: torch.Tensor | None = None,
         decoder_attention_mask: torch.Tensor | None = None,
+        cache: DecoderCache | None = None,
     ) -> torch.Tensor:
         """Target ids (B, L_tgt) and memory (B, L_src, E) -> logits (B, L_tgt, V_tgt).
 
         memory_mask: the source's (B, L_src) attention mask; decoder_attention_mask: (B, L_tgt).
         Both 1/True on real tokens. The look-ahead mask is always applied.
+
+        cache (seed 004, autoregressive inference): a `DecoderCache` (`new_decoder_cache`);
+        decoder_input_ids then holds only the tokens after the `cache.length` already decoded,
+        at positions cache.length onwards, and decoder_attention_mask, if given, covers all of
+        them: (B, cache.length + L_tgt). The logits equal those of the full prefix's decode.
         """
-        x = self.embed_target(decoder_input_ids)
+        check_ids("decoder_input_ids", decoder_input_ids)  # the shape; embed_target the values
+        B, L_tgt = decoder_input_ids.shape
+        start = 0 if cache is None else DecoderCache.check_step(cache, B, L_tgt)
+        x = self.embed_target(decoder_input_ids, start=start)
         if not isinstance(memory, torch.Tensor) or memory.dim() != 3:
-            raise ValueError(f"memory: expected a (B, L_src, E) tensor, got {_describe(memory)}")
-        target_keys = _key_mask(
-            "decoder_attention_mask", decoder_attention_mask, tuple(decoder_input_ids.shape)
-        )
-        memory_keys = _key_mask("memory_mask", memory_mask, tuple(memory.shape[:2]))
-        hidden = self.decoder(x, memory, mask=target_keys, memory_mask=memory_keys)
+            raise ValueError(f"memory: expected a (B, L_src, E) tensor, got {describe(memory)}")
+        target_keys = key_mask("decoder_attention_mask", decoder_attention_mask, (B, start + L_tgt))
+        memory_keys = key_mask("memory_mask", memory_mask, tuple(memory.shape[:2]))
+        hidden = self.decoder(x, memory, mask=target_keys, memory_mask=memory_keys, cache=cache)
         return self.lm_head(hidden)  # (B, L_tgt, V_tgt)
+
+    def new_decoder_cache(self, batch_size: int, max_length: int) -> DecoderCache:
+        """An empty `DecoderCache` for `decode(..., cache=)`: batch_size rows, up to max_length
+        target tokens (the start token included)."""
+        return DecoderCache.for_decoder(self.decoder, batch_size=batch_size, max_length=max_length)
 
     def forward(
         self,
@@ -208,7 +240,7 @@ class Transformer(nn.Module):
         label-smoothed cross-entropy over the labelled positions (section 5.4).
         """
         if labels is not None:
-            _check_ids("labels", labels, vocab_size=self.config.tgt_vocab_size, allow_ignored=True)
+            check_ids("labels", labels, vocab_size=self.config.tgt_vocab_size, allow_ignored=True)
         if decoder_input_ids is None:
             if labels is None:
                 raise ValueError(
@@ -245,8 +277,8 @@ class Transformer(nn.Module):
         model.decoder = DecoderStack.from_torch(module.decoder)
         return model
 
-    def _embed(self, ids: torch.Tensor, embedding: nn.Embedding) -> torch.Tensor:
-        positions = torch.arange(ids.shape[1], device=ids.device)  # (L,)
+    def _embed(self, ids: torch.Tensor, embedding: nn.Embedding, start: int = 0) -> torch.Tensor:
+        positions = torch.arange(start, start + ids.shape[1], device=ids.device)  # (L,)
         x = embedding(ids) * self.embedding_scale + self.positions(positions)  # (B, L, E)
         return self.embedding_dropout(x)
 
@@ -329,50 +361,6 @@ def _norm_from_torch(name: str, norm: nn.LayerNorm | None) -> LayerNorm:
     )
     copy_weight_and_bias(layer, norm)
     return layer
-
-
-def _key_mask(
-    name: str, mask: torch.Tensor | None, expected_shape: tuple[int, ...]
-) -> torch.Tensor | None:
-    """A (B, L) attention mask, 1/True on real tokens -> qkv key mask (B, 1, 1, L)."""
-    if mask is None:
-        return None
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(mask).__name__}")
-    if mask.is_floating_point() or mask.is_complex():
-        raise TypeError(
-            f"{name}: expected a bool or 0/1 integer tensor (1/True on real tokens), got dtype "
-            f"{mask.dtype}; an additive float mask is not accepted here"
-        )
-    if tuple(mask.shape) != expected_shape:
-        raise ValueError(f"{name}: expected shape {expected_shape}, got {tuple(mask.shape)}")
-    return mask.bool()[:, None, None, :]  # (B, 1, 1, L)
-
-
-def _check_ids(
-    name: str, ids: object, *, vocab_size: int | None = None, allow_ignored: bool = False
-) -> None:
-    """A (B, L) integer tensor of ids in [0, vocab_size) (or -100, the ignored label)."""
-    if not isinstance(ids, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(ids).__name__}")
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise TypeError(f"{name}: expected an integer tensor, got dtype {ids.dtype}")
-    if ids.dim() != 2:
-        raise ValueError(f"{name}: expected shape (B, L), got {tuple(ids.shape)}")
-    if vocab_size is None or ids.numel() == 0:
-        return
-    real = ids[ids != IGNORE_INDEX] if allow_ignored else ids
-    if real.numel() and (int(real.min()) < 0 or int(real.max()) >= vocab_size):
-        raise ValueError(
-            f"{name}: expected ids in [0, {vocab_size}), got values in "
-            f"[{int(real.min())}, {int(real.max())}]"
-        )
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
-    return type(value).__name__
 
 
 register_model_class(Transformer, TransformerConfig)
