@@ -178,3 +178,13 @@ def test_mean_pool_bad_shapes():
         match=r"attention_mask: expected shape \(2, 3\) \(B, L\), got a tensor of shape \(2, 4\)",
     ):
         mean_pool(torch.ones(2, 3, 4), torch.ones(2, 4))
+
+
+def test_dropouts_sit_where_transformers_bert_puts_them():
+    # transformers' BertLayer: attention probs at attention_probs_dropout_prob, sub-layer
+    # outputs at hidden_dropout_prob, nothing between the FFN's two linears.
+    config = BertConfig.from_name("tiny", dropout=0.1, attention_dropout=0.3)
+    block = BertModel(config).layer(0)
+    assert block.self_attn.dropout == 0.3
+    assert block.dropout.p == 0.1
+    assert all(m.p == 0.0 for m in block.ffn.modules() if isinstance(m, torch.nn.Dropout))

@@ -46,9 +46,10 @@ def pre_norm(x: torch.Tensor, sublayer: Sublayer, norm: nn.Module, dropout: nn.M
 class EncoderBlock(nn.Module):
     """Self-attention then feed-forward, each wrapped in Add & Norm (seed 004).
 
-    Submodules: self_attn, ffn, norm1, norm2, and `dropout` on each sub-layer's output (the
-    same p is used for the attention weights and the FFN's hidden layer, as in
-    `nn.TransformerEncoderLayer`). Input and output (B, L, E).
+    Submodules: self_attn, ffn, norm1, norm2, and `dropout` on each sub-layer's output. The
+    attention weights and the FFN's hidden layer use the same p by default, as in
+    `nn.TransformerEncoderLayer`; `attention_dropout` / `ffn_dropout` set them apart (BERT drops
+    attention weights at its own rate and has no dropout inside the FFN). Input/output (B, L, E).
     """
 
     def __init__(
@@ -59,6 +60,8 @@ class EncoderBlock(nn.Module):
         *,
         num_kv_heads: int | None = None,
         dropout: float = 0.0,
+        attention_dropout: float | None = None,
+        ffn_dropout: float | None = None,
         activation: str = "relu",
         norm_first: bool = False,
         eps: float = 1e-5,
@@ -68,11 +71,13 @@ class EncoderBlock(nn.Module):
     ) -> None:
         super().__init__()
         factory = {"bias": bias, "device": device, "dtype": dtype}
+        attention_dropout = dropout if attention_dropout is None else attention_dropout
+        ffn_dropout = dropout if ffn_dropout is None else ffn_dropout
         self.self_attn = MultiHeadAttention(
-            embed_dim, num_heads, num_kv_heads, dropout=dropout, **factory
+            embed_dim, num_heads, num_kv_heads, dropout=attention_dropout, **factory
         )
         self.ffn = FeedForward(
-            embed_dim, ffn_dim, activation=activation, dropout=dropout, **factory
+            embed_dim, ffn_dim, activation=activation, dropout=ffn_dropout, **factory
         )
         self.norm1 = LayerNorm(embed_dim, eps=eps, **factory)
         self.norm2 = LayerNorm(embed_dim, eps=eps, **factory)

@@ -139,24 +139,19 @@ class BertEmbeddings(nn.Module):
 
 
 def _encoder_block(config: BertConfig) -> EncoderBlock:
-    """One post-norm block with BERT's dropouts (transformers' `BertLayer`).
-
-    EncoderBlock uses one dropout rate everywhere, as `nn.TransformerEncoderLayer` does; BERT
-    drops the attention weights at `attention_dropout` and has no dropout inside the FFN (only
-    on its output), so those two are set here. Evaluation mode is unaffected either way.
-    """
-    block = EncoderBlock(
+    """One post-norm block with BERT's dropouts (transformers' `BertLayer`): attention weights
+    at `attention_dropout`, sub-layer outputs at `dropout`, none inside the FFN."""
+    return EncoderBlock(
         config.embed_dim,
         config.num_heads,
         config.ffn_dim,
         dropout=config.dropout,
+        attention_dropout=config.attention_dropout,
+        ffn_dropout=0.0,
         activation="gelu",
         norm_first=False,
         eps=config.norm_eps,
     )
-    block.self_attn.dropout = config.attention_dropout
-    block.ffn.dropout = nn.Identity()
-    return block
 
 
 @torch.no_grad()
