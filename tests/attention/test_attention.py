@@ -167,3 +167,13 @@ def test_auto_serves_weights_from_reference_and_everything_else_from_sdpa():
     gqa = qkv.explain(q, k[:, :1], v[:, :1], causal=True)
     assert "enable_gqa=True" in gqa and "is_causal=True" in gqa
     assert "bottom-right" in qkv.explain(q, k[:, :, :3], v[:, :, :3], causal=True)
+
+
+def test_one_causal_query_sees_every_key_without_a_mask():
+    # A decoding step: bottom-right alignment makes the single query the newest position.
+    q, k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
+    expected = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # every key visible
+    torch.testing.assert_close(qkv.attention(q, k, v, causal=True), expected)
+    assert "one query (a decoding step): it sees every key, no mask" in qkv.explain(
+        q, k, v, causal=True
+    )

@@ -33,6 +33,8 @@ def notes(request: AttentionRequest) -> list[str]:
     out = []
     if request.causal and _plain_causal(request):
         out.append("causal with L_q == L_k: passed as is_causal=True, no mask tensor")
+    elif request.causal and _sees_every_key(request) and request.window is None:
+        out.append("causal with one query (a decoding step): it sees every key, no mask")
     elif request.causal:
         out.append(
             f"causal with L_q={request.query_len} != L_k={request.key_len}: an explicit "
@@ -73,7 +75,7 @@ def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:
             k,
             v,
             dropout_p=request.dropout_p,
-            is_causal=request.causal,
+            is_causal=request.causal and _plain_causal(request),
             scale=request.scale,
             **gqa,
         ), None
@@ -85,13 +87,22 @@ def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:
 
 
 def _plain_causal(request: AttentionRequest) -> bool:
+    """Causal that SDPA's is_causal serves as is: L_q == L_k (its top-left alignment is then
+    bottom-right too)."""
     return request.query_len == request.key_len
+
+
+def _sees_every_key(request: AttentionRequest) -> bool:
+    """One query aligned bottom-right sees every key: causal needs no mask at all (a decoding
+    step with a KV cache), where SDPA's top-left is_causal would show it only key 0."""
+    return request.query_len == 1
 
 
 def _needs_mask(request: AttentionRequest) -> bool:
     """False when the kernel can run maskless (no mask, bias, window, or only aligned causal)."""
     structural_only = request.mask is None and request.bias is None and request.window is None
-    return not (structural_only and (not request.causal or _plain_causal(request)))
+    causal_free = not request.causal or _plain_causal(request) or _sees_every_key(request)
+    return not (structural_only and causal_free)
 
 
 def _kernel_mask(request: AttentionRequest) -> tuple[torch.Tensor, torch.Tensor]:
