@@ -1,0 +1,419 @@
+"""Benchmark: greedy decoding, qkv.generation.generate against transformers' generate.
+
+    .venv/bin/python benchmarks/decode.py            # fp32 and bf16, 128 new tokens (1-4 min)
+    .venv/bin/python benchmarks/decode.py --quick    # smoke run: 16 new tokens, 2 rounds
+
+The model: a ~55M-parameter Llama (E = 512, 8 layers, 8 query heads over 2 K/V heads, SwiGLU
+FFN of 1408, vocabulary 32000, separate lm_head), built by transformers' LlamaForCausalLM under
+torch.manual_seed(0), saved with save_pretrained, and loaded from that directory by both
+qkv.models.GPT.from_pretrained and LlamaForCausalLM.from_pretrained(attn_implementation="sdpa"),
+so both hold the same weights. Each dtype casts both models with .to(dtype).
+
+One call, timed as a user sees it (prefill included), batch 1, a 32-token prompt (no padding,
+no attention_mask for either), 128 new tokens:
+    qkv            qkv.generation.generate(model, ids, max_new_tokens=128)    (greedy)
+    transformers   model.generate(ids, do_sample=False, max_new_tokens=128,
+                                  min_new_tokens=128, eos_token_id=None)
+The config has no eos token, so neither stops early and min_new_tokens masks nothing: both
+produce exactly 128 tokens, which are compared (the first divergent step is reported, with each
+model's top-2 logit margin and ties there: bf16 may flip near-ties). tokens/s = 128 / the
+median seconds per call; "paired" is the median of the per-round ratios (rounds interleave the
+candidates, so pairing cancels the drift of a shared machine).
+
+The physical limit. At batch 1 every decoding step reads every weight once (of the token
+embedding table only the looked-up row) and the K/V cache up to that step; the arithmetic is
+~1 FLOP per byte, so the step is memory-bound:
+    bytes per token = weight bytes + mean over the 128 forward passes of the K/V bytes read
+    limit (tokens/s) = measured read bandwidth / bytes per token
+The read bandwidth is measured here: the fastest of the .sum() calls over a 1 GiB fp32 tensor,
+timed before the models and again inside every timing round (interleaved with the decoding, so
+limit and figures come from the same machine state); a copy_ of it, read + write, is reported
+beside it. Also reported, as a diagnostic: the "matvec floor", tokens/s if a step did nothing but
+the model's own matrix-vector products (F.linear over every projection and the lm_head, one
+token) with PyTorch's kernels here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import statistics
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import transformers
+from common import (
+    DTYPES,
+    Timing,
+    default_device,
+    format_table,
+    log,
+    machine_info,
+    time_interleaved,
+    write_json,
+)
+from torch import nn
+
+from qkv.generation import generate
+from qkv.models import GPT
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TARGET_RATIO = 1.5  # qkv tokens/s over transformers tokens/s
+TARGET_FRACTION = 0.8  # qkv tokens/s over the memory-bandwidth limit
+transformers.logging.set_verbosity_error()
+
+LLAMA = {
+    "vocab_size": 32000,
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": None,
+    "eos_token_id": None,  # no eos: both libraries generate exactly max_new_tokens
+    "pad_token_id": None,
+}
+
+
+def build_models(device: str) -> tuple[nn.Module, nn.Module]:
+    """(qkv GPT, transformers LlamaForCausalLM), fp32, eval mode, the same weights."""
+    config = transformers.LlamaConfig(**LLAMA)
+    torch.manual_seed(0)
+    built = transformers.LlamaForCausalLM(config)
+    with tempfile.TemporaryDirectory() as directory:
+        built.save_pretrained(directory)
+        ours = GPT.from_pretrained(directory)
+        theirs = transformers.LlamaForCausalLM.from_pretrained(
+            directory, attn_implementation="sdpa", dtype=torch.float32
+        )
+    del built
+    return ours.to(device).eval(), theirs.to(device).eval()
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def weight_bytes_read(model: GPT) -> int:
+    """Bytes of parameters one decoding step reads: all of them, except that the token
+    embedding table (V, E) gives only the one row looked up (E values)."""
+    embedding = model.token_embedding.weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total - embedding.numel() * embedding.element_size() + embedding[0].nbytes
+
+
+def kv_bytes_read(model: GPT, prompt: int, new_tokens: int, element_size: int) -> float:
+    """K/V cache bytes read per forward pass, averaged over the `new_tokens` passes of one
+    generate call: pass j (0 = prefill) attends over prompt + j keys and values per layer."""
+    c = model.config
+    per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * element_size
+    mean_keys = prompt + (new_tokens - 1) / 2
+    return per_token * mean_keys
+
+
+class Bandwidth:
+    """Read bandwidth from .sum() over a `gib` GiB fp32 tensor, read + write bandwidth from
+    copy_ into a second one. The read probe is also timed inside every round of the decoding
+    benchmarks (`probe`), so that the limit comes from the same noisy machine as the figures it
+    divides; the peak (fastest sample: noise only ever slows a call) is the limit."""
+
+    def __init__(self, device: str, gib: float = 1.0) -> None:
+        self.device = device
+        self.x = torch.ones(int(gib * 2**30) // 4, device=device)
+        self.read_samples: list[float] = []  # seconds per .sum()
+        self.copy_samples: list[float] = []  # seconds per copy_
+
+    def probe(self) -> torch.Tensor:
+        return self.x.sum()
+
+    def measure(self, repeats: int) -> None:
+        y = torch.empty_like(self.x)
+        timings = time_interleaved(
+            {"sum": self.probe, "copy": lambda: y.copy_(self.x)},
+            device=self.device,
+            warmup=1,
+            repeats=repeats,
+            min_repeats=repeats,
+        )
+        self.read_samples += timings["sum"].samples
+        self.copy_samples += timings["copy"].samples
+
+    @property
+    def read_peak(self) -> float:
+        return self.x.nbytes / min(self.read_samples)
+
+    def summary(self) -> dict:
+        nbytes = self.x.nbytes
+        return {
+            "bytes": nbytes,
+            "read_peak": self.read_peak,
+            "read_median": nbytes / statistics.median(self.read_samples),
+            "copy_peak": 2 * nbytes / min(self.copy_samples),
+            "copy_median": 2 * nbytes / statistics.median(self.copy_samples),
+            "read_samples_ms": [t * 1e3 for t in self.read_samples],
+        }
+
+
+def matvec_floor(model: GPT, device: str) -> Callable[[], None]:
+    """One token through every nn.Linear of the model with F.linear, nothing else."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    dtype = linears[0].weight.dtype
+    inputs = {m.in_features: torch.randn(1, 1, m.in_features, device=device, dtype=dtype)
+              for m in linears}  # fmt: skip
+
+    def run():
+        with torch.no_grad():
+            for m in linears:
+                F.linear(inputs[m.in_features], m.weight, m.bias)
+
+    return run
+
+
+def first_divergence(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    """Index of the first differing element of two 1-D token tensors, or None."""
+    differ = (a != b).nonzero()
+    return None if differ.numel() == 0 else int(differ[0, 0])
+
+
+def near_tie(logits: torch.Tensor, chosen: dict[str, int]) -> dict:
+    """How close a call was: the top-2 logits, how many tokens tie at the maximum, and the
+    logit of each library's choice (all from one model's logits on the common prefix)."""
+    logits = logits.float()
+    values, indices = logits.topk(2)
+    return {
+        "top1": int(indices[0]),
+        "top2": int(indices[1]),
+        "margin": float(values[0] - values[1]),
+        "tied_at_max": int((logits == values[0]).sum()),
+        "logit_of_choice": {name: float(logits[token]) for name, token in chosen.items()},
+    }
+
+
+def check_tokens(ours, theirs, ids, new_tokens, calls) -> dict:
+    """Run each once; compare the new tokens; at a divergence, each model's top-2 margin on
+    the common prefix (a full forward pass without cache)."""
+    out_ours, out_theirs = calls["qkv"](), calls["transformers"]()
+    L = ids.shape[1]
+    new_ours, new_theirs = out_ours[0, L:], out_theirs[0, L:]
+    step = first_divergence(new_ours, new_theirs)
+    result = {
+        "new_tokens": {"qkv": new_ours.numel(), "transformers": new_theirs.numel()},
+        "equal": step is None and new_ours.numel() == new_theirs.numel() == new_tokens,
+        "first_divergence_step": step,
+        "matching_steps": new_tokens if step is None else step,
+    }
+    if step is not None:
+        prefix = out_ours[:, : L + step]
+        chosen = {"qkv": int(new_ours[step]), "transformers": int(new_theirs[step])}
+        with torch.no_grad():
+            result["at_divergence"] = {
+                "chosen": chosen,
+                "qkv_logits": near_tie(ours(prefix).logits[0, -1], chosen),
+                "transformers_logits": near_tie(theirs(input_ids=prefix).logits[0, -1], chosen),
+            }
+    return result
+
+
+def bench_dtype(base_ours, base_theirs, dtype: str, bandwidth: Bandwidth, args) -> dict:
+    """One row: tokens/s of each library, the tokens check, the bytes a token reads. The
+    fields that need the bandwidth (known only after every row has probed it) come later,
+    from `add_limits`."""
+    ours = copy.deepcopy(base_ours).to(DTYPES[dtype])
+    theirs = copy.deepcopy(base_theirs).to(DTYPES[dtype])
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, LLAMA["vocab_size"], (1, args.prompt), generator=generator)
+    ids = ids.to(args.device)
+    n = args.new_tokens
+    calls = {
+        "qkv": lambda: generate(ours, ids, max_new_tokens=n),
+        "transformers": lambda: theirs.generate(
+            ids, do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None
+        ),
+    }
+    log(f"{dtype}: checking tokens ...")
+    check = check_tokens(ours, theirs, ids, n, calls)
+    if not check["equal"]:
+        log(f"NOTE: {dtype}: greedy tokens differ from step {check['first_divergence_step']}")
+    log(f"{dtype}: timing ...")
+    candidates = {
+        **calls,
+        "matvec_floor": matvec_floor(ours, args.device),
+        "bandwidth_probe": bandwidth.probe,
+    }
+    timings = time_interleaved(
+        candidates,
+        device=args.device,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        min_repeats=min(args.repeats, 3),
+        budget_s=args.budget,
+    )
+    probe = timings.pop("bandwidth_probe")
+    bandwidth.read_samples += probe.samples
+    element = next(ours.parameters()).element_size()
+    weights = weight_bytes_read(ours)
+    kv = kv_bytes_read(ours, args.prompt, n, element)
+    speed = {name: n / timings[name].median for name in calls}
+    speed["matvec_floor"] = 1.0 / timings["matvec_floor"].median
+    best = {name: n / timings[name].min for name in calls}
+    best["matvec_floor"] = 1.0 / timings["matvec_floor"].min
+    row = {
+        "dtype": dtype,
+        "batch": 1,
+        "prompt": args.prompt,
+        "new_tokens": n,
+        "tokens_per_s": speed,
+        "tokens_per_s_best": best,
+        "ratio": speed["qkv"] / speed["transformers"],
+        "paired_ratio": paired_ratio(timings["transformers"], timings["qkv"]),
+        "bytes_per_token": {"weights": weights, "kv_cache_mean": kv, "total": weights + kv},
+        "bandwidth_probe_ms": [t * 1e3 for t in probe.samples],
+        "tokens": check,
+        "timings": {name: t.as_dict() for name, t in timings.items()},
+    }
+    gc.collect()
+    return row
+
+
+def add_limits(row: dict, read_bandwidth: float) -> None:
+    """The memory-bandwidth limit of a row, and each candidate's fraction of it."""
+    limit = read_bandwidth / row["bytes_per_token"]["total"]
+    row["bandwidth_limit_tokens_per_s"] = limit
+    row["fraction_of_limit"] = {n: s / limit for n, s in row["tokens_per_s"].items()}
+    row["fraction_of_limit_best"] = {n: s / limit for n, s in row["tokens_per_s_best"].items()}
+
+
+def paired_ratio(slow: Timing, fast: Timing) -> float:
+    """Median over rounds of slow/fast: rounds are interleaved, so pairing cancels drift."""
+    return statistics.median(a / b for a, b in zip(slow.samples, fast.samples, strict=True))
+
+
+def table(rows: list[dict]) -> str:
+    header = ["dtype", "qkv tok/s", "hf tok/s", "qkv/hf", "paired", "MB/token", "limit tok/s"]
+    header += ["qkv %lim", "hf %lim", "matvec tok/s", "tokens equal"]
+    body = []
+    for r in rows:
+        s, f, t = r["tokens_per_s"], r["fraction_of_limit"], r["tokens"]
+        same = "yes" if t["equal"] else f"no: from step {t['first_divergence_step']}"
+        body.append(
+            [
+                r["dtype"],
+                f"{s['qkv']:.1f}",
+                f"{s['transformers']:.1f}",
+                f"{r['ratio']:.3f}" + ("!" if r["ratio"] < TARGET_RATIO else " "),
+                f"{r['paired_ratio']:.3f}",
+                f"{r['bytes_per_token']['total'] / 1e6:.1f}",
+                f"{r['bandwidth_limit_tokens_per_s']:.0f}",
+                f"{100 * f['qkv']:.1f}%" + ("!" if f["qkv"] < TARGET_FRACTION else " "),
+                f"{100 * f['transformers']:.1f}%",
+                f"{s['matvec_floor']:.0f}",
+                same,
+            ]
+        )
+    return format_table(body, header)
+
+
+def divergence_notes(rows: list[dict]) -> list[str]:
+    notes = []
+    for r in rows:
+        d = r["tokens"].get("at_divergence")
+        if d is None:
+            continue
+        c = d["chosen"]
+        parts = []
+        for name in ("qkv", "transformers"):
+            z = d[f"{name}_logits"]
+            parts.append(
+                f"{name}'s top-2 margin {z['margin']:.3g} ({z['tied_at_max']} tokens tied at "
+                f"the max), logits of the two choices {z['logit_of_choice']['qkv']:.4g} vs "
+                f"{z['logit_of_choice']['transformers']:.4g}"
+            )
+        notes.append(
+            f"{r['dtype']}: from step {r['tokens']['first_divergence_step']} of "
+            f"{r['new_tokens']}: qkv chose {c['qkv']}, transformers {c['transformers']}; on the "
+            f"common prefix (no cache): " + "; ".join(parts)
+        )
+    return notes
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="16 new tokens, 2 rounds: a smoke run")
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--device", default=default_device())
+    parser.add_argument("--prompt", type=int, default=32, help="prompt tokens")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per dtype (at most)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--budget", type=float, default=35.0, help="seconds of timing per dtype")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--out", type=Path, default=RESULTS / "decode.json")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.new_tokens, args.repeats, args.budget = 16, 2, 5.0
+        args.out = args.out.with_name(args.out.stem + "_quick.json")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    log("measuring the memory bandwidth (1 GiB fp32 .sum() and copy_) ...")
+    bandwidth = Bandwidth(args.device)
+    bandwidth.measure(repeats=3 if args.quick else 10)
+    log("building the models ...")
+    ours, theirs = build_models(args.device)
+    parameters = count_parameters(ours)
+    if parameters != count_parameters(theirs):
+        log(f"WARNING: parameter counts differ: {parameters} vs {count_parameters(theirs)}")
+    rows = [bench_dtype(ours, theirs, dtype, bandwidth, args) for dtype in args.dtypes]
+    for row in rows:
+        add_limits(row, bandwidth.read_peak)
+    summary = bandwidth.summary()
+    info = machine_info(args.device)
+    print(
+        f"# {info['device_name']}, {info['torch_threads']} threads, torch {info['torch']}, "
+        f"transformers {transformers.__version__}, load average {info['load_average']}"
+    )
+    print(
+        f"# Llama {parameters / 1e6:.1f}M parameters, batch 1, {args.prompt}-token prompt, "
+        f"{args.new_tokens} new tokens (greedy; prefill included in the time)"
+    )
+    print(
+        f"# memory bandwidth: read (1 GiB fp32 sum) {summary['read_peak'] / 1e9:.1f} GB/s peak, "
+        f"{summary['read_median'] / 1e9:.1f} median over {len(bandwidth.read_samples)} probes; "
+        f"copy (read + write) {summary['copy_peak'] / 1e9:.1f} GB/s peak"
+    )
+    print(table(rows))
+    print(
+        f"# limit = read peak / (weights + mean K/V bytes per token); targets: qkv/hf >= "
+        f"{TARGET_RATIO}, qkv >= {TARGET_FRACTION:.0%} of the limit ('!' = missed); "
+        f"matvec = the model's F.linear calls alone"
+    )
+    for line in divergence_notes(rows):
+        print(f"# tokens differ: {line}")
+    write_json(
+        args.out,
+        {
+            "machine": info,
+            "transformers": transformers.__version__,
+            "model": {"config": LLAMA, "parameters": parameters},
+            "bandwidth": summary,
+            "targets": {"ratio": TARGET_RATIO, "fraction_of_limit": TARGET_FRACTION},
+            "rows": rows,
+        },
+    )
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
