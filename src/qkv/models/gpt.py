@@ -85,7 +85,7 @@ class GPTBlock(nn.Module):
     Input and output (B, L, E).
     """
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, rope: RotaryEmbedding | None = None) -> None:
         super().__init__()
         self.attn_norm = make_norm(config)
         self.self_attn = MultiHeadAttention(
@@ -94,7 +94,7 @@ class GPTBlock(nn.Module):
             config.num_kv_heads,
             bias=config.bias,
             dropout=config.attention_dropout,
-            rope=make_rope(config),
+            rope=make_rope(config) if rope is None else rope,  # a shared one, or its own
         )
         self.ffn_norm = make_norm(config)
         self.ffn = make_ffn(config)
@@ -145,7 +145,8 @@ class GPT(HuggingFaceIO, nn.Module):
             else None
         )
         self.dropout = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(GPTBlock(config) for _ in range(config.num_layers))
+        rope = make_rope(config)  # one, shared: its angles are computed once per forward
+        self.blocks = nn.ModuleList(GPTBlock(config, rope) for _ in range(config.num_layers))
         self.final_norm = make_norm(config)
         self.lm_head = nn.Linear(config.embed_dim, config.vocab_size, bias=False)
         self.reset_parameters()

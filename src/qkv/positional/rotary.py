@@ -104,8 +104,10 @@ def apply_rope(
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to queries and keys (RoFormer section 3.4; seed 003 DL0052).
 
-    No parameters and no buffers: cos/sin are recomputed from the positions at each call (in
-    float32, or float64 for float64 inputs), so casting the module cannot degrade them.
+    No parameters and no buffers: cos/sin are computed from the positions (in float32, or
+    float64 for float64 inputs), so casting the module cannot degrade them. The last call's
+    cos/sin are kept: a model that shares one RotaryEmbedding across its layers and passes them
+    the same positions tensor computes the angles once per forward, not once per layer.
 
     forward(q, k, positions=None): q (B, H, L, D) and k (B, H_kv, L, D) may differ in head
     count (GQA/MQA). positions, (L,) or (B, L), gives the absolute position of each of the L
@@ -118,6 +120,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = check_even_dim("head_dim", head_dim)
         self.base = check_base(base)
         self.layout = _check_layout(layout)
+        self._last: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # (key, cos, sin)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None
@@ -125,22 +128,43 @@ class RotaryEmbedding(nn.Module):
         _check_heads("q", q, self.head_dim)
         _check_heads("k", k, self.head_dim)
         L_q, L_k = q.shape[2], k.shape[2]
-        if positions is None:
-            if L_q != L_k:
-                raise ValueError(
-                    f"positions: q has length L_q={L_q} and k has L_k={L_k}; without "
-                    f"positions both must have the same length, or pass positions (L,) or (B, L)"
-                )
-            positions = torch.arange(L_q, device=q.device)  # (L,)
-        else:
+        if positions is None and L_q != L_k:
+            raise ValueError(
+                f"positions: q has length L_q={L_q} and k has L_k={L_k}; without "
+                f"positions both must have the same length, or pass positions (L,) or (B, L)"
+            )
+        if positions is not None:
             _check_rope_positions(positions, q, k)
         dtype = torch.promote_types(angle_dtype(q.dtype), angle_dtype(k.dtype))
-        cos, sin = rope_cos_sin(
-            positions, self.head_dim, base=self.base, layout=self.layout, dtype=dtype
-        )  # each (L, D) or (B, L, D)
+        cos, sin = self._cos_sin(positions, L_q, q.device, dtype)  # each (L, D) or (B, L, D)
         q_rotated = apply_rope(q, cos, sin, layout=self.layout)
         k_rotated = apply_rope(k, cos, sin, layout=self.layout)
         return q_rotated, k_rotated
+
+    def _cos_sin(self, positions, length: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for these positions, reused when they are the very tensor of the last call
+        (unchanged since: same `_version`) or, without positions, the same length."""
+        if positions is None:
+            key = (None, length, device, dtype)
+        else:
+            key = (positions, positions._version, device, dtype)
+        last = self._last
+        if (
+            last is not None
+            and len(last[0]) == len(key)
+            and all(
+                a is b or (not isinstance(a, torch.Tensor) and a == b)
+                for a, b in zip(last[0], key, strict=True)
+            )
+        ):
+            return last[1], last[2]
+        if positions is None:
+            positions = torch.arange(length, device=device)  # (L,)
+        cos, sin = rope_cos_sin(
+            positions, self.head_dim, base=self.base, layout=self.layout, dtype=dtype
+        )
+        self._last = (key, cos, sin)
+        return cos, sin
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base}, layout={self.layout!r}"
