@@ -31,7 +31,9 @@ def why_not(request: AttentionRequest) -> str | None:
 
 def notes(request: AttentionRequest) -> list[str]:
     out = []
-    if request.causal and _plain_causal(request):
+    if request.causal and _needs_mask(request):
+        out.append("causal: folded into the one attn_mask, aligned bottom-right")
+    elif request.causal and _plain_causal(request):
         out.append("causal with L_q == L_k: passed as is_causal=True, no mask tensor")
     elif request.causal and _sees_every_key(request) and request.window is None:
         out.append("causal with one query (a decoding step): it sees every key, no mask")
