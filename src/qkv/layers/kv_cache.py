@@ -23,25 +23,14 @@ import torch
 from qkv.positional import RotaryEmbedding, apply_rope, rope_cos_sin
 
 
-class StaticKVCache:
-    """Preallocated keys and values for every layer: (layers, B, H_kv, max_length, D)."""
+class _KVStorage:
+    """Keys and values of every layer, (layers, B, H_kv, slots, D), and their size: the part
+    both cache policies share."""
 
-    def __init__(
-        self,
-        *,
-        num_layers: int,
-        batch: int,
-        num_kv_heads: int,
-        head_dim: int,
-        max_length: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-    ) -> None:
-        shape = (num_layers, batch, num_kv_heads, max_length, head_dim)
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> None:
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_length = max_length
-        self.length = 0  # slots written so far, shared by every layer (a host-side int)
+        self.length = 0  # tokens written so far, shared by every layer (a host-side int)
 
     @property
     def bytes_per_sample(self) -> int:
@@ -55,6 +44,28 @@ class StaticKVCache:
     def layer(self, index: int) -> LayerCache:
         """The cache of one attention layer, as `MultiHeadAttention(..., cache=)` takes it."""
         return LayerCache(self, index)
+
+    def advance(self, num_tokens: int) -> None:
+        """Every layer has written `num_tokens` more: move the write slot."""
+        self.length += num_tokens
+
+
+class StaticKVCache(_KVStorage):
+    """Preallocated keys and values for every layer: (layers, B, H_kv, max_length, D)."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        batch: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_length: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__((num_layers, batch, num_kv_heads, max_length, head_dim), dtype, device)
+        self.max_length = max_length
 
     def attend_inputs(
         self,
@@ -82,17 +93,13 @@ class StaticKVCache:
         self.values[layer, :, :, self.length : end] = v
         return q, self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
 
-    def advance(self, num_tokens: int) -> None:
-        """Every layer has written `num_tokens` more: move the write slot."""
-        self.length += num_tokens
-
     def reorder(self, index: torch.Tensor) -> None:
         """Beam search: keep the batch rows `index` (B,), in that order (one gather)."""
         self.keys = self.keys.index_select(1, index)
         self.values = self.values.index_select(1, index)
 
 
-class SinkKVCache:
+class SinkKVCache(_KVStorage):
     """Attention sinks + a sliding window of recent tokens, keys stored before RoPE.
 
     Slots [0, num_sinks) hold the first tokens forever; the remaining `window` slots are a ring
@@ -117,22 +124,12 @@ class SinkKVCache:
                 f"num_sinks, window: expected >= 0 and >= 1, got {num_sinks}, {window}"
             )
         shape = (num_layers, batch, num_kv_heads, num_sinks + window, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        super().__init__(shape, dtype, device)  # length: tokens seen, may exceed the capacity
         self.num_sinks, self.window = num_sinks, window
-        self.length = 0  # tokens seen so far (may exceed the capacity)
 
     @property
     def capacity(self) -> int:
         return self.num_sinks + self.window
-
-    @property
-    def bytes_per_sample(self) -> int:
-        return (self.keys.nbytes + self.values.nbytes) // self.keys.shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
 
     def _slot(self, token_index: int) -> int:
         """Where the token_index-th token of the sequence lives."""
@@ -146,9 +143,6 @@ class SinkKVCache:
         return [self._slot(i) for i in range(min(count, self.num_sinks))] + [
             self._slot(i) for i in range(first_recent, count)
         ]
-
-    def layer(self, index: int) -> LayerCache:
-        return LayerCache(self, index)
 
     def attend_inputs(
         self,
@@ -183,14 +177,11 @@ class SinkKVCache:
             q = apply_rope(q, cos[-1:], sin[-1:], layout=rope.layout)  # the newest position
         return q, keys, values
 
-    def advance(self, num_tokens: int) -> None:
-        self.length += num_tokens
-
 
 class LayerCache:
     """One layer's view of a model-wide cache: what `MultiHeadAttention` calls."""
 
-    def __init__(self, cache: StaticKVCache | SinkKVCache, index: int) -> None:
+    def __init__(self, cache: _KVStorage, index: int) -> None:
         self.cache, self.index = cache, index
 
     def attend_inputs(self, q, k, v, rope, positions):

@@ -23,6 +23,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from qkv.layers._checks import check_positive_int, check_probability
+
 __all__ = ["FFN_KINDS", "GPTConfig", "NORM_KINDS", "POSITION_KINDS", "PRESETS"]
 
 POSITION_KINDS = ("learned", "rope")
@@ -63,11 +65,11 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "ffn_dim"):
-            _check_positive_int(name, getattr(self, name))
-        _check_positive_int("max_positions", self.max_positions)
+            check_positive_int(name, getattr(self, name))
+        check_positive_int("max_positions", self.max_positions)
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)  # frozen: resolve once
-        _check_positive_int("num_kv_heads", self.num_kv_heads)
+        check_positive_int("num_kv_heads", self.num_kv_heads)
         _check_heads(self.embed_dim, self.num_heads, self.num_kv_heads)
         _check_choice("position", self.position, POSITION_KINDS)
         _check_choice("norm", self.norm, NORM_KINDS)
@@ -78,9 +80,9 @@ class GPTConfig:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.sliding_window is not None:
-            _check_positive_int("sliding_window", self.sliding_window)
-        _check_probability("dropout", self.dropout)
-        _check_probability("attention_dropout", self.attention_dropout)
+            check_positive_int("sliding_window", self.sliding_window)
+        check_probability("dropout", self.dropout)
+        check_probability("attention_dropout", self.attention_dropout)
 
     @property
     def head_dim(self) -> int:
@@ -104,25 +106,11 @@ class GPTConfig:
         return dataclasses.replace(PRESETS[name], **overrides)
 
 
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected a positive int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value}")
-
-
 def _check_positive_float(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name}: expected a positive float, got {type(value).__name__} {value!r}")
     if not (value > 0 and math.isfinite(value)):
         raise ValueError(f"{name}: expected a finite float > 0, got {value}")
-
-
-def _check_probability(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}: expected a float in [0, 1), got {type(value).__name__} {value!r}")
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"{name}: expected a probability in [0, 1), got {value}")
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
