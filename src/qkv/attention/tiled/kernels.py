@@ -214,8 +214,10 @@ def _exp_(x: torch.Tensor) -> torch.Tensor:
 
 
 def _batched(x: torch.Tensor) -> torch.Tensor:
-    """(B, H_kv, rows, cols) -> (B * H_kv, rows, cols), a view, for the in-place baddbmm."""
-    return x.view(-1, *x.shape[2:])
+    """(B, H_kv, rows, cols) -> (B * H_kv, rows, cols) for baddbmm: a view of the accumulator
+    (written in place); a copy only for an operand whose batch and head axes do not merge, such
+    as the values of `MultiHeadAttention`, a transposed (B, L, H, D) projection."""
+    return x.reshape(-1, *x.shape[2:])
 
 
 def _dropout(problem: Problem, qi: int, kj: int, x: torch.Tensor) -> torch.Tensor:
