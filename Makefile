@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.qkv-installed
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test lint browser bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,14 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/ruff format --check src tests benchmarks examples
 
-test: lint
+# The `qkv viz` page is tested in a real headless browser: Debian's chromium, driven by Playwright
+# (pip's playwright, without its own browser download, which cannot work offline).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+		echo "installing Debian's chromium for the viewer's browser test"; \
+		apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
+
+test: lint browser
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)

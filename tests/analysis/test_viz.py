@@ -1,0 +1,212 @@
+"""`qkv viz`: the page holds the recorded weights, loads nothing from outside, and works in a
+real browser. The browser is Debian's chromium (`apt-get install chromium`) driven by Playwright
+(`pip install playwright`; its own browser download is not used): the page must load without a
+console error, switching layer, head or stack must change what is drawn, the drawn opacities
+must be the recorded weights, and a screenshot must not be blank."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from qkv.analysis.attention_maps import AttentionMap, record_attention
+from qkv.analysis.viz import attention_view_html, view_data
+from qkv.commands import viz as viz_command
+from qkv.models import Transformer, TransformerConfig, save
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--no-first-run",
+]  # fmt: skip
+WORDS = ["<pad>", "<s>", "</s>", "[UNK]", "drei", "und", "zwanzig", "katzen", "twenty", "three"]
+WORDS += ["cats"]
+
+
+def _run_cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    viz_command.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["viz", *argv])
+    return args.run(args)
+
+
+def _page_data(page: str) -> dict:
+    match = re.search(r'<script type="application/json" id="qkv-data">(.*?)</script>', page, re.S)
+    return json.loads(match.group(1))
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless chromium; missing pieces fail (never skip) with how to install them."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail("playwright is missing: pip install playwright (no `playwright install`)")
+    if not Path(CHROMIUM).is_file():
+        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium")
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield launched
+        launched.close()
+
+
+def _open(browser, path: Path):
+    """(page, problems): every console error and uncaught exception is collected."""
+    page = browser.new_page(viewport={"width": 900, "height": 600})
+    problems = []
+    page.on("console", lambda m: problems.append(m.text) if m.type in ("error", "warning") else 0)
+    page.on("pageerror", lambda error: problems.append(str(error)))
+    page.goto(path.as_uri())
+    return page, problems
+
+
+def _drawn(page) -> list[tuple[int, int, int, float]]:
+    """(head, row, key, opacity) of every line drawn."""
+    return page.evaluate(
+        """() => Array.from(document.querySelectorAll('#lines line')).map(l => [
+            Number(l.dataset.head), Number(l.dataset.row), Number(l.dataset.key),
+            Number(l.getAttribute('stroke-opacity'))])"""
+    )
+
+
+@pytest.fixture(scope="module")
+def pair_model(tmp_path_factory) -> Path:
+    """A small random qkv Transformer saved with a word-level tokenizer.json."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder = tmp_path_factory.mktemp("pair-model")
+    torch.manual_seed(0)
+    save(Transformer(TransformerConfig.from_name("transformer-tiny", dropout=0.0)), folder)
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pair_page(pair_model, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("pages") / "pair.html"
+    assert _run_cli("--model", str(pair_model), "--pair", "drei und zwanzig katzen",
+                    "twenty three cats", "--out", str(out)) == 0  # fmt: skip
+    return out
+
+
+def test_pair_page_holds_the_three_stacks_and_their_tokens(pair_page):
+    data = _page_data(pair_page.read_text())
+    source, target = ["drei", "und", "zwanzig", "katzen"], ["<s>", "twenty", "three", "cats"]
+    assert [(s["name"], s["tokens_q"], s["tokens_k"]) for s in data["stacks"]] == [
+        ("encoder self-attention", source, source),
+        ("decoder self-attention", target, target),
+        ("decoder cross-attention", target, source),
+    ]
+    for stack in data["stacks"]:
+        assert [layer["heads"] for layer in stack["layers"]] == [[0, 1, 2, 3]] * 2
+    causal = data["stacks"][1]["layers"][0]["weights"]  # [head][row][key], thousandths
+    assert all(causal[h][i][j] == 0 for h in range(4) for i in range(4) for j in range(i + 1, 4))
+
+
+def test_page_is_self_contained(pair_page):
+    page = pair_page.read_text()
+    assert "://" not in page and "http" not in page.lower()
+    assert not re.search(r"""(?:src|href)\s*=\s*["'](?!data:)""", page)
+    assert len(page) < 60_000
+
+
+def test_page_in_headless_chromium(browser, pair_page, tmp_path):
+    page, problems = _open(browser, pair_page)
+    data = _page_data(pair_page.read_text())
+    first = _drawn(page)
+    assert first and {line[0] for line in first} == {0, 1, 2, 3}  # all heads at first
+    weights = data["stacks"][0]["layers"][0]["weights"]
+    assert all(abs(w - weights[h][i][j] / 1000) < 1e-9 for h, i, j, w in first)
+    box = page.locator("#view").bounding_box()  # the band between the token columns: lines only
+    band = {"x": box["x"] + 240, "y": box["y"], "width": 180, "height": box["height"]}
+    assert _distinct_pixel_bytes(page.screenshot(clip=band)) > 32, "no line is visible"
+    page.select_option("#head", "2")
+    one_head = _drawn(page)
+    assert one_head and {line[0] for line in one_head} == {2} and one_head != first
+    page.select_option("#layer", "1")
+    other_layer = _drawn(page)
+    assert other_layer != one_head
+    weights = data["stacks"][0]["layers"][1]["weights"]
+    assert all(abs(w - weights[2][i][j] / 1000) < 1e-9 for _, i, j, w in other_layer)
+    page.select_option("#stack", "2")  # decoder cross-attention: target -> source
+    left = page.eval_on_selector_all("text.token", "ts => ts.map(t => t.textContent)")
+    assert left == ["<s>", "twenty", "three", "cats", "drei", "und", "zwanzig", "katzen"]
+    cross = _drawn(page)
+    assert cross != other_layer and max(key for _, _, key, _ in cross) <= 3
+    page.hover("text.token >> nth=1")  # "twenty": only its row stays
+    assert {row for _, row, _, _ in _drawn(page)} == {1}
+    assert problems == []
+
+
+def test_text_page_with_the_real_minilm(browser, tmp_path):
+    out = tmp_path / "minilm.html"
+    assert _run_cli("Attention is all you need.", "--out", str(out)) == 0
+    data = _page_data(out.read_text())
+    (stack,) = data["stacks"]
+    assert stack["name"] == "self-attention" and len(stack["layers"]) == 6
+    assert stack["tokens_q"][0] == "[CLS]" and stack["tokens_q"][-1] == "[SEP]"
+    rows = torch.tensor(stack["layers"][5]["weights"]).sum(-1)  # (12 heads, L rows)
+    assert rows.shape[0] == 12 and (rows - 1000).abs().max() <= len(stack["tokens_q"]) / 2
+    page, problems = _open(browser, out)
+    assert len(_drawn(page)) > 0 and problems == []
+
+
+def test_tokens_are_shown_as_text_never_as_markup(browser, tmp_path):
+    tokens = ["</script><b>x", "a & b", "<img src=x onerror=alert(1)>"]
+    weights = torch.softmax(torch.randn(1, 2, 3, 3), dim=-1)
+    maps = [
+        AttentionMap("layers.0.self", "layers.0.self_attn", "self", 0, (0, 1), (0, 1, 2), weights)
+    ]
+    out = tmp_path / "tokens.html"
+    out.write_text(attention_view_html(maps, tokens, title="<title>"))
+    page, problems = _open(browser, out)
+    shown = page.eval_on_selector_all("text.token", "ts => ts.map(t => t.textContent)")
+    assert shown == tokens * 2 and page.title() == "<title>" and problems == []
+
+
+def test_view_data_matches_the_recording_and_rejects_wrong_tokens():
+    model = Transformer(TransformerConfig.from_name("transformer-tiny", dropout=0.0)).eval()
+    source, target = torch.tensor([[4, 5, 6]]), torch.tensor([[1, 8]])
+    with record_attention(model, heads=[1], rows=[-1]) as recording, torch.no_grad():
+        model(source, decoder_input_ids=target)
+    data = view_data(recording.maps, ["<s>", "twenty"], ["drei", "und", "zwanzig"])
+    cross = data["stacks"][2]["layers"][1]
+    assert cross["heads"] == [1] and cross["rows"] == [1]
+    want = (recording["decoder.1.cross"].weights[0] * 1000).round().int().tolist()
+    assert cross["weights"] == want
+    with pytest.raises(ValueError, match="tokens_k"):
+        view_data(recording.maps, ["<s>", "twenty"])
+    with pytest.raises(ValueError, match="tokens"):
+        view_data(recording.maps, ["<s>", "twenty"], ["drei", "und"])
+    with pytest.raises(TypeError, match="tokens_q"):
+        view_data(recording.maps, "<s> twenty", ["drei", "und", "zwanzig"])
+
+
+def test_cli_refuses_a_text_for_a_pair_model_and_both_inputs(pair_model, tmp_path, capsys):
+    out = str(tmp_path / "x.html")
+    assert _run_cli("a text", "--model", str(pair_model), "--out", out) == 1
+    assert "--pair" in capsys.readouterr().err
+    assert _run_cli("a text", "--pair", "a", "b", "--out", out) == 2
+    assert not Path(out).exists()
+
+
+def _distinct_pixel_bytes(png: bytes) -> int:
+    """Distinct byte values in the PNG's inflated image data: a blank area gives 4 (filter
+    bytes and one colour, measured), coloured lines of many opacities over 200."""
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    position, idat = 8, b""
+    while position < len(png):
+        (length,) = struct.unpack(">I", png[position : position + 4])
+        if png[position + 4 : position + 8] == b"IDAT":
+            idat += png[position + 8 : position + 8 + length]
+        position += 12 + length
+    return len(set(zlib.decompress(idat)))
