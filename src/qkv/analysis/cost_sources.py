@@ -1,0 +1,110 @@
+"""Where `qkv cost` finds a model's sizes: presets, configs, checkpoint folders, config.json.
+
+Only config.json is read, never the weights, so planning for a 70B checkpoint costs nothing.
+A Hugging Face config.json goes through the same converters `from_pretrained` uses (so cost
+and loading agree on what a checkpoint is); a qkv checkpoint's config.json holds the config
+dataclass's fields (`qkv.models.serialization`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from qkv.models.bert import BERT_PRESETS, BertConfig
+from qkv.models.encoder_decoder_config import TRANSFORMER_PRESETS, TransformerConfig
+from qkv.models.gpt_config import PRESETS as GPT_PRESETS
+from qkv.models.gpt_config import GPTConfig
+
+__all__ = ["preset_names", "read_checkpoint_config", "resolve_model"]
+
+_CONFIG_CLASSES = {cls.__name__: cls for cls in (GPTConfig, BertConfig, TransformerConfig)}
+
+
+def preset_names() -> list[str]:
+    """Every preset `qkv cost` knows, decoder-only models first (GPT-2, Llama, Mistral, tiny),
+    then BERT, then the encoder-decoder Transformer."""
+    return [*GPT_PRESETS, *BERT_PRESETS, *TRANSFORMER_PRESETS]
+
+
+def _preset(name: str) -> GPTConfig | BertConfig | TransformerConfig | None:
+    if name in GPT_PRESETS:
+        return GPTConfig.from_name(name)
+    if name in BERT_PRESETS:
+        return BertConfig.from_name(name)
+    if name in TRANSFORMER_PRESETS:
+        return TransformerConfig.from_name(name)
+    return None
+
+
+def resolve_model(model: object) -> tuple[str, GPTConfig | BertConfig | TransformerConfig]:
+    """(a name to show, the config) for a config, a model with a `.config`, a preset name, or
+    the path of a checkpoint folder or of a config.json. Preset names win over paths."""
+    if isinstance(model, tuple(_CONFIG_CLASSES.values())):
+        return type(model).__name__, model
+    config = getattr(model, "config", None)
+    if isinstance(config, tuple(_CONFIG_CLASSES.values())):
+        return type(model).__name__, config
+    if not isinstance(model, (str, Path)):
+        raise TypeError(
+            f"model: expected a preset name, a path, or a GPTConfig/BertConfig/TransformerConfig,"
+            f" got {type(model).__name__}"
+        )
+    preset = _preset(str(model))
+    if preset is not None:
+        return str(model), preset
+    if str(model) and Path(model).exists():
+        return str(model), read_checkpoint_config(model)
+    raise ValueError(
+        f"model: {str(model)!r} is neither a preset nor an existing path; expected one of "
+        f"{preset_names()}, a checkpoint folder or a config.json"
+    )
+
+
+def read_checkpoint_config(path: str | Path) -> GPTConfig | BertConfig | TransformerConfig:
+    """The config of a checkpoint folder (its config.json) or of a config.json file: qkv's own
+    format or a Hugging Face GPT-2, Llama, Mistral or BERT config. ValueError otherwise."""
+    file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    try:
+        document = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"model: cannot read {file} as a JSON config: {error}") from error
+    if not isinstance(document, dict):
+        raise ValueError(f"model: {file} holds {type(document).__name__}, expected a JSON object")
+    if document.get("format") == "qkv":
+        return _qkv_config(document, file)
+    return _hugging_face_config(document, file)
+
+
+def _qkv_config(document: dict, file: Path) -> GPTConfig | BertConfig | TransformerConfig:
+    name = document.get("config_class")
+    fields = document.get("config")
+    if name not in _CONFIG_CLASSES or not isinstance(fields, dict):
+        raise ValueError(
+            f"model: {file} is a qkv checkpoint with config_class {name!r}; expected one of "
+            f"{sorted(_CONFIG_CLASSES)} and a 'config' object"
+        )
+    try:
+        return _CONFIG_CLASSES[name](**fields)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"model: {file} has an invalid {name}: {error}") from error
+
+
+def _hugging_face_config(document: dict, file: Path) -> GPTConfig | BertConfig:
+    """By model_type, through the converters of qkv.models.checkpoints (imported here: they
+    import the model classes)."""
+    from qkv.models.checkpoints import bert, gpt2, llama
+
+    converters = {
+        "gpt2": gpt2.gpt_config_from_gpt2,
+        "llama": llama.gpt_config_from_llama,
+        "mistral": llama.gpt_config_from_llama,
+        "bert": bert.config_from_hf,
+    }
+    model_type = document.get("model_type")
+    if model_type not in converters:
+        raise ValueError(
+            f"model: {file} has model_type {model_type!r}; expected one of {sorted(converters)}"
+            f" (or a qkv checkpoint)"
+        )
+    return converters[model_type](document)  # CheckpointError is a ValueError

@@ -1,0 +1,57 @@
+"""`qkv cost`: parameters, FLOPs, score-matrix and KV-cache memory of presets or checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+
+def _cost(args: argparse.Namespace) -> int:
+    """Print one column per model, or the table of every preset when no model is named."""
+    from qkv.analysis.cost import cost_report
+    from qkv.analysis.cost_format import format_presets, format_report
+    from qkv.analysis.cost_sources import preset_names
+
+    names = args.models or preset_names()
+    try:
+        reports = [
+            cost_report(name, context=args.context, dtype=args.dtype, batch=args.batch)
+            for name in names
+        ]
+    except (ValueError, TypeError) as error:
+        print(f"qkv cost: error: {error}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps([dataclasses.asdict(report) for report in reports], indent=2))
+    elif args.models:
+        print(format_report(reports))
+    else:
+        print(format_presets(reports))
+    return 0
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    cost = commands.add_parser(
+        "cost",
+        help="parameters, FLOPs, score-matrix and KV-cache memory of a preset or checkpoint",
+        description="Costs from formulas alone (no weights are read). With no MODEL, a table "
+        "of every preset.",
+    )
+    cost.add_argument(
+        "models",
+        nargs="*",
+        metavar="MODEL",
+        help="a preset (e.g. llama-2-70b, gpt2, bert-base-uncased), a checkpoint folder or a "
+        "config.json",
+    )
+    cost.add_argument(
+        "--context", type=int, help="tokens per sequence (default: each model's max_positions)"
+    )
+    cost.add_argument(
+        "--dtype", default="fp16", help="fp32, fp16 or bf16: bytes per element (default fp16)"
+    )
+    cost.add_argument("--batch", type=int, default=1, help="sequences per batch (default 1)")
+    cost.add_argument("--json", action="store_true", help="print the reports as JSON")
+    cost.set_defaults(run=_cost)
