@@ -1,0 +1,61 @@
+"""The seeds' plots, as matplotlib figures (matplotlib is optional: `pip install matplotlib`).
+
+Every function returns a `matplotlib.figure.Figure` built without pyplot, so nothing is shown,
+no backend is chosen and no global state is touched; write it with `save_figure`:
+
+    from qkv.analysis import plots
+    fig = plots.softmax_saturation()
+    plots.save_figure(fig, "saturation.svg")
+
+- Attention weights: `attention_heatmaps` (per head, side by side; seed 001 lab),
+  `bidirectional_vs_causal` (seed 001 lab, Step 2), `mask_gallery` (seed 003 DL0040).
+- Why sqrt(d_k): `softmax_scaling` (seed 000 Q3), `softmax_saturation` ([a, a, 2a], seed 004),
+  `scaling_comparison` (d_k vs sqrt(d_k) vs none, seed 001 exercises).
+- Positions: `rope_vs_sinusoidal_decay` (seed 003 DL0052), `alibi_biases` (seed 002 section 8).
+- Activations: `gelu_vs_relu` (seed 003 DL0038).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qkv.analysis.plots_activations import gelu_vs_relu
+from qkv.analysis.plots_attention import attention_heatmaps, bidirectional_vs_causal, mask_gallery
+from qkv.analysis.plots_common import Figure
+from qkv.analysis.plots_positional import alibi_biases, rope_vs_sinusoidal_decay
+from qkv.analysis.plots_softmax import scaling_comparison, softmax_saturation, softmax_scaling
+
+__all__ = [
+    "FORMATS",
+    "alibi_biases",
+    "attention_heatmaps",
+    "bidirectional_vs_causal",
+    "gelu_vs_relu",
+    "mask_gallery",
+    "rope_vs_sinusoidal_decay",
+    "save_figure",
+    "scaling_comparison",
+    "softmax_saturation",
+    "softmax_scaling",
+]
+
+FORMATS = (".png", ".svg")
+
+
+def save_figure(fig: Figure, path: str | Path, *, dpi: int = 150) -> Path:
+    """Write `fig` as PNG or SVG, chosen by the suffix of `path`; returns the path written.
+
+    The parent folder is created if needed. Any other suffix raises ValueError (a typo such as
+    ".pgn" should not silently produce some other format).
+    """
+    if not isinstance(fig, Figure):
+        raise TypeError(f"fig: expected a matplotlib Figure, got {type(fig).__name__}")
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in FORMATS:
+        raise ValueError(
+            f"path: expected a file name ending in one of {FORMATS}, got {str(path)!r}"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format=suffix[1:], dpi=dpi)
+    return path

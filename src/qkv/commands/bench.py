@@ -1,0 +1,95 @@
+"""`qkv bench`: measurements you can rerun. `qkv bench complexity`: time and memory against L."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
+
+
+def _complexity(args: argparse.Namespace) -> int:
+    """Run seed 001's doubling benchmark, print the table; optionally write JSON and a plot."""
+    import json
+
+    import torch
+
+    from qkv.analysis.complexity import format_table, measure_complexity, plot_complexity
+
+    dtype = getattr(torch, _DTYPES[args.dtype])
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), args.threads)))
+    try:
+        result = measure_complexity(
+            lengths=args.lengths,
+            backends=args.backends,
+            batch=args.batch,
+            heads=args.heads,
+            head_dim=args.head_dim,
+            causal=args.causal,
+            backward=args.backward,
+            dtype=dtype,
+            device=device,
+            repeats=args.repeats,
+            max_memory=int(args.max_memory * 2**30),
+            fit_from=args.fit_from,
+            progress=lambda message: print(message, file=sys.stderr, flush=True),
+        )
+        print(format_table(result))
+        if args.json is not None:
+            with open(args.json, "w", encoding="utf-8") as file:
+                json.dump(result.to_dict(), file, indent=2)
+            print(f"wrote {args.json}", file=sys.stderr)
+        if args.plot is not None:
+            plot_complexity(result).savefig(args.plot, dpi=120)
+            print(f"wrote {args.plot}", file=sys.stderr)
+    except (ValueError, TypeError, OSError, ImportError, RuntimeError) as error:
+        print(f"qkv bench complexity: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_complexity(benches: argparse._SubParsersAction) -> None:
+    complexity = benches.add_parser(
+        "complexity",
+        help="time and memory vs L for naive, SDPA and tiled attention (seed 001's O(n^2) table)",
+        description="Seed 001 section 2.4.2's doubling benchmark: per backend and L, median time "
+        "and measured peak memory, their ratio to the previous L, and the fitted exponent p of "
+        "cost ~ L^p.",
+    )
+    complexity.add_argument(
+        "--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048], metavar="L",
+        help="sequence lengths (default 256 512 1024 2048)",
+    )  # fmt: skip
+    complexity.add_argument(
+        "--backends", nargs="+", choices=("naive", "sdpa", "tiled"),
+        default=["naive", "sdpa", "tiled"], help="which to compare (default all three)",
+    )  # fmt: skip
+    complexity.add_argument("--batch", type=int, default=1, help="B (default 1)")
+    complexity.add_argument("--heads", type=int, default=8, help="H (default 8)")
+    complexity.add_argument("--head-dim", type=int, default=64, help="D (default 64)")
+    complexity.add_argument("--causal", action="store_true", help="causal self-attention")
+    complexity.add_argument("--backward", action="store_true", help="time forward + backward")
+    complexity.add_argument("--dtype", choices=tuple(_DTYPES), default="fp32", help="default fp32")
+    complexity.add_argument("--repeats", type=int, default=3, help="timed samples (default 3)")
+    complexity.add_argument(
+        "--max-memory", type=float, default=4.0, metavar="GIB",
+        help="skip a backend at an L whose predicted peak exceeds this many GiB (default 4)",
+    )  # fmt: skip
+    complexity.add_argument(
+        "--fit-from", type=int, metavar="L",
+        help="fit exponents over lengths >= L (default: the median length and above)",
+    )  # fmt: skip
+    complexity.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    complexity.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
+    complexity.add_argument("--plot", metavar="PNG", help="save a log-log plot here")
+    complexity.add_argument("--json", metavar="FILE", help="write the results as JSON here")
+    complexity.set_defaults(run=_complexity)
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser(
+        "bench", help="benchmarks: qkv bench complexity (time, memory vs L)"
+    )
+    benches = bench.add_subparsers(dest="bench", metavar="benchmark", required=True)
+    _add_complexity(benches)
