@@ -1,0 +1,65 @@
+"""Data for pre-training: corpora, tokenizers, BERT's MLM/NSP batches, GPT's token blocks.
+
+- `corpus`: the documentation CPython ships (`pydoc_data.topics`) or a user's text file, as
+  documents (lists of sentences) or raw texts; a seeded train/validation split.
+- `tokenizers`: the MiniLM WordPiece vocabulary, or WordPiece / byte-level BPE trained here.
+- `nsp`: [CLS] A [SEP] B [SEP] pairs, 50% IsNext, 50% NotNext from another document.
+- `mlm`: 15% of tokens selected, then 80% [MASK], 10% random, 10% unchanged, per batch.
+- `lm`: the token stream cut into blocks for causal language modelling.
+
+Every dataset is a plain indexable object (len and []), so any sampler can draw from it.
+"""
+
+from qkv.data.corpus import (
+    documentation_sentences,
+    pydoc_documents,
+    pydoc_texts,
+    split_sentences,
+    text_file_documents,
+    text_file_texts,
+    train_validation_split,
+)
+from qkv.data.lm import TokenBlocks, causal_lm_blocks, token_stream
+from qkv.data.mlm import IGNORE_INDEX, PretrainingCollator, mask_tokens, pad_examples
+from qkv.data.nsp import IS_NEXT, NOT_NEXT, NspExample, make_nsp_examples
+from qkv.data.tokenizers import (
+    BERT_SPECIAL_TOKENS,
+    END_OF_TEXT,
+    BertSpecialIds,
+    bert_special_ids,
+    load_tokenizer,
+    minilm_wordpiece,
+    save_tokenizer,
+    train_bpe,
+    train_wordpiece,
+)
+
+__all__ = [
+    "BERT_SPECIAL_TOKENS",
+    "END_OF_TEXT",
+    "IGNORE_INDEX",
+    "IS_NEXT",
+    "NOT_NEXT",
+    "BertSpecialIds",
+    "NspExample",
+    "PretrainingCollator",
+    "TokenBlocks",
+    "bert_special_ids",
+    "causal_lm_blocks",
+    "documentation_sentences",
+    "load_tokenizer",
+    "make_nsp_examples",
+    "mask_tokens",
+    "minilm_wordpiece",
+    "pad_examples",
+    "pydoc_documents",
+    "pydoc_texts",
+    "save_tokenizer",
+    "split_sentences",
+    "text_file_documents",
+    "text_file_texts",
+    "token_stream",
+    "train_bpe",
+    "train_validation_split",
+    "train_wordpiece",
+]

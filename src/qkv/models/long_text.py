@@ -1,0 +1,412 @@
+"""Texts longer than BERT's window: sliding-window chunks with a stride, aggregated per text.
+
+BERT has a fixed maximum sequence length; seed 000 ("Handling Long Texts") lists the two
+simple strategies implemented here:
+- Truncation: "simply cutting off the text at the maximum length. This is simple but loses
+  information." (`truncate_ids`; `aggregation="first"` below gives the same result.)
+- Sliding window: "splitting the long text into overlapping chunks, each of which fits into
+  the model. The outputs for each chunk can then be aggregated (e.g., by averaging or
+  max-pooling)." (`chunk_ids`, then `embed_long` / `classify_long`.)
+
+A window is [CLS] + at most max_length - 2 content tokens + [SEP]. `stride` is what Hugging
+Face tokenizers call it (`return_overflowing_tokens=True`): the number of tokens shared by two
+consecutive windows, so window k starts at content token k * (max_length - 2 - stride). The
+windows are exactly those of `BertTokenizerFast(text, truncation=True, max_length=...,
+stride=..., return_overflowing_tokens=True)`.
+
+    windows = chunk_texts(tokenizer, texts, max_length=256, stride=64)     # Windows, (W, L)
+    vectors = embed_long(model, windows, aggregation="mean")              # (N, E)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from qkv.layers._checks import check_positive_int
+from qkv.models.bert import BertModel, mean_pool
+from qkv.models.bert_heads import BertForSequenceClassification
+
+__all__ = [
+    "AGGREGATIONS",
+    "Windows",
+    "aggregate_windows",
+    "chunk_batch",
+    "chunk_ids",
+    "chunk_texts",
+    "classify_long",
+    "classify_long_texts",
+    "embed_long",
+    "embed_long_texts",
+    "truncate_ids",
+]
+
+# mean: weighted by each window's token count; max: element-wise; first: the first window only,
+# which is plain truncation.
+AGGREGATIONS = ("mean", "max", "first")
+
+
+@dataclass(frozen=True)
+class Windows:
+    """Several texts cut into windows, padded into one batch.
+
+    input_ids (W, L) window ids, right-padded; attention_mask (W, L) 1 on real tokens;
+    text_index (W,) the text each window comes from (a text's windows are consecutive and in
+    order); num_texts N. Every text has at least one window.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    text_index: torch.Tensor
+    num_texts: int
+
+    def __post_init__(self) -> None:
+        ids, mask, index = self.input_ids, self.attention_mask, self.text_index
+        for name, value in (("input_ids", ids), ("attention_mask", mask)):
+            if not isinstance(value, torch.Tensor) or value.dim() != 2:
+                raise ValueError(f"{name}: expected a (W, L) tensor, got {_describe(value)}")
+        if mask.shape != ids.shape:
+            raise ValueError(
+                f"attention_mask: expected shape {tuple(ids.shape)} (that of input_ids), got "
+                f"{tuple(mask.shape)}"
+            )
+        if not isinstance(index, torch.Tensor) or index.shape != (ids.shape[0],):
+            raise ValueError(
+                f"text_index: expected shape ({ids.shape[0]},), got {_describe(index)}"
+            )
+        if isinstance(self.num_texts, bool) or not isinstance(self.num_texts, int):
+            raise TypeError(f"num_texts: expected an int, got {type(self.num_texts).__name__}")
+        if index.is_floating_point() or index.dtype == torch.bool:
+            raise TypeError(f"text_index: expected an integer tensor, got dtype {index.dtype}")
+        seen = index.cpu().tolist()
+        if sorted(set(seen)) != list(range(self.num_texts)) or seen != sorted(seen):
+            raise ValueError(
+                f"text_index: expected every text 0..{self.num_texts - 1} to own at least one "
+                f"window, a text's windows consecutive and in order, got {seen}"
+            )
+
+
+def truncate_ids(
+    token_ids: Sequence[int], *, max_length: int, cls_id: int, sep_id: int
+) -> list[int]:
+    """Plain truncation, the baseline: [CLS] + the first max_length - 2 tokens + [SEP].
+
+    token_ids: one text's ids without special tokens. Equals a tokenizer's
+    `truncation=True, max_length=max_length` (seed 000, "Handling Long Texts": this "loses
+    information").
+    """
+    _check_lengths(max_length, 0)
+    return [cls_id, *list(token_ids)[: max_length - 2], sep_id]
+
+
+def chunk_ids(
+    token_ids: Sequence[int], *, max_length: int, stride: int, cls_id: int, sep_id: int
+) -> list[list[int]]:
+    """Overlapping windows of one text: each [CLS] + at most max_length - 2 tokens + [SEP].
+
+    Consecutive windows share `stride` content tokens (Hugging Face's `stride`), so window k
+    starts at k * (max_length - 2 - stride); the last window ends at the text's last token and
+    may be shorter. A text that fits (or an empty one) gives one window, the truncated text.
+    """
+    _check_lengths(max_length, stride)
+    token_ids = list(token_ids)
+    content = max_length - 2
+    step = content - stride
+    windows = []
+    for start in range(0, max(len(token_ids), 1), step):
+        stop = min(start + content, len(token_ids))
+        windows.append([cls_id, *token_ids[start:stop], sep_id])
+        if stop == len(token_ids):
+            break
+    return windows
+
+
+def chunk_batch(
+    texts_token_ids: Sequence[Sequence[int]],
+    *,
+    max_length: int,
+    stride: int,
+    cls_id: int,
+    sep_id: int,
+    pad_id: int,
+) -> Windows:
+    """`chunk_ids` for several texts, padded into one batch of W windows (see `Windows`).
+
+    The result equals a fast tokenizer's `padding=True, return_overflowing_tokens=True`
+    output: input_ids, attention_mask and `overflow_to_sample_mapping` (our text_index).
+    """
+    if isinstance(texts_token_ids, (str, torch.Tensor)) or not isinstance(
+        texts_token_ids, Sequence
+    ):
+        raise TypeError(
+            f"texts_token_ids: expected a sequence of id lists (one per text), got "
+            f"{type(texts_token_ids).__name__}"
+        )
+    if len(texts_token_ids) == 0:
+        raise ValueError("texts_token_ids: expected at least one text, got an empty sequence")
+    rows, owners = [], []
+    for text, token_ids in enumerate(texts_token_ids):
+        windows = chunk_ids(
+            token_ids, max_length=max_length, stride=stride, cls_id=cls_id, sep_id=sep_id
+        )
+        rows.extend(windows)
+        owners.extend([text] * len(windows))
+    L = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), L), pad_id, dtype=torch.long)  # (W, L)
+    attention_mask = torch.zeros((len(rows), L), dtype=torch.long)  # (W, L)
+    for row, window in enumerate(rows):
+        input_ids[row, : len(window)] = torch.tensor(window, dtype=torch.long)
+        attention_mask[row, : len(window)] = 1
+    text_index = torch.tensor(owners, dtype=torch.long)  # (W,)
+    return Windows(input_ids, attention_mask, text_index, len(texts_token_ids))
+
+
+def chunk_texts(
+    tokenizer: object, texts: Sequence[str], *, max_length: int, stride: int
+) -> Windows:
+    """Tokenise strings with a `tokenizers.Tokenizer` (a BERT WordPiece one, e.g. MiniLM's
+    tokenizer.json) and cut them into windows. The tokenizer's own truncation and padding are
+    ignored (a copy is used; the caller's tokenizer is left as it was)."""
+    from tokenizers import Tokenizer
+
+    if not isinstance(tokenizer, Tokenizer):
+        raise TypeError(
+            f"tokenizer: expected a tokenizers.Tokenizer, got {type(tokenizer).__name__}"
+        )
+    if isinstance(texts, str) or not isinstance(texts, Sequence):
+        raise TypeError(f"texts: expected a sequence of strings, got {type(texts).__name__}")
+    bad = next((i for i, text in enumerate(texts) if not isinstance(text, str)), None)
+    if bad is not None:
+        raise TypeError(f"texts: expected strings, got {type(texts[bad]).__name__} at index {bad}")
+    plain = Tokenizer.from_str(tokenizer.to_str())
+    plain.no_truncation()  # the whole text, however long: windows replace truncation
+    plain.no_padding()
+    special = {}
+    for token in ("[CLS]", "[SEP]", "[PAD]"):
+        special[token] = plain.token_to_id(token)
+        if special[token] is None:
+            raise ValueError(f"tokenizer: expected a BERT vocabulary with {token}, found none")
+    encodings = plain.encode_batch(list(texts), add_special_tokens=False)
+    return chunk_batch(
+        [encoding.ids for encoding in encodings],
+        max_length=max_length,
+        stride=stride,
+        cls_id=special["[CLS]"],
+        sep_id=special["[SEP]"],
+        pad_id=special["[PAD]"],
+    )
+
+
+def aggregate_windows(
+    values: torch.Tensor, windows: Windows, *, aggregation: str = "mean"
+) -> torch.Tensor:
+    """One row per text from one row per window: (W, K) -> (N, K).
+
+    mean: weighted by each window's number of real tokens ([CLS] and [SEP] included). For
+    mean-pooled embeddings this is the mean over all tokens of all windows (a token inside an
+    overlap counts once per window), and a short trailing window weighs less than a full one.
+    max: element-wise maximum over the text's windows. first: the text's first window alone
+    (plain truncation).
+    """
+    _check_aggregation(aggregation)
+    if not isinstance(values, torch.Tensor) or values.dim() != 2:
+        raise ValueError(f"values: expected a (W, K) tensor, got {_describe(values)}")
+    if values.shape[0] != windows.input_ids.shape[0]:
+        raise ValueError(
+            f"values: expected {windows.input_ids.shape[0]} rows (one per window), got "
+            f"{values.shape[0]}"
+        )
+    index = windows.text_index.to(values.device)  # (W,)
+    N, K = windows.num_texts, values.shape[1]
+    if aggregation == "first":
+        return values[_first_windows(windows).to(values.device)]  # (N, K)
+    if aggregation == "max":
+        result = values.new_full((N, K), float("-inf"))
+        return result.scatter_reduce(0, index[:, None].expand(-1, K), values, "amax")  # (N, K)
+    weights = windows.attention_mask.to(values.device).sum(dim=1).to(values.dtype)  # (W,)
+    totals = values.new_zeros((N, K)).index_add(0, index, values * weights[:, None])  # (N, K)
+    return totals / values.new_zeros(N).index_add(0, index, weights)[:, None]  # (N, K)
+
+
+def embed_long(
+    model: BertModel,
+    windows: Windows,
+    *,
+    aggregation: str = "mean",
+    normalize: bool = True,
+    batch_size: int = 32,
+) -> torch.Tensor:
+    """One embedding per text: each window mean-pooled over its real tokens (`mean_pool`,
+    Sentence-BERT's pooling), the windows aggregated (`aggregate_windows`), then, with
+    `normalize`, L2-normalised as qkv.models.embed and sentence-transformers do -> (N, E).
+
+    A text that fits in one window gets exactly its plain embedding. With "first", only the
+    first window of each text is run: the truncation baseline. Gradients flow (wrap the call
+    in torch.inference_mode() for inference); the model's train/eval mode is left as it is.
+    """
+    if not isinstance(model, BertModel):
+        raise TypeError(f"model: expected a qkv BertModel, got {type(model).__name__}")
+    windows = _prepare(model.config.max_positions, windows, aggregation, batch_size)
+
+    def pool(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return mean_pool(model(ids, mask).last_hidden_state, mask)  # (b, E)
+
+    pooled = _run_windows(pool, model, windows, batch_size)  # (W, E)
+    vectors = aggregate_windows(pooled, windows, aggregation=aggregation)  # (N, E)
+    return F.normalize(vectors, p=2, dim=1) if normalize else vectors
+
+
+def classify_long(
+    model: BertForSequenceClassification,
+    windows: Windows,
+    *,
+    aggregation: str = "mean",
+    batch_size: int = 32,
+) -> torch.Tensor:
+    """Classification logits per text: the classifier's logits of each window, aggregated
+    (`aggregate_windows`) -> (N, num_labels).
+
+    Logits, not probabilities, are aggregated: the result is again logits, so softmax, argmax,
+    losses, regression (num_labels=1) and multi-label heads use it unchanged; the weighted
+    mean of logits is the (weighted) geometric mean of the windows' probabilities, normalised.
+    "max" keeps, per class, the strongest score of any window; "first" is truncation.
+    """
+    if not isinstance(model, BertForSequenceClassification):
+        raise TypeError(
+            f"model: expected a qkv BertForSequenceClassification, got {type(model).__name__}"
+        )
+    windows = _prepare(model.config.max_positions, windows, aggregation, batch_size)
+
+    def logits(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return model(ids, mask).logits  # (b, num_labels)
+
+    per_window = _run_windows(logits, model, windows, batch_size)  # (W, num_labels)
+    return aggregate_windows(per_window, windows, aggregation=aggregation)
+
+
+@torch.inference_mode()
+def embed_long_texts(
+    model: BertModel,
+    tokenizer: object,
+    texts: Sequence[str],
+    *,
+    stride: int,
+    max_length: int | None = None,
+    aggregation: str = "mean",
+    normalize: bool = True,
+    batch_size: int = 32,
+) -> torch.Tensor:
+    """Strings -> (N, E) embeddings: `chunk_texts`, then `embed_long`. max_length defaults to
+    the model's max_positions; e.g. for all-MiniLM-L6-v2 (trained on 256 tokens) pass 256."""
+    if not isinstance(model, BertModel):
+        raise TypeError(f"model: expected a qkv BertModel, got {type(model).__name__}")
+    max_length = _max_length(max_length, model.config.max_positions)
+    windows = chunk_texts(tokenizer, texts, max_length=max_length, stride=stride)
+    return embed_long(
+        model, windows, aggregation=aggregation, normalize=normalize, batch_size=batch_size
+    )
+
+
+@torch.inference_mode()
+def classify_long_texts(
+    model: BertForSequenceClassification,
+    tokenizer: object,
+    texts: Sequence[str],
+    *,
+    stride: int,
+    max_length: int | None = None,
+    aggregation: str = "mean",
+    batch_size: int = 32,
+) -> torch.Tensor:
+    """Strings -> (N, num_labels) logits: `chunk_texts`, then `classify_long`."""
+    if not isinstance(model, BertForSequenceClassification):
+        raise TypeError(
+            f"model: expected a qkv BertForSequenceClassification, got {type(model).__name__}"
+        )
+    max_length = _max_length(max_length, model.config.max_positions)
+    windows = chunk_texts(tokenizer, texts, max_length=max_length, stride=stride)
+    return classify_long(model, windows, aggregation=aggregation, batch_size=batch_size)
+
+
+def _prepare(max_positions: int, windows: Windows, aggregation: str, batch_size: int) -> Windows:
+    """Check a call; with "first", keep only each text's first window (the rest is not run)."""
+    if not isinstance(windows, Windows):
+        raise TypeError(f"windows: expected a Windows batch, got {type(windows).__name__}")
+    _check_aggregation(aggregation)
+    check_positive_int("batch_size", batch_size)
+    length = windows.input_ids.shape[1]
+    if length > max_positions:
+        raise ValueError(
+            f"windows: length {length} exceeds the model's max_positions={max_positions}; expected "
+            f"windows cut with max_length <= {max_positions}"
+        )
+    if aggregation != "first":
+        return windows
+    first = _first_windows(windows)  # (N,)
+    return Windows(
+        windows.input_ids[first],
+        windows.attention_mask[first],
+        torch.arange(windows.num_texts),
+        windows.num_texts,
+    )
+
+
+def _run_windows(step, model: torch.nn.Module, windows: Windows, batch_size: int) -> torch.Tensor:
+    """step(ids (b, L), mask (b, L)) -> (b, K) over the windows in batches -> (W, K)."""
+    device = next(model.parameters()).device
+    outputs = []
+    for start in range(0, windows.input_ids.shape[0], batch_size):
+        mask = windows.attention_mask[start : start + batch_size]  # (b, L)
+        length = int(mask.sum(dim=1).max())  # trim padding that no window of this batch needs
+        ids = windows.input_ids[start : start + batch_size, :length].to(device)  # (b, l)
+        outputs.append(step(ids, mask[:, :length].to(device)))
+    return torch.cat(outputs)  # (W, K)
+
+
+def _first_windows(windows: Windows) -> torch.Tensor:
+    """The index of each text's first window: (N,)."""
+    W = windows.input_ids.shape[0]
+    first = torch.full((windows.num_texts,), W, dtype=torch.long)
+    positions = torch.arange(W)
+    return first.scatter_reduce(0, windows.text_index.cpu(), positions, "amin")  # (N,)
+
+
+def _check_lengths(max_length: object, stride: object) -> None:
+    for name, value in (("max_length", max_length), ("stride", stride)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    if max_length < 3:
+        raise ValueError(
+            f"max_length: expected at least 3 ([CLS], one token, [SEP]), got {max_length}"
+        )
+    if not 0 <= stride < max_length - 2:
+        raise ValueError(
+            f"stride: expected 0 <= stride < max_length - 2 = {max_length - 2} (the tokens "
+            f"two windows share must leave each window at least one new token), got {stride}"
+        )
+
+
+def _max_length(max_length: int | None, max_positions: int) -> int:
+    if max_length is None:
+        return max_positions
+    if isinstance(max_length, bool) or not isinstance(max_length, int):
+        raise TypeError(f"max_length: expected an int or None, got {type(max_length).__name__}")
+    if not 3 <= max_length <= max_positions:
+        raise ValueError(
+            f"max_length: expected 3..{max_positions} (the model's max_positions), got {max_length}"
+        )
+    return max_length
+
+
+def _check_aggregation(aggregation: object) -> None:
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation: expected one of {AGGREGATIONS}, got {aggregation!r}")
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
