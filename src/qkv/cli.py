@@ -8,9 +8,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from qkv.commands import check, embed, generate
+from qkv.commands import bench, check, cost, embed, generate, train, translate, viz
 
-_COMMANDS = (check, embed, generate)
+_COMMANDS = (train, translate, check, embed, generate, cost, bench, viz)
 
 
 def build_parser() -> argparse.ArgumentParser:

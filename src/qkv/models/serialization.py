@@ -33,7 +33,16 @@ from torch import nn
 
 from qkv.models.checkpoints.core import CheckpointError
 
-__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "CheckpointError", "load", "register_model_class", "save"]
+__all__ = [
+    "CONFIG_NAME",
+    "WEIGHTS_NAME",
+    "CheckpointError",
+    "load",
+    "register_model_class",
+    "save",
+    "unique_tensors",
+    "write_atomically",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -89,15 +98,15 @@ def save(model: nn.Module, path: str | os.PathLike) -> Path:
     document = {"format": FORMAT, "format_version": FORMAT_VERSION, "model_class": name}
     document["config_class"] = type(config).__name__
     document["config"] = _config_to_json(config)
-    tensors, tied = _unique_tensors(model.state_dict())
+    tensors, tied = unique_tensors(model.state_dict())
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     weights_path = directory / WEIGHTS_NAME
-    _write_atomically(weights_path, lambda temporary: _save_tensors(tensors, temporary))
+    write_atomically(weights_path, lambda temporary: _save_tensors(tensors, temporary))
     document["tied_weights"] = tied
     document["weights_sha256"] = _sha256(weights_path)
     text = json.dumps(document, indent=2, sort_keys=True, allow_nan=False) + "\n"
-    _write_atomically(directory / CONFIG_NAME, lambda temporary: temporary.write_text(text))
+    write_atomically(directory / CONFIG_NAME, lambda temporary: temporary.write_text(text))
     logger.info("saved %s (%d tensors) to %s", name, len(tensors), directory)
     return directory
 
@@ -220,7 +229,7 @@ def _tuples(value: object) -> object:
     return value
 
 
-def _unique_tensors(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+def unique_tensors(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
     """Each distinct tensor once, under its first name, and {other name: first name}.
 
     Names are tied when they are the same view of the same memory. Tensors that only overlap
@@ -247,7 +256,7 @@ def _load_state(
     model: nn.Module, tensors: dict[str, torch.Tensor], tied: object, source: Path
 ) -> None:
     """Check names, ties and shapes against the freshly built model, then copy, all or nothing."""
-    expected, model_tied = _unique_tensors(model.state_dict())
+    expected, model_tied = unique_tensors(model.state_dict())
     if tied != model_tied:
         raise CheckpointError(
             f"{CONFIG_NAME}: tied_weights {tied} differ from the ties of the model its config "
@@ -331,7 +340,7 @@ def _read_document(path: Path) -> dict:
     return document
 
 
-def _write_atomically(path: Path, write: Callable[[Path], object]) -> None:
+def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
     """write(temporary path) in path's folder, flush it to disk, then rename it over `path`."""
     # A fresh name rather than tempfile.mkstemp, whose 0600 mode would stay on the checkpoint.
     temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")

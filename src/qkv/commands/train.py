@@ -1,0 +1,135 @@
+"""`qkv train translate|bert|gpt`: train a preset on its embedded data, resumably.
+
+The flags are generated from two frozen dataclasses: `TrainingConfig` (steps, batch size, learning
+rate, ...) shared by every task, and the task's own options (`TranslateOptions`, ...), so a knob
+added to either appears here with its default. `torchrun --nproc-per-node N -m qkv.cli train ...`
+runs the same command on N processes (DDP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+import types
+import typing
+from pathlib import Path
+
+from qkv.commands import _train_report
+
+_HELP = {
+    "steps": "optimizer steps",
+    "batch_size": "examples per step, over all processes",
+    "accumulation_steps": "micro-batches per step (same gradient, less memory)",
+    "learning_rate": "peak learning rate (AdamW)",
+    "warmup_steps": "linear warm-up steps",
+    "schedule": "decay after warm-up: linear, cosine or constant",
+    "clip_norm": "clip the gradient's global norm to this",
+    "bf16": "bfloat16 autocast for the forward pass",
+    "eval_every": "evaluate every N steps (0: at the end only)",
+    "checkpoint_every": "write checkpoint.safetensors every N steps",
+    "data": "your own data file instead of the embedded one",
+}
+
+
+def _tasks() -> dict[str, tuple[type, type]]:
+    """Task name -> (task class, options dataclass), imported on demand."""
+    from qkv.training.tasks import TASKS
+
+    return TASKS
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from qkv.training import LossNotFiniteError, TrainingConfig, train
+
+    torch.set_num_threads(args.threads)
+    task_class, options_class = _tasks()[args.task]
+    try:
+        config = TrainingConfig(**_fields(args, TrainingConfig))
+        options = options_class(**_fields(args, options_class))
+        print(f"qkv train {args.task}: preparing data ...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        task = task_class(options)
+        bar = _ProgressBar(config.steps, started)
+        result = train(task, config, out_dir=args.out, resume=args.resume, on_log=bar.update)
+    except LossNotFiniteError as error:
+        print(f"\nqkv train: stopped: {error}", file=sys.stderr)
+        return 3
+    except (ValueError, TypeError, OSError, ImportError) as error:
+        print(f"qkv train: error: {error}", file=sys.stderr)
+        return 1
+    _train_report.report(task, result, Path(args.out), seconds=time.perf_counter() - started)
+    return 0
+
+
+def _fields(args: argparse.Namespace, cls: type) -> dict:
+    return {field.name: getattr(args, field.name) for field in dataclasses.fields(cls)}
+
+
+class _ProgressBar:
+    """One line on stderr redrawn from the training records; evaluations print their own."""
+
+    def __init__(self, total: int, started: float, width: int = 24) -> None:
+        self.total, self.started, self.width = total, started, width
+
+    def update(self, record: dict) -> None:
+        step = record["step"]
+        if record["kind"] == "eval":
+            shown = "  ".join(
+                f"{k} {v:.4g}" for k, v in record.items() if k not in ("step", "kind")
+            )
+            print(f"\n  eval at step {step}: {shown}", file=sys.stderr, flush=True)
+            return
+        filled = self.width * step // self.total
+        print(
+            f"\r[{'#' * filled}{'.' * (self.width - filled)}] step {step}/{self.total}  "
+            f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
+            f"{record['tokens_per_s']:,.0f} tok/s  {time.perf_counter() - self.started:.0f}s",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    from qkv.training import TrainingConfig
+
+    train = commands.add_parser(
+        "train", help="train a preset (translate, bert, gpt) on embedded data, resumable"
+    )
+    tasks = train.add_subparsers(dest="task", metavar="task", required=True)
+    for name, (_, options_class) in _tasks().items():
+        parser = tasks.add_parser(name, help=(options_class.__doc__ or "").splitlines()[0])
+        parser.add_argument(
+            "--out", default=f"runs/{name}", help="run folder (default %(default)s)"
+        )
+        parser.add_argument("--resume", action="store_true", help="go on from --out's checkpoint")
+        parser.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
+        _add_dataclass_flags(parser.add_argument_group("training"), TrainingConfig)
+        _add_dataclass_flags(parser.add_argument_group(f"{name} task"), options_class)
+        parser.set_defaults(run=_run)
+
+
+def _add_dataclass_flags(group: argparse._ArgumentGroup, cls: type) -> None:
+    """--field-name for every field of a dataclass, typed from its annotation and default."""
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        flag, kind = "--" + field.name.replace("_", "-"), hints[field.name]
+        text = f"{_HELP.get(field.name, field.name.replace('_', ' '))} (default %(default)s)"
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
+                               help=text)  # fmt: skip
+        elif typing.get_origin(kind) is tuple:
+            group.add_argument(flag, type=float, nargs=2, default=field.default, help=text)
+        else:
+            group.add_argument(flag, type=_scalar(kind), default=field.default, help=text)
+
+
+def _scalar(kind: object) -> type:
+    """int, float or str, unwrapping `X | None`."""
+    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+        kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
+    return kind  # type: ignore[return-value]

@@ -1,0 +1,68 @@
+"""`TrainingConfig`: the knobs of one training run, checked when built."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from qkv.training.schedule import SCHEDULES
+
+__all__ = ["TrainingConfig"]
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """steps: optimizer steps; batch_size: examples per step over all processes (the global
+    batch), split into accumulation_steps micro-batches in each process.
+    learning_rate: the peak, reached after warmup_steps, then `schedule` ("linear", "cosine",
+    "constant") decays it to 0 at `steps`. weight_decay: AdamW's, not on norms and biases.
+    clip_norm: the gradient's global L2 norm is clipped to it (None: no clipping).
+    bf16: forward passes under CPU/GPU autocast to bfloat16 (weights and optimizer stay fp32).
+    eval_every / checkpoint_every / log_every: in steps (0 = only at the end).
+    seed: model initialisation, data order, masking and dropout all follow from it.
+    """
+
+    steps: int = 400
+    batch_size: int = 128
+    accumulation_steps: int = 1
+    learning_rate: float = 1e-3
+    warmup_steps: int = 40
+    schedule: str = "linear"
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.98)
+    clip_norm: float | None = 1.0
+    bf16: bool = False
+    eval_every: int = 0
+    checkpoint_every: int = 100
+    log_every: int = 10
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "accumulation_steps"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "log_every", "seed"):
+            _check_int(name, getattr(self, name), minimum=0)
+        if self.warmup_steps > self.steps:
+            raise ValueError(
+                f"warmup_steps: {self.warmup_steps} is more than steps={self.steps}; expected "
+                f"at most steps"
+            )
+        if self.batch_size < self.accumulation_steps:
+            raise ValueError(
+                f"batch_size: {self.batch_size} is smaller than accumulation_steps="
+                f"{self.accumulation_steps}; expected at least one example per micro-batch"
+            )
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule: expected one of {SCHEDULES}, got {self.schedule!r}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate: expected a number > 0, got {self.learning_rate!r}")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"clip_norm: expected None or a number > 0, got {self.clip_norm!r}")
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "betas": list(self.betas)}
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")

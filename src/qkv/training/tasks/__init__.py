@@ -1,0 +1,13 @@
+"""The embedded training tasks, each a `qkv.training.Task`: translate, bert, gpt.
+
+`TASKS` maps a name to (task class, options dataclass); `qkv train NAME` builds its flags from
+the options' fields.
+"""
+
+from qkv.training.tasks.translate import TranslateOptions, TranslateTask
+
+__all__ = ["TASKS", "TranslateOptions", "TranslateTask"]
+
+TASKS: dict[str, tuple[type, type]] = {
+    "translate": (TranslateTask, TranslateOptions),
+}

@@ -1,0 +1,105 @@
+"""Warm-up then decay against transformers' schedules; AdamW's groups leave norms and biases be."""
+
+import pytest
+import torch
+from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
+
+from qkv.models import BertConfig, BertForPreTraining
+from qkv.training import build_optimizer, build_scheduler, lr_multiplier, parameter_groups
+
+
+@pytest.mark.parametrize(
+    ("kind", "reference"),
+    [("linear", get_linear_schedule_with_warmup), ("cosine", get_cosine_schedule_with_warmup)],
+)
+def test_schedule_equals_transformers_after_warmup_and_is_shifted_by_one_during_it(kind, reference):
+    warmup, total = 10, 100
+    ours = [
+        lr_multiplier(s, warmup_steps=warmup, total_steps=total, kind=kind) for s in range(total)
+    ]
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    scheduler = reference(optimizer, warmup, total)
+    theirs = []
+    for _ in range(total + 1):
+        theirs.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    # warm-up: qkv's step s is transformers' step s + 1 (qkv never spends a step at lr 0)
+    assert ours[:warmup] == pytest.approx(theirs[1 : warmup + 1], abs=1e-12)
+    assert ours[warmup:] == pytest.approx(theirs[warmup:total], abs=1e-12)
+
+
+def test_schedule_values_at_chosen_steps():
+    values = {
+        step: lr_multiplier(step, warmup_steps=4, total_steps=12, kind="linear")
+        for step in (0, 1, 3, 4, 8, 11, 12, 20)
+    }
+    assert values == pytest.approx(
+        {0: 0.25, 1: 0.5, 3: 1.0, 4: 1.0, 8: 0.5, 11: 0.125, 12: 0.0, 20: 0.0}
+    )
+    assert lr_multiplier(8, warmup_steps=4, total_steps=12, kind="cosine") == pytest.approx(0.5)
+    assert lr_multiplier(9, warmup_steps=4, total_steps=12, kind="constant") == 1.0
+
+
+def test_scheduler_drives_the_optimizer_learning_rate():
+    parameter = torch.zeros(1, requires_grad=True)
+    optimizer = torch.optim.SGD([parameter], lr=0.2)
+    scheduler = build_scheduler(optimizer, warmup_steps=2, total_steps=6)
+    seen = []
+    for _ in range(6):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([0.1, 0.2, 0.2, 0.15, 0.1, 0.05])
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"warmup_steps": 5, "total_steps": 3}, "warmup_steps"),
+        ({"warmup_steps": -1, "total_steps": 3}, "warmup_steps"),
+        ({"warmup_steps": 1, "total_steps": 3, "kind": "exp"}, "kind"),
+    ],
+)
+def test_bad_schedules_name_the_argument(arguments, message):
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    with pytest.raises(ValueError, match=message):
+        build_scheduler(optimizer, **arguments)
+
+
+def test_no_weight_decay_on_norms_and_biases_as_in_bert():
+    config = BertConfig(vocab_size=50, embed_dim=16, num_layers=2, num_heads=2, ffn_dim=32)
+    model = BertForPreTraining(config)
+    decayed, kept = parameter_groups(model, weight_decay=0.1)
+    # Hugging Face's BERT recipe by name: no decay for biases and LayerNorm weights
+    names = {id(p): n for n, p in model.named_parameters()}
+    for parameter in kept["params"]:
+        assert "bias" in names[id(parameter)] or "norm" in names[id(parameter)].lower()
+    for parameter in decayed["params"]:
+        assert parameter.dim() == 2, names[id(parameter)]
+    everything = [p for p in model.parameters()]
+    assert len(decayed["params"]) + len(kept["params"]) == len(everything)
+    assert {id(p) for p in decayed["params"]} | {id(p) for p in kept["params"]} == {
+        id(p) for p in everything
+    }
+    assert (decayed["weight_decay"], kept["weight_decay"]) == (0.1, 0.0)
+
+
+def test_adamw_leaves_a_norm_gain_without_gradient_untouched_but_decays_a_matrix():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    optimizer = build_optimizer(model, learning_rate=0.1, weight_decay=0.5)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    after = dict(model.named_parameters())
+    torch.testing.assert_close(after["1.weight"], before["1.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(after["0.bias"], before["0.bias"], rtol=0, atol=0)
+    torch.testing.assert_close(after["0.weight"], before["0.weight"] * (1 - 0.1 * 0.5))
+
+
+def test_bad_optimizer_arguments():
+    with pytest.raises(ValueError, match="learning_rate"):
+        build_optimizer(torch.nn.Linear(2, 2), learning_rate=0.0)
+    with pytest.raises(ValueError, match="weight_decay"):
+        build_optimizer(torch.nn.Linear(2, 2), learning_rate=1e-3, weight_decay=-1.0)
