@@ -23,13 +23,23 @@ _HELP = {
     "batch_size": "examples per step, over all processes",
     "accumulation_steps": "micro-batches per step (same gradient, less memory)",
     "learning_rate": "peak learning rate (AdamW)",
-    "warmup_steps": "linear warm-up steps",
+    "warmup_steps": "linear warm-up steps (None: 10%% of steps)",
     "schedule": "decay after warm-up: linear, cosine or constant",
     "clip_norm": "clip the gradient's global norm to this",
     "bf16": "bfloat16 autocast for the forward pass",
     "eval_every": "evaluate every N steps (0: at the end only)",
     "checkpoint_every": "write checkpoint.safetensors every N steps",
     "data": "your own data file instead of the embedded one",
+    "max_number": "numbers are drawn from 0 .. this",
+    "num_train": "training pairs",
+    "num_valid": "validation pairs",
+    "num_test": "held-out test pairs",
+    "vocab_size": "BPE vocabulary size (source and target share it)",
+    "embed_dim": "model width E",
+    "num_layers": "blocks in the encoder and in the decoder",
+    "ffn_dim": "feed-forward hidden width",
+    "max_length": "longest sentence in tokens",
+    "data_seed": "seed of the data split",
 }
 
 
@@ -115,6 +125,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def _add_dataclass_flags(group: argparse._ArgumentGroup, cls: type) -> None:
     """--field-name for every field of a dataclass, typed from its annotation and default."""
+    from qkv.training.schedule import SCHEDULES
+
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         flag, kind = "--" + field.name.replace("_", "-"), hints[field.name]
@@ -124,6 +136,8 @@ def _add_dataclass_flags(group: argparse._ArgumentGroup, cls: type) -> None:
                                help=text)  # fmt: skip
         elif typing.get_origin(kind) is tuple:
             group.add_argument(flag, type=float, nargs=2, default=field.default, help=text)
+        elif field.name == "schedule":
+            group.add_argument(flag, choices=SCHEDULES, default=field.default, help=text)
         else:
             group.add_argument(flag, type=_scalar(kind), default=field.default, help=text)
 

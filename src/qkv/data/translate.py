@@ -6,12 +6,17 @@ separates the thousands ("twenty-one", "twelve thousand, three hundred and forty
 model cannot copy word by word: cross-attention must learn a real alignment with reordering
 (seed 004, "Encoder-Decoder Attention (Cross-Attention)").
 
-The numbers 0 .. max_number are shuffled once with a seeded generator; the first `num_test` are
-the test set, the next `num_valid` the validation set, the next `num_train` the training set, so
-the three are disjoint by construction. One byte-pair vocabulary (Sennrich et al. 2016), trained
-with the `tokenizers` library on the training pairs of both languages, serves source and target,
-as the shared source-target BPE of Vaswani et al. 2017 (section 5.1) does. Its pre-tokeniser is
-Metaspace (spaces become a visible "▁"), so decoding gives back the exact text.
+Numbers are drawn without replacement from 0 .. max_number with equal weight for each
+magnitude (1 digit, 2 digits, ...), not uniformly: a uniform draw from 0 .. 999999 is 99.9% six-
+and five-digit numbers, and a model trained on it translates "dreihundertzwölf" (312) as "three
+hundred and twelve thousand and twelve". Small magnitudes run out (there are only 900
+three-digit numbers), so every one of them is drawn. The drawn set is then shuffled and cut into
+test, validation and training numbers: disjoint by construction.
+
+One byte-pair vocabulary (Sennrich et al. 2016), trained with the `tokenizers` library on the
+training pairs of both languages, serves source and target, as the shared source-target BPE of
+Vaswani et al. 2017 (section 5.1) does. Its pre-tokeniser is Metaspace (spaces become a
+visible "▁"), so decoding gives back the exact text.
 """
 
 from __future__ import annotations
@@ -65,8 +70,14 @@ def number_pairs(
     from num2words import num2words
 
     _check_split_sizes(max_number + 1, num_train=num_train, num_valid=num_valid, num_test=num_test)
-    order = torch.randperm(max_number + 1, generator=torch.Generator().manual_seed(seed))
-    order = order.tolist()
+    generator = torch.Generator().manual_seed(seed)
+    numbers = torch.arange(max_number + 1)
+    powers_of_ten = torch.tensor([10**p for p in range(1, len(str(max_number)))])
+    magnitude = torch.bucketize(numbers, powers_of_ten, right=True)  # digits - 1
+    weights = 1.0 / torch.bincount(magnitude).double()[magnitude]  # each magnitude weighs 1
+    total = num_test + num_valid + num_train
+    drawn = torch.multinomial(weights, total, replacement=False, generator=generator)
+    order = drawn[torch.randperm(total, generator=generator)].tolist()
 
     def pairs(numbers: list[int]) -> list[Pair]:
         return [(num2words(n, lang="de"), num2words(n, lang="en")) for n in numbers]

@@ -14,8 +14,9 @@ __all__ = ["TrainingConfig"]
 class TrainingConfig:
     """steps: optimizer steps; batch_size: examples per step over all processes (the global
     batch), split into accumulation_steps micro-batches in each process.
-    learning_rate: the peak, reached after warmup_steps, then `schedule` ("linear", "cosine",
-    "constant") decays it to 0 at `steps`. weight_decay: AdamW's, not on norms and biases.
+    learning_rate: the peak, reached after warmup_steps (None: 10% of steps), then `schedule`
+    ("linear", "cosine", "constant") decays it to 0 at `steps`.
+    weight_decay: AdamW's, not on norms and biases.
     clip_norm: the gradient's global L2 norm is clipped to it (None: no clipping).
     bf16: forward passes under CPU/GPU autocast to bfloat16 (weights and optimizer stay fp32).
     eval_every / checkpoint_every / log_every: in steps (0 = only at the end).
@@ -26,7 +27,7 @@ class TrainingConfig:
     batch_size: int = 128
     accumulation_steps: int = 1
     learning_rate: float = 1e-3
-    warmup_steps: int = 40
+    warmup_steps: int | None = None
     schedule: str = "linear"
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.98)
@@ -38,6 +39,9 @@ class TrainingConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        _check_int("steps", self.steps, minimum=1)
+        if self.warmup_steps is None:  # frozen: set the derived default once, here
+            object.__setattr__(self, "warmup_steps", max(1, self.steps // 10))
         for name in ("steps", "batch_size", "accumulation_steps"):
             _check_int(name, getattr(self, name), minimum=1)
         for name in ("warmup_steps", "eval_every", "checkpoint_every", "log_every", "seed"):

@@ -1,0 +1,31 @@
+"""`qkv train translate` end to end: progress, test exact match, a saved model that `qkv
+translate` uses, the cross-attention heat map; bad options are clear errors."""
+
+import json
+
+from qkv.cli import main
+
+from .tiny import TINY_FLAGS
+
+
+def test_train_then_translate_from_the_command_line(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "translate", *TINY_FLAGS, "--steps", "3", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "step 3/3" in captured.err and "test exact match:" in captured.out
+    assert "dreihundertzwölf  ->" in captured.out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3 and 0.0 <= summary["metrics"]["test_exact_match"] <= 1.0
+    png = (out / "cross_attention.png").read_bytes()
+    assert png.startswith(b"\x89PNG")
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "task.json"):
+        assert (out / "model" / name).is_file()
+    assert main(["translate", "einundzwanzig", "zwölf", "--model", str(out / "model")]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2
+
+
+def test_bad_options_and_missing_models_are_clear_errors(tmp_path, capsys):
+    assert main(["train", "translate", "--steps", "0", "--out", str(tmp_path)]) == 1
+    assert "steps: expected an int >= 1, got 0" in capsys.readouterr().err
+    assert main(["translate", "eins", "--model", str(tmp_path / "nothing")]) == 1
+    assert "tokenizer.json" in capsys.readouterr().err
