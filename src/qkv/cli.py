@@ -8,9 +8,19 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from qkv.commands import bench, check, cost, embed, generate, train, translate, viz
+from qkv.commands import (
+    bench,
+    check,
+    cost,
+    embed,
+    generate,
+    report,
+    train,
+    translate,
+    viz,
+)
 
-_COMMANDS = (train, translate, check, embed, generate, cost, bench, viz)
+_COMMANDS = (train, translate, check, embed, generate, cost, bench, viz, report)
 
 
 def build_parser() -> argparse.ArgumentParser:

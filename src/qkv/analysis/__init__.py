@@ -1,7 +1,7 @@
 """Looking inside: sanity checks (`qkv check`), exact attention maps from any backend, the cost
-planner (`qkv cost`), the complexity benchmark (`qkv bench complexity`), the attention viewer
-(`qkv viz`). The seeds' plots are in `qkv.analysis.plots` (imported on its own: it needs
-matplotlib)."""
+planner (`qkv cost`), head importance and pruning (Michel et al. 2019), the complexity benchmark
+(`qkv bench complexity`), the attention viewer (`qkv viz`) and the report (`qkv report`). The
+seeds' plots are in `qkv.analysis.plots` (imported on its own: it needs matplotlib)."""
 
 from qkv.analysis.attention_maps import (
     AttentionMap,
@@ -11,6 +11,15 @@ from qkv.analysis.attention_maps import (
 )
 from qkv.analysis.complexity import measure_complexity
 from qkv.analysis.cost import CostReport, cost_report
+from qkv.analysis.heads import (
+    HeadGates,
+    PruningStep,
+    head_gates,
+    head_importance,
+    position_cosine_similarity,
+    prune_heads,
+    pruning_curve,
+)
 from qkv.analysis.sanity import CheckResult, run_checks
 from qkv.analysis.viz import attention_view_html
 
@@ -19,10 +28,17 @@ __all__ = [
     "AttentionRecording",
     "CheckResult",
     "CostReport",
+    "HeadGates",
+    "PruningStep",
     "attention_map",
     "attention_view_html",
     "cost_report",
+    "head_gates",
+    "head_importance",
     "measure_complexity",
+    "position_cosine_similarity",
+    "prune_heads",
+    "pruning_curve",
     "record_attention",
     "run_checks",
 ]

