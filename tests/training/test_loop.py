@@ -1,6 +1,7 @@
 """The loop: it learns, accumulation and resume change nothing, a NaN loss stops it cleanly."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -110,3 +111,36 @@ def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(task, tmp_p
 
     with safe_open(str(tmp_path / CHECKPOINT_NAME), framework="pt") as file:
         assert json.loads(file.metadata()["qkv"])["step"] == 2  # step 3's state was never saved
+
+
+def test_metrics_go_to_tensorboard_when_it_is_installed(task, tmp_path, monkeypatch):
+    import sys
+    import types
+
+    written = []
+
+    class FakeWriter:  # stands in for torch.utils.tensorboard.SummaryWriter
+        def __init__(self, folder):
+            written.append(("folder", folder))
+
+        def add_scalar(self, tag, value, step):
+            written.append((tag, step))
+
+        def flush(self):
+            pass
+
+    monkeypatch.setitem(
+        sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=FakeWriter)
+    )
+    train(task, TrainingConfig(steps=2, batch_size=4, log_every=1, eval_every=2), out_dir=tmp_path)
+    assert written[0] == ("folder", str(tmp_path / "tensorboard"))
+    assert ("train/loss", 1) in written and ("train/loss", 2) in written
+    assert ("eval/valid_exact_match", 2) in written
+
+
+def test_bf16_autocast_trains(task, tmp_path):
+    config = TrainingConfig(steps=30, batch_size=16, bf16=True, log_every=1, learning_rate=3e-3)
+    train(task, config, out_dir=tmp_path)
+    records = map(json.loads, (tmp_path / "metrics.jsonl").open())
+    losses = [record["loss"] for record in records if record["kind"] == "train"]
+    assert all(map(math.isfinite, losses)) and losses[-1] < 0.7 * losses[0]

@@ -64,7 +64,10 @@ def _run(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         task = task_class(options)
         bar = _ProgressBar(config.steps, started)
-        result = train(task, config, out_dir=args.out, resume=args.resume, on_log=bar.update)
+        result = train(
+            task, config, out_dir=args.out, resume=args.resume, on_log=bar.update,
+            device=args.device,
+        )  # fmt: skip
     except LossNotFiniteError as error:
         print(f"\nqkv train: stopped: {error}", file=sys.stderr)
         return 3
@@ -118,6 +121,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         )
         parser.add_argument("--resume", action="store_true", help="go on from --out's checkpoint")
         parser.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
+        parser.add_argument("--device", default="cpu", help="cpu or cuda (default %(default)s)")
         _add_dataclass_flags(parser.add_argument_group("training"), TrainingConfig)
         _add_dataclass_flags(parser.add_argument_group(f"{name} task"), options_class)
         parser.set_defaults(run=_run)

@@ -34,11 +34,22 @@ class Distributed:
     def enabled(self) -> bool:
         return self.world_size > 1
 
+    def device(self, device: torch.device | str) -> torch.device:
+        """`device`, or on CUDA with several processes this process's GPU (LOCAL_RANK)."""
+        device = torch.device(device)
+        if self.enabled and device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        return device
+
     def wrap(self, model: nn.Module) -> nn.Module:
         """The model DDP-wrapped when there is more than one process, else itself."""
         if not self.enabled:
             return model
-        return nn.parallel.DistributedDataParallel(model)
+        parameter = next(model.parameters())
+        on_gpu = parameter.device.type == "cuda"
+        device_ids = [parameter.device.index] if on_gpu else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
     def barrier(self) -> None:
         if self.enabled:

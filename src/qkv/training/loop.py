@@ -122,6 +122,7 @@ def train(
     """
     out_dir = Path(out_dir)
     context = setup_distributed(device)
+    device = context.device(device)
     torch.manual_seed(config.seed)
     model = task.build_model().to(device)
     optimizer = build_optimizer(
@@ -180,7 +181,8 @@ def _train_step(
     (means over the global batch, summed into "loss") and the tokens this process saw."""
     mine = shard(order.batch(step, config.batch_size), context)
     chunks = [mine[i :: config.accumulation_steps] for i in range(config.accumulation_steps)]
-    batches = [task.collate(sorted(chunk), step=step) for chunk in chunks if chunk]
+    device = next(model.parameters()).device
+    batches = [_to(task.collate(sorted(chunk), step=step), device) for chunk in chunks if chunk]
     names = sorted(task.counts(batches[0]))
     local_counts = torch.tensor([sum(task.counts(b)[n] for b in batches) for n in names])
     global_counts = all_reduce_sum(local_counts.double(), context).clamp(min=1)  # N_k
@@ -246,6 +248,10 @@ def _due(done: int, every: int, total: int) -> bool:
     return done == total or (every > 0 and done % every == 0)
 
 
+def _to(batch: Batch, device: torch.device) -> Batch:
+    return {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
+
+
 def _device_type(model: nn.Module) -> str:
     parameter = next(model.parameters(), None)
     return "cpu" if parameter is None else parameter.device.type
@@ -268,11 +274,13 @@ class _Throughput:
 
 
 class _Logger:
-    """Records to metrics.jsonl (main process) and to on_log. On resume, records after the
-    checkpoint's step are dropped from the file: the resumed run writes them again."""
+    """Records to metrics.jsonl (main process), to TensorBoard where it is installed, and to
+    on_log. On resume, records after the checkpoint's step are dropped from the file: the
+    resumed run writes them again."""
 
     def __init__(self, out_dir: Path, context: Distributed, on_log, *, truncate_after: int):
         self.path, self.context, self.on_log = out_dir / METRICS_NAME, context, on_log
+        self.board = None
         if context.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
             kept = []
@@ -280,11 +288,26 @@ class _Logger:
                 lines = self.path.read_text().splitlines()
                 kept = [line for line in lines if json.loads(line)["step"] <= truncate_after]
             self.path.write_text("".join(line + "\n" for line in kept))
+            self.board = _tensorboard(out_dir / "tensorboard")
 
     def write(self, record: dict) -> None:
         if not self.context.is_main:
             return
         with open(self.path, "a") as file:
             file.write(json.dumps(record) + "\n")
+        if self.board is not None:
+            for name, value in record.items():
+                if name not in ("step", "kind"):
+                    self.board.add_scalar(f"{record['kind']}/{name}", value, record["step"])
+            self.board.flush()
         if self.on_log is not None:
             self.on_log(record)
+
+
+def _tensorboard(folder: Path):
+    """A SummaryWriter when the tensorboard package is installed, else None."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(folder))

@@ -112,10 +112,11 @@ class TranslateTask:
     def evaluate(self, model: Transformer, *, split: str = "valid") -> dict[str, float]:
         """Teacher-forced cross-entropy (no smoothing) and perplexity, and greedy exact match."""
         dataset = {"valid": self.valid_set, "test": self.test_set}[split]
+        device = next(model.parameters()).device
         total, count, correct = 0.0, 0, 0
         for start in range(0, len(dataset), 250):
             indices = list(range(start, min(start + 250, len(dataset))))
-            batch = dataset.collate(indices)
+            batch = {k: v.to(device) for k, v in dataset.collate(indices).items()}
             logits = model(batch["input_ids"], batch["attention_mask"], labels=batch["labels"])
             total += float(_summed_cross_entropy(logits.logits, batch["labels"], None))
             count += self.counts(batch)["tokens"]
@@ -151,7 +152,7 @@ def translate(
         return []
     max_positions = model.config.max_positions
     sources = [tokenizer.encode(text).ids[:max_positions] or [PAD_ID] for text in texts]
-    input_ids = pad_sequences(sources, PAD_ID)
+    input_ids = pad_sequences(sources, PAD_ID).to(next(model.parameters()).device)
     limit = max_new_tokens or max_positions - 1
     if num_beams == 1:
         sequences, _ = greedy_decode(
