@@ -114,7 +114,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "train", help="train a preset (translate, bert, gpt) on embedded data, resumable"
     )
     tasks = train.add_subparsers(dest="task", metavar="task", required=True)
-    for name, (_, options_class) in _tasks().items():
+    for name, (task_class, options_class) in _tasks().items():
         parser = tasks.add_parser(name, help=(options_class.__doc__ or "").splitlines()[0])
         parser.add_argument(
             "--out", default=f"runs/{name}", help="run folder (default %(default)s)"
@@ -122,28 +122,33 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         parser.add_argument("--resume", action="store_true", help="go on from --out's checkpoint")
         parser.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
         parser.add_argument("--device", default="cpu", help="cpu or cuda (default %(default)s)")
-        _add_dataclass_flags(parser.add_argument_group("training"), TrainingConfig)
+        defaults = getattr(task_class, "training_defaults", {})
+        _add_dataclass_flags(parser.add_argument_group("training"), TrainingConfig, defaults)
         _add_dataclass_flags(parser.add_argument_group(f"{name} task"), options_class)
         parser.set_defaults(run=_run)
 
 
-def _add_dataclass_flags(group: argparse._ArgumentGroup, cls: type) -> None:
-    """--field-name for every field of a dataclass, typed from its annotation and default."""
+def _add_dataclass_flags(
+    group: argparse._ArgumentGroup, cls: type, defaults: dict | None = None
+) -> None:
+    """--field-name for every field of a dataclass, typed from its annotation and its default
+    (or the task's own, from `defaults`)."""
     from qkv.training.schedule import SCHEDULES
 
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         flag, kind = "--" + field.name.replace("_", "-"), hints[field.name]
+        default = (defaults or {}).get(field.name, field.default)
         text = f"{_HELP.get(field.name, field.name.replace('_', ' '))} (default %(default)s)"
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                help=text)  # fmt: skip
         elif typing.get_origin(kind) is tuple:
-            group.add_argument(flag, type=float, nargs=2, default=field.default, help=text)
+            group.add_argument(flag, type=float, nargs=2, default=default, help=text)
         elif field.name == "schedule":
-            group.add_argument(flag, choices=SCHEDULES, default=field.default, help=text)
+            group.add_argument(flag, choices=SCHEDULES, default=default, help=text)
         else:
-            group.add_argument(flag, type=_scalar(kind), default=field.default, help=text)
+            group.add_argument(flag, type=_scalar(kind), default=default, help=text)
 
 
 def _scalar(kind: object) -> type:

@@ -20,7 +20,8 @@ class TrainingConfig:
     clip_norm: the gradient's global L2 norm is clipped to it (None: no clipping).
     bf16: forward passes under CPU/GPU autocast to bfloat16 (weights and optimizer stay fp32).
     eval_every / checkpoint_every / log_every: in steps (0 = only at the end).
-    seed: model initialisation, data order, masking and dropout all follow from it.
+    seed: model initialisation, data order and dropout follow from it (a task's data split and
+    masking follow its own data_seed).
     """
 
     steps: int = 400

@@ -4,10 +4,22 @@
 the options' fields.
 """
 
+from qkv.training.tasks.bert import BertOptions, BertTask
+from qkv.training.tasks.gpt import GPTOptions, GPTTask
 from qkv.training.tasks.translate import TranslateOptions, TranslateTask
 
-__all__ = ["TASKS", "TranslateOptions", "TranslateTask"]
+__all__ = [
+    "TASKS",
+    "BertOptions",
+    "BertTask",
+    "GPTOptions",
+    "GPTTask",
+    "TranslateOptions",
+    "TranslateTask",
+]
 
 TASKS: dict[str, tuple[type, type]] = {
     "translate": (TranslateTask, TranslateOptions),
+    "bert": (BertTask, BertOptions),
+    "gpt": (GPTTask, GPTOptions),
 }

@@ -1,0 +1,191 @@
+"""The `gpt` task: causal language modelling on the documentation CPython ships.
+
+GPT learns to predict every next token from the ones before it (seed 002 section 4.2, "Causal
+Mask (Decoder / GPT)": position i sees only positions j <= i). The text is that of
+`pydoc_data.topics` (or the user's `--data FILE`), split by document into training and
+validation, tokenised with a byte-level BPE trained on the training documents (GPT-2's scheme,
+Radford et al. 2019 section 2.2), joined with <|endoftext|> and cut into blocks of block_size
+tokens (`qkv.data.lm`). The loss is the summed next-token cross-entropy; a block of T tokens
+gives T - 1 predictions.
+
+The model is GPT-2 style by default (`family="gpt2"`: learned positions, LayerNorm, a GELU FFN,
+biases, output head tied to the token embedding, which halves the parameters of a small model
+whose embedding is most of it); `family="llama"` gives RoPE, RMSNorm, SwiGLU, no biases and a
+separate head, with GQA through num_kv_heads. Evaluation reports the validation loss, its
+perplexity exp(loss) and, as the number to beat, the unigram entropy of the training tokens:
+the loss of the best model that ignores context.
+
+After `qkv train gpt`, `qkv generate runs/gpt/model --prompt "The"` continues a prompt: the
+model folder holds qkv's checkpoint and the tokenizer.json that `load_for_generation` reads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from qkv.data import (
+    IGNORE_INDEX,
+    causal_lm_blocks,
+    pydoc_texts,
+    text_file_texts,
+    train_bpe,
+    train_validation_split,
+)
+from qkv.models import GPT, GPTConfig
+
+__all__ = ["GPTOptions", "GPTTask", "unigram_entropy"]
+
+TASK_FILE = "task.json"
+TOKENIZER_FILE = "tokenizer.json"  # the name `qkv generate` looks for
+FAMILIES = {"gpt2": "tiny-gpt2", "llama": "tiny-llama"}  # the GPTConfig preset each starts from
+_EVAL_BATCH = 64
+
+
+@dataclass(frozen=True)
+class GPTOptions:
+    """Data and model sizes of the gpt task (`qkv train gpt --help`)."""
+
+    data: str | None = None  # a UTF-8 text file (blank lines separate documents)
+    family: str = "gpt2"  # "gpt2" (learned positions, LayerNorm, GELU, tied) or "llama"
+    vocab_size: int = 4000
+    block_size: int = 128
+    embed_dim: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int | None = None  # None: = num_heads; fewer for GQA, 1 for MQA
+    ffn_dim: int = 512
+    dropout: float = 0.1
+    validation_fraction: float = 0.1
+    data_seed: int = 0  # which documents go to validation
+
+
+class GPTTask:
+    """Token blocks, BPE tokenizer and model of the gpt task; see the module docstring."""
+
+    name = "gpt"
+    # `qkv train gpt` defaults: smaller batches learn more per CPU-second here
+    # than the shared TrainingConfig defaults (measured: see the README).
+    training_defaults = {"batch_size": 32, "learning_rate": 2e-3, "steps": 300}
+
+    def __init__(self, options: GPTOptions = GPTOptions()) -> None:
+        if options.family not in FAMILIES:
+            raise ValueError(f"family: expected one of {sorted(FAMILIES)}, got {options.family!r}")
+        _check_validation_fraction(options.validation_fraction)
+        self.options = options
+        texts = pydoc_texts() if options.data is None else text_file_texts(options.data)
+        train, valid = train_validation_split(
+            texts, validation_fraction=options.validation_fraction, seed=options.data_seed
+        )
+        if not valid:
+            raise ValueError(
+                f"data: {len(texts)} document(s); expected at least 2 (blank lines separate "
+                f"documents), so that one can be held out for validation"
+            )
+        self.tokenizer = train_bpe(train, vocab_size=options.vocab_size)
+        self.train_blocks = causal_lm_blocks(train, self.tokenizer, block_size=options.block_size)
+        self.valid_blocks = causal_lm_blocks(valid, self.tokenizer, block_size=options.block_size)
+        self.unigram_entropy = unigram_entropy(self.train_blocks.blocks)
+
+    def __len__(self) -> int:
+        return len(self.train_blocks)
+
+    def describe(self) -> dict:
+        return {"name": self.name, **asdict(self.options)}
+
+    def build_model(self) -> GPT:
+        options = self.options
+        config = GPTConfig.from_name(
+            FAMILIES[options.family], vocab_size=self.tokenizer.get_vocab_size(),
+            embed_dim=options.embed_dim, num_layers=options.num_layers,
+            num_heads=options.num_heads, num_kv_heads=options.num_kv_heads,
+            ffn_dim=options.ffn_dim, max_positions=options.block_size,
+            dropout=options.dropout, attention_dropout=options.dropout,
+        )  # fmt: skip
+        return GPT(config)
+
+    def collate(self, indices: list[int], *, step: int = 0) -> dict[str, torch.Tensor]:
+        """The blocks at `indices`: {"input_ids": (B, T)}; no randomness, so step is unused."""
+        return {"input_ids": self.train_blocks.blocks[indices]}  # (B, T)
+
+    def counts(self, batch: dict[str, torch.Tensor]) -> dict[str, int]:
+        B, T = batch["input_ids"].shape
+        return {"tokens": B * (T - 1)}  # every position but the last predicts the next token
+
+    def num_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        return batch["input_ids"].numel()
+
+    def loss_sums(self, model, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Summed cross-entropy of logits[:, i] against input_ids[:, i + 1]."""
+        return {"tokens": summed_next_token_loss(model(batch["input_ids"]).logits, batch)}
+
+    @torch.no_grad()
+    def evaluate(self, model: GPT) -> dict[str, float]:
+        """Validation next-token loss (nats per token), its perplexity, and the unigram entropy
+        of the training tokens for comparison. Call it with the model in eval mode."""
+        total, count = 0.0, 0
+        for start in range(0, len(self.valid_blocks), _EVAL_BATCH):
+            stop = min(start + _EVAL_BATCH, len(self.valid_blocks))
+            batch = {"input_ids": self.valid_blocks.blocks[start:stop]}  # (B, T)
+            total += float(summed_next_token_loss(model(batch["input_ids"]).logits, batch))
+            count += self.counts(batch)["tokens"]
+        loss = total / max(count, 1)
+        return {
+            "valid_loss": loss,
+            "valid_perplexity": math.exp(min(loss, 700.0)),  # exp(700) is near float's limit
+            "unigram_entropy": self.unigram_entropy,
+        }
+
+    def save(self, model: GPT, path: str | os.PathLike) -> Path:
+        """The model as a qkv checkpoint, with tokenizer.json and task.json beside it: the
+        folder `qkv generate PATH --prompt ...` reads."""
+        from qkv.models import save
+
+        path = save(model, path)
+        self.tokenizer.save(str(path / TOKENIZER_FILE))
+        (path / TASK_FILE).write_text(json.dumps(self.describe(), indent=2) + "\n")
+        return path
+
+
+def summed_next_token_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Sum over b and i < T - 1 of -log softmax(logits[b, i])[input_ids[b, i + 1]], in fp32.
+
+    The targets move rather than the logits (the last position gets the ignored label), so the
+    (B, T, V) logits are not copied; as `qkv.models.gpt.next_token_loss`, but summed.
+    """
+    input_ids = batch["input_ids"]  # (B, T)
+    targets = F.pad(input_ids[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T)
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(),  # (B * T, V)
+        targets.flatten(),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+def unigram_entropy(token_ids: torch.Tensor, *, exclude: tuple[int, ...] = ()) -> float:
+    """H = -sum_t p(t) log p(t) in nats, p the frequency of each token id in `token_ids` (any
+    shape), ids in `exclude` left out. It is the cross-entropy on these tokens of the best
+    predictor that ignores context, so a language model must get below it to use context."""
+    ids = token_ids.flatten()
+    if exclude:
+        ids = ids[~torch.isin(ids, torch.tensor(exclude, dtype=ids.dtype))]
+    if ids.numel() == 0:
+        raise ValueError("token_ids: expected at least one token that is not excluded, got none")
+    counts = torch.bincount(ids).double()
+    p = counts[counts > 0] / ids.numel()
+    return float(-(p * p.log()).sum())
+
+
+def _check_validation_fraction(value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise ValueError(
+            f"validation_fraction: expected a number in (0, 1) (evaluation needs held-out "
+            f"documents), got {value!r}"
+        )
