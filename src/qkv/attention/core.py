@@ -6,7 +6,10 @@ A backend is a module (or any object) with:
     why_not_auto(request) (optional)   why `auto` should pass it over although it could serve,
     notes(request) -> list[str]        how it will serve it, for `explain`,
     run(request) -> (output, weights or None).
-`auto` takes the first backend in `BACKENDS` (ordered fastest first) that can serve the request.
+`auto` takes the first backend in `BACKENDS` (ordered fastest first) that can serve the request,
+and remembers its choice per call signature (`request.request_key`: shapes, dtypes, devices and
+options, never tensor values). So why_not and why_not_auto must depend on nothing else, and
+`BACKENDS` changes through `register_backend`, which forgets the remembered choices.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from types import ModuleType
 import torch
 
 from qkv.attention import reference, sdpa
-from qkv.attention.request import AttentionRequest, make_request
+from qkv.attention.request import AttentionRequest, make_request, request_key
 
 # Fastest first: `auto` walks this order. Later backends (tiled, triton) register themselves.
 BACKENDS: dict[str, ModuleType] = {sdpa.name: sdpa, reference.name: reference}
@@ -29,6 +32,7 @@ def register_backend(backend, *, before: str | None = None) -> None:
     items.insert(index, (backend.name, backend))
     BACKENDS.clear()
     BACKENDS.update(items)
+    _AUTO_CHOICES.clear()
 
 
 def attention(
@@ -67,19 +71,20 @@ def attention(
         output (B, H, L_q, D_v) in q's dtype, or (output, weights) if return_weights.
         A query with no visible key gets output 0 (and weights 0), with finite gradients.
     """
-    request = make_request(
-        q,
-        k,
-        v,
-        mask=mask,
-        causal=causal,
-        scale=scale,
-        bias=bias,
-        window=window,
-        dropout_p=dropout_p,
-        return_weights=return_weights,
-    )
-    chosen = _choose(request, backend)
+    options = {
+        "mask": mask,
+        "causal": causal,
+        "scale": scale,
+        "bias": bias,
+        "window": window,
+        "dropout_p": dropout_p,
+        "return_weights": return_weights,
+    }
+    if isinstance(backend, str) and backend == "auto":
+        request, chosen = _auto_request(q, k, v, options)
+    else:
+        request = make_request(q, k, v, **options)
+        chosen = _choose(request, backend)
     if request.key_len == 0:  # nothing to attend to: every row is empty
         output, weights = _empty_keys(request)
     else:
@@ -168,6 +173,34 @@ def _choose(request: AttentionRequest, backend: str):
             f"or one that can (see qkv.explain)"
         )
     return chosen
+
+
+# `auto`'s choice per call signature (`request_key`). A model makes the same call, shapes and
+# flags alike, in every layer and at every decoding step: checking it and walking the backends
+# again would only repeat the answer (~20 us a call, the size of a small kernel). A decoding
+# run adds one signature per step (the key length grows), hence the bound; `register_backend`
+# empties it, since a new backend may change the choice.
+_AUTO_CHOICES: dict[tuple, tuple[ModuleType, dict]] = {}
+_AUTO_CHOICES_MAX = 1024
+
+
+def _auto_request(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict
+) -> tuple[AttentionRequest, ModuleType]:
+    """The request and the backend `auto` runs it on: remembered for a known signature."""
+    key = request_key(q, k, v, **options)
+    known = _AUTO_CHOICES.get(key) if key is not None else None
+    if known is not None:
+        chosen, checked = known  # scale, window and dropout_p as make_request normalised them
+        return AttentionRequest(q=q, k=k, v=v, **{**options, **checked}), chosen
+    request = make_request(q, k, v, **options)
+    chosen = _choose(request, "auto")
+    if key is not None:
+        if len(_AUTO_CHOICES) >= _AUTO_CHOICES_MAX:
+            _AUTO_CHOICES.clear()
+        checked = {"scale": request.scale, "window": request.window, "dropout_p": request.dropout_p}
+        _AUTO_CHOICES[key] = (chosen, checked)
+    return request, chosen
 
 
 def _why_not_auto(backend, request: AttentionRequest) -> str | None:

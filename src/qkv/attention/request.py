@@ -125,6 +125,56 @@ def make_request(
     )
 
 
+def request_key(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float | None,
+    bias: torch.Tensor | None,
+    window: int | tuple[int, int] | None,
+    dropout_p: float,
+    return_weights: bool,
+) -> tuple | None:
+    """Everything `make_request` checks, as a hashable key; None for a call it cannot describe.
+
+    Two calls with one key pass or fail the checks alike and differ only in tensor values, so a
+    choice made for one (`qkv.attention` memoises `auto`'s) holds for the other. The key has
+    each tensor's shape, dtype and device, never its values, and each option with its exact
+    type: True == 1 == 1.0 in Python, but not for the checks. Tensor subclasses and options of
+    other types (a list window) give None: such calls are simply checked every time.
+    """
+    try:
+        tensors = tuple(_tensor_key(t) for t in (q, k, v, mask, bias))
+        options = tuple(_option_key(o) for o in (causal, scale, window, dropout_p, return_weights))
+    except _NoKeyError:
+        return None
+    return tensors + options
+
+
+class _NoKeyError(Exception):
+    """A value `request_key` does not describe."""
+
+
+def _tensor_key(tensor: torch.Tensor | None) -> tuple | None:
+    if tensor is None:
+        return None
+    if type(tensor) is not torch.Tensor:
+        raise _NoKeyError
+    return tensor.shape, tensor.dtype, tensor.device
+
+
+def _option_key(value: object) -> tuple:
+    kind = type(value)
+    if kind in (bool, int, float, type(None)):
+        return kind, value
+    if kind is tuple:
+        return kind, tuple(_option_key(item) for item in value)
+    raise _NoKeyError
+
+
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):

@@ -1,0 +1,99 @@
+"""`auto` remembers its backend per call signature: results must stay those of PyTorch's SDPA,
+and a remembered signature must not let through a call that the checks refuse."""
+
+import pytest
+import torch
+
+import qkv
+from qkv.attention import core
+from tests.attention.reference_math import sdpa_reference
+
+
+def _qkv(L_q=5, L_k=7, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    shapes = ((2, 4, L_q, 8), (2, 2, L_k, 8), (2, 2, L_k, 8))  # q, k, v: GQA, 4 heads over 2
+    return [torch.randn(shape, generator=generator) for shape in shapes]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"causal": True},
+        {"window": 3},
+        {"mask": torch.tensor([[True] * 7] * 4 + [[False] * 7])},  # the last query sees nothing
+        {"scale": 0.3},
+    ],
+)
+def test_repeated_signatures_with_new_values_match_sdpa(options):
+    for seed in range(3):  # the second and third calls take the remembered choice
+        q, k, v = _qkv(seed=seed)
+        expected = sdpa_reference(q, k, v, **options)
+        torch.testing.assert_close(qkv.attention(q, k, v, **options), expected)
+
+
+def test_decoding_like_calls_beyond_the_bound_stay_right():
+    """A new key length per call, as a decoding loop makes: more signatures than the memo
+    holds; it stays bounded and every result is still SDPA's."""
+    for L_k in range(1, core._AUTO_CHOICES_MAX + 40):
+        q, k, v = _qkv(L_q=1, L_k=L_k, seed=L_k)
+        output = qkv.attention(q, k, v, causal=True)
+        if L_k % 97 == 0:
+            torch.testing.assert_close(output, sdpa_reference(q, k, v, causal=True))
+    assert len(core._AUTO_CHOICES) <= core._AUTO_CHOICES_MAX
+
+
+@pytest.mark.parametrize(
+    ("good", "bad", "error", "match"),
+    [
+        ({"causal": True}, {"causal": 1}, TypeError, "causal: expected a bool, got int 1"),
+        ({"scale": 1}, {"scale": True}, TypeError, "scale: expected a float or None, got bool"),
+        ({"dropout_p": 0}, {"dropout_p": False}, TypeError, "dropout_p: expected a float"),
+        ({"window": (1, 1)}, {"window": (True, 1)}, ValueError, "window: expected an int >= 1"),
+        ({"return_weights": False}, {"return_weights": 0}, TypeError, "return_weights"),
+    ],
+)
+def test_a_remembered_signature_still_refuses_an_option_of_another_type(good, bad, error, match):
+    """True == 1 == 1.0 in Python: the memo must not mistake one for the other."""
+    q, k, v = _qkv()
+    qkv.attention(q, k, v, **good)
+    qkv.attention(q, k, v, **good)
+    with pytest.raises(error, match=match):
+        qkv.attention(q, k, v, **bad)
+
+
+def test_a_new_backend_is_seen_by_a_remembered_signature():
+    """register_backend forgets the remembered choices: a faster backend gets the next call."""
+    q, k, v = _qkv()
+    qkv.attention(q, k, v, causal=True)
+    calls = []
+
+    class Eager:  # serves everything, with the outside reference
+        name, summary = "test-eager", "SDPA reference, recording its calls"
+
+        @staticmethod
+        def why_not(request):
+            return None
+
+        @staticmethod
+        def notes(request):
+            return []
+
+        @staticmethod
+        def run(request):
+            calls.append(request)
+            return sdpa_reference(request.q, request.k, request.v, causal=request.causal), None
+
+    before = dict(qkv.BACKENDS)
+    try:
+        qkv.register_backend(Eager, before="triton")
+        output = qkv.attention(q, k, v, causal=True)
+        assert len(calls) == 1
+        torch.testing.assert_close(output, sdpa_reference(q, k, v, causal=True))
+        assert qkv.explain(q, k, v, causal=True).startswith("backend 'test-eager'")
+    finally:
+        qkv.BACKENDS.clear()
+        qkv.BACKENDS.update(before)
+        qkv.register_backend(before["reference"])  # back in place, last; the memo is emptied
+    assert list(qkv.BACKENDS) == list(before)
+    qkv.attention(q, k, v, causal=True)
+    assert len(calls) == 1
