@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from qkv.layers import torch_interop
+from qkv.layers._dropout import make_dropout
 from qkv.layers.attention import MultiHeadAttention
 from qkv.layers.feedforward import FeedForward
 from qkv.layers.kv_cache import CrossAttentionCache, LayerCache
@@ -81,7 +82,7 @@ class EncoderBlock(nn.Module):
         )
         self.norm1 = LayerNorm(embed_dim, eps=eps, **factory)
         self.norm2 = LayerNorm(embed_dim, eps=eps, **factory)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = make_dropout(dropout)
         self.norm_first = _check_bool("norm_first", norm_first)
         self.residual = pre_norm if norm_first else post_norm
 
@@ -142,7 +143,7 @@ class DecoderBlock(nn.Module):
         self.norm1 = LayerNorm(embed_dim, eps=eps, **factory)
         self.norm2 = LayerNorm(embed_dim, eps=eps, **factory)
         self.norm3 = LayerNorm(embed_dim, eps=eps, **factory)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = make_dropout(dropout)
         self.norm_first = _check_bool("norm_first", norm_first)
         self.residual = pre_norm if norm_first else post_norm
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkv.layers._checks import check_positive_int, check_probability
+from qkv.layers._dropout import make_dropout
 
 __all__ = ["ACTIVATIONS", "FeedForward", "SwiGLU"]
 
@@ -56,7 +57,7 @@ class FeedForward(nn.Module):
         self.activation = activation
         factory = {"device": device, "dtype": dtype}
         self.up_proj = nn.Linear(embed_dim, hidden_dim, bias=bias, **factory)
-        self.dropout = nn.Dropout(check_probability("dropout", dropout))
+        self.dropout = make_dropout(check_probability("dropout", dropout))
         self.down_proj = nn.Linear(hidden_dim, embed_dim, bias=bias, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -78,8 +78,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_last_dim(x, self.dim)
         h = x.to(torch.promote_types(x.dtype, torch.float32))
-        mean_square = h.pow(2).mean(dim=-1, keepdim=True)  # (..., 1)
-        normalized = h * torch.rsqrt(mean_square + self.eps)
+        # h / sqrt(mean(h^2) + eps) in one call: on the CPU PyTorch runs the same pow, mean and
+        # rsqrt as the formula written out (identical results) without a Python round trip per
+        # op (~5 us a call in decoding), and a fused kernel where it has one.
+        normalized = F.rms_norm(h, (self.dim,), eps=self.eps)
         return self.weight * normalized.to(x.dtype)
 
     def extra_repr(self) -> str:

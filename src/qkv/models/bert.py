@@ -26,6 +26,7 @@ from torch import nn
 
 from qkv.layers import EncoderBlock, LayerNorm
 from qkv.layers._checks import check_positive_float, check_positive_int, check_probability
+from qkv.layers._dropout import make_dropout
 from qkv.models.checkpoints import HuggingFaceIO
 from qkv.models.outputs import EncoderOutput
 from qkv.positional import LearnedPositionalEmbedding
@@ -128,7 +129,7 @@ class BertEmbeddings(nn.Module):
         self.segment_embedding = nn.Embedding(config.type_vocab_size, E)
         self.position_embedding = LearnedPositionalEmbedding(config.max_positions, E)
         self.norm = LayerNorm(E, eps=config.norm_eps)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = make_dropout(config.dropout)
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
         """input_ids, token_type_ids (B, L) -> (B, L, E)."""

@@ -21,6 +21,7 @@ from torch import nn
 
 from qkv.layers import LayerNorm
 from qkv.layers._checks import check_positive_int
+from qkv.layers._dropout import make_dropout
 from qkv.models.bert import BertConfig, BertModel, init_bert_weights
 from qkv.models.checkpoints import HuggingFaceIO
 from qkv.models.outputs import ClassificationOutput, PreTrainingOutput
@@ -125,7 +126,7 @@ class BertForSequenceClassification(HuggingFaceIO, nn.Module):
             )
         self.label_names = tuple(str(name) for name in label_names)
         self.bert = BertModel(config)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = make_dropout(config.dropout)
         self.classifier = nn.Linear(config.embed_dim, num_labels)
         self.classifier.apply(init_bert_weights)
 

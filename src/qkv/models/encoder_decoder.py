@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from qkv.layers import DecoderBlock, EncoderBlock, LayerNorm
+from qkv.layers._dropout import make_dropout
 from qkv.layers.torch_interop import copy_weight_and_bias
 from qkv.models._inputs import check_ids, describe, key_mask
 from qkv.models.decoder_cache import DecoderCache
@@ -163,7 +164,7 @@ class Transformer(nn.Module):
             else nn.Embedding(config.tgt_vocab_size, E, padding_idx=pad)
         )
         self.positions = SinusoidalPositionalEncoding(E, config.max_positions)
-        self.embedding_dropout = nn.Dropout(config.dropout)
+        self.embedding_dropout = make_dropout(config.dropout)
         self.encoder = EncoderStack(_encoder_blocks(config), LayerNorm(E))
         self.decoder = DecoderStack(_decoder_blocks(config), LayerNorm(E))
         self.lm_head = nn.Linear(E, config.tgt_vocab_size, bias=False)

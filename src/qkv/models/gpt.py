@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkv.layers import FeedForward, LayerNorm, MultiHeadAttention, RMSNorm, SwiGLU, pre_norm
+from qkv.layers._dropout import make_dropout
 from qkv.layers.kv_cache import LayerCache, SinkKVCache, StaticKVCache
 from qkv.models.checkpoints import HuggingFaceIO
 from qkv.models.gpt_config import GPTConfig
@@ -98,7 +99,7 @@ class GPTBlock(nn.Module):
         )
         self.ffn_norm = make_norm(config)
         self.ffn = make_ffn(config)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = make_dropout(config.dropout)
         self.window = config.sliding_window
 
     def forward(
@@ -144,7 +145,7 @@ class GPT(HuggingFaceIO, nn.Module):
             if config.position == "learned"
             else None
         )
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = make_dropout(config.dropout)
         rope = make_rope(config)  # one, shared: its angles are computed once per forward
         self.blocks = nn.ModuleList(GPTBlock(config, rope) for _ in range(config.num_layers))
         self.final_norm = make_norm(config)
@@ -176,6 +177,9 @@ class GPT(HuggingFaceIO, nn.Module):
         labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         cache: StaticKVCache | SinkKVCache | None = None,
+        *,
+        logits_to_keep: int | None = None,
+        check_ids: bool = True,
     ) -> CausalLMOutput:
         """Next-token logits for every position.
 
@@ -186,17 +190,19 @@ class GPT(HuggingFaceIO, nn.Module):
         cache: a KV cache (`qkv.layers.kv_cache`) when decoding: input_ids are then only the new
         tokens, attention_mask covers the cached tokens and the new ones (B, cached + L), and
         position_ids should be given (`qkv.generate` does all of this).
+        logits_to_keep: the logits of the last n positions only, (B, n, V), as transformers'
+        argument of that name: decoding reads only the last position's, and the lm_head over
+        a whole prompt is the model's largest matrix product. None (every position) with labels.
+        check_ids: False skips checking that input_ids lie in [0, V), which reads their min and
+        max back to the host: a synchronisation per call. `qkv.generate` checks the prompt and
+        passes False for the tokens it chose itself, which are in range by construction.
 
         Returns CausalLMOutput(logits (B, L, V), loss (mean next-token cross-entropy) or None,
         last_hidden_state (B, L, E) after the final norm).
         """
-        B, L = _check_input_ids(input_ids, self.config)
+        B, L = _check_input_ids(input_ids, self.config, check_values=check_ids)
         mask = _key_mask(attention_mask, B, L + (0 if cache is None else cache.length))
-        _check_same_shape("labels", labels, B, L)
-        if labels is not None and (labels.is_floating_point() or labels.dtype == torch.bool):
-            raise TypeError(
-                f"labels: expected integer token ids (-100 = ignore), got {labels.dtype}"
-            )
+        _check_labels(labels, B, L, logits_to_keep)
         _check_position_ids(position_ids, B, L)
         x = self.token_embedding(input_ids)  # (B, L, E)
         rope_positions = position_ids
@@ -213,12 +219,15 @@ class GPT(HuggingFaceIO, nn.Module):
         if cache is not None:
             cache.advance(L)
         hidden = self.final_norm(x)  # (B, L, E)
-        logits = self.lm_head(hidden)  # (B, L, V)
+        kept = hidden if logits_to_keep is None else hidden[:, -logits_to_keep:]  # (B, n, E)
+        logits = self.lm_head(kept)  # (B, L, V), or (B, n, V)
         loss = None if labels is None else next_token_loss(logits, labels)
         return CausalLMOutput(logits=logits, loss=loss, last_hidden_state=hidden)
 
 
-def _check_input_ids(input_ids: object, config: GPTConfig) -> tuple[int, int]:
+def _check_input_ids(
+    input_ids: object, config: GPTConfig, *, check_values: bool = True
+) -> tuple[int, int]:
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"input_ids: expected a torch.Tensor, got {type(input_ids).__name__}")
     if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
@@ -227,7 +236,7 @@ def _check_input_ids(input_ids: object, config: GPTConfig) -> tuple[int, int]:
         raise ValueError(
             f"input_ids: expected shape (B, L) with L >= 1, got {tuple(input_ids.shape)}"
         )
-    if input_ids.numel():
+    if check_values and input_ids.numel():
         smallest, largest = int(input_ids.min()), int(input_ids.max())
         if smallest < 0 or largest >= config.vocab_size:
             raise ValueError(
@@ -235,6 +244,23 @@ def _check_input_ids(input_ids: object, config: GPTConfig) -> tuple[int, int]:
                 f"got values in [{smallest}, {largest}]"
             )
     return input_ids.shape[0], input_ids.shape[1]
+
+
+def _check_labels(labels: torch.Tensor | None, B: int, L: int, logits_to_keep: int | None) -> None:
+    _check_same_shape("labels", labels, B, L)
+    if labels is not None and (labels.is_floating_point() or labels.dtype == torch.bool):
+        raise TypeError(f"labels: expected integer token ids (-100 = ignore), got {labels.dtype}")
+    if logits_to_keep is None:
+        return
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int):
+        raise TypeError(f"logits_to_keep: expected an int >= 1 or None, got {logits_to_keep!r}")
+    if logits_to_keep < 1:
+        raise ValueError(f"logits_to_keep: expected an int >= 1 or None, got {logits_to_keep}")
+    if labels is not None:
+        raise ValueError(
+            f"logits_to_keep: the loss needs the logits of every position; expected None "
+            f"when labels are given, got {logits_to_keep}"
+        )
 
 
 def _key_mask(attention_mask: torch.Tensor | None, B: int, L: int) -> torch.Tensor | None:
