@@ -121,47 +121,61 @@ def decode_steps(
     B, L = _check_call(config, input_ids, max_new_tokens, eos_token_id, sinks)
     check_sampling(temperature, top_k, top_p, config.vocab_size)
     mask = _prompt_mask(attention_mask, B, L, input_ids.device)
-    if sinks is not None and not bool(mask.all()):
+    padded = not bool(mask.all())  # one host sync, here rather than in every step
+    if sinks is not None and padded:
         raise ValueError(
             "attention_mask: padded prompts are not supported with sinks (a StreamingLLM cache "
             "holds only real tokens); expected an all-ones mask, or one prompt per call"
         )
+    positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, L): real tokens count
     cache = make_cache(model, batch=B, max_length=L + max_new_tokens, sinks=sinks)
     generator = _generator(seed, input_ids.device) if temperature > 0 else None
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
-    return _decode(model, input_ids, mask, cache, max_new_tokens, eos_token_id, sampling, generator)
+    # Without padding every key is real: the model gets no mask at all, rather than an all-ones
+    # one that it would inspect (a host sync) and drop at every step.
+    step_mask = mask if padded else None
+    return _decode(
+        model, input_ids, step_mask, positions, cache, max_new_tokens, eos_token_id, sampling,
+        generator,
+    )  # fmt: skip
 
 
-def _decode(model, input_ids, mask, cache, max_new_tokens, eos_token_id, sampling, generator):
-    """The decoding loop of `decode_steps`, its arguments already checked."""
+def _decode(
+    model, input_ids, mask, positions, cache, max_new_tokens, eos_token_id, sampling, generator
+):
+    """The decoding loop of `decode_steps`, its arguments already checked. mask: (B, L) with
+    padding, or None without; positions (B, L) of the prompt's tokens."""
     B = input_ids.shape[0]
-    positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, L): real tokens count
     finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
     tokens, step_mask, step_positions = input_ids, mask, positions
     for _ in range(max_new_tokens):
         # no_grad per call, not around the loop: a grad mode set inside a generator would leak
         # into the caller's code between steps.
         with torch.no_grad():
-            logits = _forward(model, tokens, step_mask, step_positions, cache)  # (B, V)
+            # Only the prompt needs its ids checked: later tokens are this loop's own choices.
+            check_ids = tokens is input_ids
+            logits = _forward(model, tokens, step_mask, step_positions, cache, check_ids)  # (B, V)
         chosen = next_token(logits, **sampling, generator=generator)
         if eos_token_id is not None:
             chosen = torch.where(finished, eos_token_id, chosen)
             finished = finished | (chosen == eos_token_id)
         yield DecodeStep(tokens=chosen, logits=logits, cache=cache)
-        if eos_token_id is not None and bool(finished.all()):  # the one host sync per step
+        if eos_token_id is not None and bool(finished.all()):  # a host sync, with an eos only
             return
         tokens = chosen.unsqueeze(1)  # (B, 1)
         step_positions = step_positions[:, -1:] + 1  # (B, 1)
-        step_mask = torch.cat([step_mask, step_mask.new_ones(B, 1)], dim=1)
+        if step_mask is not None:
+            step_mask = torch.cat([step_mask, step_mask.new_ones(B, 1)], dim=1)
 
 
-def _forward(model, tokens, mask, positions, cache) -> torch.Tensor:
-    """Logits of the last position of each row, (B, V), in fp32."""
+def _forward(model, tokens, mask, positions, cache, check_ids: bool) -> torch.Tensor:
+    """Logits of the last position of each row, (B, V), in fp32: the only ones computed."""
+    options = {"logits_to_keep": 1, "check_ids": check_ids}
     if isinstance(cache, SinkKVCache):  # one token at a time; every cached token is real
         for i in range(tokens.shape[1]):
-            logits = model(tokens[:, i : i + 1], cache=cache).logits
+            logits = model(tokens[:, i : i + 1], cache=cache, **options).logits
         return logits[:, -1].float()
-    output = model(tokens, attention_mask=mask, position_ids=positions, cache=cache)
+    output = model(tokens, attention_mask=mask, position_ids=positions, cache=cache, **options)
     return output.logits[:, -1].float()
 
 
