@@ -69,6 +69,15 @@ def test_pretraining_logits_and_loss_match_transformers(tmp_path, batch):
     torch.testing.assert_close(got.logits, want.prediction_logits, rtol=0, atol=1e-5)
     torch.testing.assert_close(got.nsp_logits, want.seq_relationship_logits, rtol=0, atol=1e-5)
     torch.testing.assert_close(got.loss, want.loss, rtol=1e-6, atol=1e-6)
+    # scoring only the selected positions gives the same numbers there, and the same loss
+    selected = labels != -100
+    with torch.no_grad():
+        only = ours(ids, mask, segments, labels=labels, next_sentence_label=next_sentence,
+                    masked_positions=selected)  # fmt: skip
+    torch.testing.assert_close(only.logits, want.prediction_logits[selected], rtol=0, atol=1e-5)
+    torch.testing.assert_close(only.loss, want.loss, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="masked_positions"):
+        ours(ids, mask, segments, masked_positions=selected.long())
 
 
 def test_mlm_decoder_is_tied_to_the_token_embeddings(tmp_path, batch):

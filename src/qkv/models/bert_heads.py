@@ -22,6 +22,7 @@ from torch import nn
 from qkv.layers import LayerNorm
 from qkv.layers._checks import check_positive_int
 from qkv.layers._dropout import make_dropout
+from qkv.models._inputs import describe
 from qkv.models.bert import BertConfig, BertModel, init_bert_weights
 from qkv.models.checkpoints import HuggingFaceIO
 from qkv.models.outputs import ClassificationOutput, PreTrainingOutput
@@ -70,6 +71,8 @@ class BertForPreTraining(HuggingFaceIO, nn.Module):
         token_type_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         next_sentence_label: torch.Tensor | None = None,
+        *,
+        masked_positions: torch.Tensor | None = None,
     ) -> PreTrainingOutput:
         """input_ids, attention_mask, token_type_ids as in `BertModel.forward` (B, L).
 
@@ -77,15 +80,25 @@ class BertForPreTraining(HuggingFaceIO, nn.Module):
         next_sentence_label (B,): 0 if sentence B follows A, 1 if it is random.
         loss = mean MLM cross-entropy + mean NSP cross-entropy, of whichever labels are given
         (transformers' BertForPreTraining returns a loss only when both are given).
+        masked_positions (B, L) bool: score only these positions (the ~15% selected), as
+        Google's BERT gathers `masked_lm_positions`; logits are then (N, V) for the N True
+        positions in row-major order. The MLM head (E x V) at every position is most of a small
+        model's step otherwise.
         """
         encoded = self.bert(input_ids, attention_mask, token_type_ids)
         token_embedding = self.bert.embeddings.token_embedding.weight  # (V, E), tied
-        logits = self.mlm_head(encoded.last_hidden_state, token_embedding)  # (B, L, V)
+        hidden = encoded.last_hidden_state  # (B, L, E)
+        if masked_positions is not None:
+            _check_positions(masked_positions, tuple(input_ids.shape))
+            hidden = hidden[masked_positions]  # (N, E)
+        logits = self.mlm_head(hidden, token_embedding)  # (B, L, V), or (N, V)
         nsp_logits = self.nsp_head(encoded.pooler_output)  # (B, 2)
         losses = []
         if labels is not None:
             _check_labels("labels", labels, tuple(input_ids.shape))
-            flat_logits = logits.reshape(-1, logits.shape[-1])  # (B * L, V)
+            if masked_positions is not None:
+                labels = labels[masked_positions]  # (N,)
+            flat_logits = logits.reshape(-1, logits.shape[-1])  # (B * L, V) or (N, V)
             losses.append(
                 F.cross_entropy(flat_logits, labels.reshape(-1), ignore_index=IGNORE_INDEX)
             )
@@ -178,3 +191,15 @@ def _check_labels(name: str, labels: object, shape: tuple[int, ...]) -> None:
 
 register_model_class(BertModel, BertConfig)
 register_model_class(BertForPreTraining, BertConfig)
+
+
+def _check_positions(masked_positions: object, shape: tuple[int, int]) -> None:
+    if (
+        not isinstance(masked_positions, torch.Tensor)
+        or masked_positions.dtype != torch.bool
+        or tuple(masked_positions.shape) != shape
+    ):
+        raise ValueError(
+            f"masked_positions: expected a bool tensor of shape (B, L) = {shape}, got "
+            f"{describe(masked_positions)}"
+        )

@@ -142,9 +142,14 @@ class BertTask:
         return int(batch["attention_mask"].sum())
 
     def loss_sums(self, model, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Cross-entropy summed over the selected tokens ("mlm") and over the pairs ("nsp")."""
-        output = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
-        return _summed_losses(output, batch)
+        """Cross-entropy summed over the selected tokens ("mlm") and over the pairs ("nsp").
+        The MLM head scores the selected positions only (`masked_positions`)."""
+        selected = batch["labels"] != IGNORE_INDEX
+        output = model(
+            batch["input_ids"], batch["attention_mask"], batch["token_type_ids"],
+            masked_positions=selected,
+        )  # fmt: skip
+        return _summed_losses(output, batch, selected)
 
     @torch.no_grad()
     def evaluate(self, model: BertForPreTraining) -> dict[str, float]:
@@ -206,12 +211,16 @@ class BertTask:
         return {**batch, "input_ids": input_ids, "labels": labels}
 
 
-def _summed_losses(output, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """{"mlm": CE summed over labelled tokens, "nsp": CE summed over pairs}, in fp32."""
+def _summed_losses(
+    output, batch: dict[str, torch.Tensor], selected: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """{"mlm": CE summed over labelled tokens, "nsp": CE summed over pairs}, in fp32. With
+    `selected`, output.logits hold only those positions' scores, (N, V)."""
     V = output.logits.shape[-1]
+    labels = batch["labels"] if selected is None else batch["labels"][selected]
     mlm = F.cross_entropy(
-        output.logits.reshape(-1, V).float(),  # (B * L, V)
-        batch["labels"].reshape(-1),
+        output.logits.reshape(-1, V).float(),  # (B * L, V) or (N, V)
+        labels.reshape(-1),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
