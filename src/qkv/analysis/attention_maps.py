@@ -31,7 +31,14 @@ from qkv.attention import attention_weights
 from qkv.attention.request import make_request
 from qkv.layers.attention import MultiHeadAttention
 
-__all__ = ["AttentionMap", "AttentionRecording", "attention_map", "record_attention"]
+__all__ = [
+    "AttentionMap",
+    "AttentionRecording",
+    "attention_map",
+    "chosen_attention_modules",
+    "display_name",
+    "record_attention",
+]
 
 Selection = int | str | Iterable[int | str] | None
 CHUNK_SCORES = 2**20  # float64 scores per chunk of rows (8 MiB): all rows need not fit at once
@@ -107,7 +114,7 @@ def record_attention(
     keep, negative ones counting from the end (default all). The model runs exactly as without
     recording, with its own backend; nothing is kept but the selected weights.
     """
-    chosen = _chosen_modules(model, layers)
+    chosen = chosen_attention_modules(model, layers)
     for path, module in chosen:
         if module.observer is not None:
             raise ValueError(
@@ -195,7 +202,7 @@ class _Observer:
     """Set as `MultiHeadAttention.observer`: turns each call into an `AttentionMap`."""
 
     def __init__(self, recording, path: str, heads, rows) -> None:
-        self.recording, self.path, self.name = recording, path, _display_name(path)
+        self.recording, self.path, self.name = recording, path, display_name(path)
         self.heads, self.rows, self.calls = heads, rows, 0
 
     def __call__(self, module, q, k, *, mask, causal, window, bias, cross) -> None:
@@ -219,7 +226,9 @@ class _Observer:
         self.calls += 1
 
 
-def _chosen_modules(model: nn.Module, layers: Selection) -> list[tuple[str, MultiHeadAttention]]:
+def chosen_attention_modules(
+    model: nn.Module, layers: Selection
+) -> list[tuple[str, MultiHeadAttention]]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     found = [(p, m) for p, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
@@ -231,9 +240,9 @@ def _chosen_modules(model: nn.Module, layers: Selection) -> list[tuple[str, Mult
     for item in wanted:
         if isinstance(item, bool) or not isinstance(item, (int, str)):
             raise TypeError(f"layers: expected ints and name patterns, got {item!r}")
-    chosen = [(p, m) for p, m in found if _matches(_display_name(p), wanted)]
+    chosen = [(p, m) for p, m in found if _matches(display_name(p), wanted)]
     if not chosen:
-        names = [_display_name(p) for p, _ in found]
+        names = [display_name(p) for p, _ in found]
         raise ValueError(f"layers: {layers!r} matches none of the attention modules {names}")
     return chosen
 
@@ -246,7 +255,7 @@ def _matches(name: str, wanted: list[int | str]) -> bool:
     )
 
 
-def _display_name(path: str) -> str:
+def display_name(path: str) -> str:
     """A module path as a map name: "encoder.blocks.3.self_attn" -> "encoder.3.self"."""
     parts = path.split(".") if path else ["attention"]
     parts = [parts[0]] + [p for p in parts[1:] if p not in ("blocks", "layers")]

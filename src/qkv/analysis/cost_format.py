@@ -10,7 +10,14 @@ from collections.abc import Callable, Sequence
 
 from qkv.analysis.cost import CostReport
 
-__all__ = ["format_bytes", "format_count", "format_flops", "format_presets", "format_report"]
+__all__ = [
+    "format_bytes",
+    "format_count",
+    "format_flops",
+    "format_presets",
+    "format_report",
+    "report_rows",
+]
 
 
 def format_bytes(value: int | None) -> str:
@@ -51,7 +58,7 @@ def _heads(report: CostReport) -> str:
     return f"{report.num_heads}/{report.num_kv_heads}"
 
 
-def _rows(report: CostReport) -> list[tuple[str, str]]:
+def report_rows(report: CostReport) -> list[tuple[str, str]]:
     """(label, value) of every line of one model's column."""
     rows = [
         ("family", report.family),
@@ -88,7 +95,7 @@ def _rows(report: CostReport) -> list[tuple[str, str]]:
 def format_report(reports: Sequence[CostReport]) -> str:
     """A table with one column per report. Rows that exist only for some models (a KV-cache
     variant) show "-" elsewhere; "(model)" marks the model's own number of K/V heads."""
-    columns = [dict(_rows(report)) for report in reports]
+    columns = [dict(report_rows(report)) for report in reports]
     labels: list[str] = []
     for column in columns:  # a label missing so far goes right after its predecessor
         position = 0

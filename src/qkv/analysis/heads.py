@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkv.analysis.attention_maps import _chosen_modules, _display_name
+from qkv.analysis.attention_maps import chosen_attention_modules, display_name
 from qkv.layers.attention import MultiHeadAttention
 
 __all__ = [
@@ -64,8 +64,8 @@ LossFn = Callable[[nn.Module, object], torch.Tensor]
 def attention_modules(model: nn.Module) -> dict[str, MultiHeadAttention]:
     """Every `MultiHeadAttention` of `model` (or `model` itself), by its record_attention name."""
     modules: dict[str, MultiHeadAttention] = {}
-    for path, module in _chosen_modules(model, None):
-        name = _display_name(path)
+    for path, module in chosen_attention_modules(model, None):
+        name = display_name(path)
         if name in modules:
             raise ValueError(
                 f"model: two attention modules share the name {name!r}; expected unique "

@@ -317,7 +317,7 @@ def _cost_report(model: nn.Module):
 
 
 def _cost_section(model: nn.Module, model_name: str) -> str:
-    from qkv.analysis.cost_format import _rows as cost_rows
+    from qkv.analysis.cost_format import report_rows as cost_rows
 
     report = _cost_report(model)
     rows = cost_rows(report)

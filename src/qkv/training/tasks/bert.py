@@ -50,7 +50,7 @@ from qkv.data import (
 )
 from qkv.layers._checks import check_positive_int
 from qkv.models import BertConfig, BertForPreTraining
-from qkv.training.tasks.gpt import _check_validation_fraction, unigram_entropy
+from qkv.training.tasks.gpt import check_validation_fraction, unigram_entropy
 
 __all__ = ["BertOptions", "BertTask"]
 
@@ -89,7 +89,7 @@ class BertTask:
     def __init__(self, options: BertOptions = BertOptions()) -> None:
         if options.tokenizer not in TOKENIZERS:
             raise ValueError(f"tokenizer: expected one of {TOKENIZERS}, got {options.tokenizer!r}")
-        _check_validation_fraction(options.validation_fraction)
+        check_validation_fraction(options.validation_fraction)
         self.options = options
         documents = _documents(options.data)
         train, valid = train_validation_split(

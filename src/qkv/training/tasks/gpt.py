@@ -40,7 +40,7 @@ from qkv.data import (
 )
 from qkv.models import GPT, GPTConfig
 
-__all__ = ["GPTOptions", "GPTTask", "unigram_entropy"]
+__all__ = ["GPTOptions", "GPTTask", "check_validation_fraction", "unigram_entropy"]
 
 TASK_FILE = "task.json"
 TOKENIZER_FILE = "tokenizer.json"  # the name `qkv generate` looks for
@@ -77,7 +77,7 @@ class GPTTask:
     def __init__(self, options: GPTOptions = GPTOptions()) -> None:
         if options.family not in FAMILIES:
             raise ValueError(f"family: expected one of {sorted(FAMILIES)}, got {options.family!r}")
-        _check_validation_fraction(options.validation_fraction)
+        check_validation_fraction(options.validation_fraction)
         self.options = options
         texts = pydoc_texts() if options.data is None else text_file_texts(options.data)
         train, valid = train_validation_split(
@@ -183,7 +183,7 @@ def unigram_entropy(token_ids: torch.Tensor, *, exclude: tuple[int, ...] = ()) -
     return float(-(p * p.log()).sum())
 
 
-def _check_validation_fraction(value: float) -> None:
+def check_validation_fraction(value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
         raise ValueError(
             f"validation_fraction: expected a number in (0, 1) (evaluation needs held-out "
