@@ -1,7 +1,10 @@
 """`qkv train translate` end to end: progress, test exact match, a saved model that `qkv
 translate` uses, the cross-attention heat map; bad options are clear errors."""
 
+import dataclasses
 import json
+
+import pytest
 
 from qkv.cli import main
 
@@ -29,3 +32,22 @@ def test_bad_options_and_missing_models_are_clear_errors(tmp_path, capsys):
     assert "steps: expected an int >= 1, got 0" in capsys.readouterr().err
     assert main(["translate", "eins", "--model", str(tmp_path / "nothing")]) == 1
     assert "tokenizer.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("task", ["translate", "bert", "gpt"])
+def test_every_flag_of_every_task_has_its_own_words(task, capsys):
+    """Each option's help is the task's own (bert's --num-layers is not "encoder and decoder"),
+    and every field of the task's options and of TrainingConfig is a flag."""
+    from qkv.training import TrainingConfig
+    from qkv.training.tasks import TASKS
+
+    with pytest.raises(SystemExit):
+        main(["train", task, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    options = TASKS[task][1]
+    for field in (*dataclasses.fields(TrainingConfig), *dataclasses.fields(options)):
+        assert "--" + field.name.replace("_", "-") in text
+    if task != "translate":
+        assert "source and target" not in text and "encoder and in the decoder" not in text
+    for words in getattr(options, "FLAG_HELP", {}).values():
+        assert " ".join(words.split()) in text

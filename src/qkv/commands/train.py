@@ -30,17 +30,11 @@ _HELP = {
     "eval_every": "evaluate every N steps (0: at the end only)",
     "checkpoint_every": "write checkpoint.safetensors every N steps",
     "data": "your own data file instead of the embedded one",
-    "max_number": "numbers are drawn from 0 .. this",
-    "num_train": "training pairs",
-    "num_valid": "validation pairs",
-    "num_test": "held-out test pairs",
-    "vocab_size": "BPE vocabulary size (source and target share it)",
     "embed_dim": "model width E",
-    "num_layers": "blocks in the encoder and in the decoder",
+    "num_heads": "attention heads per layer",
     "ffn_dim": "feed-forward hidden width",
-    "max_length": "longest sentence in tokens",
     "data_seed": "seed of the data split",
-}
+}  # a task's own words for its options: its options class's FLAG_HELP
 
 
 def _tasks() -> dict[str, tuple[type, type]]:
@@ -136,10 +130,11 @@ def _add_dataclass_flags(
     from qkv.training.schedule import SCHEDULES
 
     hints = typing.get_type_hints(cls)
+    words = {**_HELP, **getattr(cls, "FLAG_HELP", {})}
     for field in dataclasses.fields(cls):
         flag, kind = "--" + field.name.replace("_", "-"), hints[field.name]
         default = (defaults or {}).get(field.name, field.default)
-        text = f"{_HELP.get(field.name, field.name.replace('_', ' '))} (default %(default)s)"
+        text = f"{words.get(field.name, field.name.replace('_', ' '))} (default %(default)s)"
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                help=text)  # fmt: skip

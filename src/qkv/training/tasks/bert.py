@@ -31,6 +31,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +77,16 @@ class BertOptions:
     dupe_factor: int = 5  # pair sets drawn from the training text, each with its own seed
     validation_fraction: float = 0.1
     data_seed: int = 0  # the split, the pairs and the masks
+
+    FLAG_HELP: ClassVar[dict[str, str]] = {
+        "tokenizer": "'trained' (a WordPiece trained on the corpus) or 'minilm' (30,522 tokens)",
+        "vocab_size": "size of the trained WordPiece (at most)",
+        "max_length": "tokens per sentence pair, [CLS] and both [SEP] included",
+        "num_layers": "encoder blocks",
+        "dupe_factor": "pair sets drawn from the training text, each with its own masks",
+        "validation_fraction": "share of the documents held out for validation",
+        "data_seed": "seed of the split, the pairs and the masks",
+    }
 
 
 class BertTask:

@@ -26,6 +26,7 @@ import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +65,16 @@ class GPTOptions:
     dropout: float = 0.1
     validation_fraction: float = 0.1
     data_seed: int = 0  # which documents go to validation
+
+    FLAG_HELP: ClassVar[dict[str, str]] = {
+        "family": "'gpt2' (learned positions, LayerNorm, GELU, tied head) or 'llama' (RoPE, "
+        "RMSNorm, SwiGLU, untied head)",
+        "vocab_size": "size of the trained byte-level BPE (at most)",
+        "block_size": "tokens per training sequence",
+        "num_layers": "decoder blocks",
+        "num_kv_heads": "key/value heads (fewer than num-heads: GQA; 1: MQA; default: MHA)",
+        "validation_fraction": "share of the documents held out for validation",
+    }
 
 
 class GPTTask:

@@ -17,6 +17,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,17 @@ class TranslateOptions:
     label_smoothing: float = 0.1
     max_length: int = 64
     data_seed: int = 0  # which numbers go to train, validation and test
+
+    FLAG_HELP: ClassVar[dict[str, str]] = {
+        "max_number": "numbers are drawn from 0 .. this",
+        "num_train": "training pairs",
+        "num_valid": "validation pairs",
+        "num_test": "held-out test pairs",
+        "vocab_size": "BPE vocabulary size (source and target share it)",
+        "num_layers": "blocks in the encoder and in the decoder",
+        "label_smoothing": "label smoothing of the loss",
+        "max_length": "longest sentence in tokens",
+    }
 
 
 class TranslateTask:
