@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from qkv import models as qkv_models
 from qkv.models import CheckpointError
 from qkv.training import build_optimizer, build_scheduler, load_checkpoint, save_checkpoint
 from qkv.training.tasks import TranslateTask
@@ -97,3 +98,26 @@ def test_truncated_or_foreign_files_and_other_models_are_clear_errors(task, tmp_
             path, model=other, optimizer=other_optimizer,
             scheduler=build_scheduler(other_optimizer, warmup_steps=0, total_steps=1),
         )  # fmt: skip
+
+
+def test_written_files_are_readable_as_the_umask_allows(task, tmp_path):
+    """safetensors' save_file leaves 0600; qkv's checkpoints and saved models follow the umask
+    like every other file (here 022: rw-r--r--), so another user can load a shared model."""
+    import os
+    import stat
+
+    model, optimizer, scheduler = _objects(task, seed=0)
+    old = os.umask(0o022)
+    try:
+        save_checkpoint(
+            tmp_path / "ckpt.safetensors", model=model, optimizer=optimizer, scheduler=scheduler,
+            step=0,
+        )  # fmt: skip
+        qkv_models.save(model, tmp_path / "qkv")
+        llama = qkv_models.GPT(qkv_models.GPTConfig.from_name("tiny-llama"))
+        llama.save_pretrained(tmp_path / "hf")
+    finally:
+        os.umask(old)
+    written = [tmp_path / name / "model.safetensors" for name in ("qkv", "hf")]
+    for path in (tmp_path / "ckpt.safetensors", *written):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path

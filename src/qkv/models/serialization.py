@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qkv.models.checkpoints.core import CheckpointError
+from qkv.models.checkpoints.core import CheckpointError, save_safetensors
 
 __all__ = [
     "CONFIG_NAME",
@@ -299,9 +299,7 @@ def _listing(label: str, keys: list[str]) -> str:
 
 
 def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    from safetensors.torch import save_file
-
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    save_safetensors(tensors, path, {"format": "pt"})
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qkv.models.checkpoints.core import CheckpointError
+from qkv.models.checkpoints.core import CheckpointError, save_safetensors
 from qkv.models.serialization import unique_tensors, write_atomically
 
 __all__ = ["CHECKPOINT_NAME", "TrainingState", "load_checkpoint", "save_checkpoint"]
@@ -49,8 +49,6 @@ def save_checkpoint(
 ) -> Path:
     """Write model, optimizer, scheduler, RNG state and `step` (optimizer steps done) to
     `path` atomically. `extra` must be JSON-serialisable (e.g. metrics, the run's options)."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors, tied = unique_tensors(model.state_dict())
@@ -67,7 +65,7 @@ def save_checkpoint(
         "extra": extra or {},
     }
     metadata = {"qkv": json.dumps(document)}
-    write_atomically(path, lambda temporary: save_file(tensors, str(temporary), metadata=metadata))
+    write_atomically(path, lambda temporary: save_safetensors(tensors, temporary, metadata))
     return path
 
 

@@ -10,6 +10,7 @@ checkpoint leaves the model untouched and raises one error that lists everything
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,14 +105,12 @@ def load_into(model: nn.Module, checkpoint: Tensors, key_map: KeyMap) -> None:
 
 def write(path: str | Path, config: dict, model: nn.Module, key_map: KeyMap) -> Path:
     """config.json + model.safetensors in the checkpoint's own names (transformers loads it)."""
-    from safetensors.torch import save_file
-
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = key_map.to_checkpoint(
         {k: t.detach().cpu().contiguous() for k, t in model.state_dict().items()}
     )
-    save_file(_unshared(tensors), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(_unshared(tensors), directory / "model.safetensors", {"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return directory
 
@@ -144,3 +143,14 @@ def _listing(label: str, keys: list[str]) -> str:
         f"\n    ... and {len(keys) - 20} more" if len(keys) > 20 else ""
     )
     return f"\n  {label} ({len(keys)}):\n    {shown}"
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict) -> None:
+    """safetensors' save_file, with the file readable as the umask allows (save_file leaves
+    0600, so a model written by one user could not be read by another)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
