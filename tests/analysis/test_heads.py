@@ -1,4 +1,4 @@
-"""Head gates, importance, pruning and per-position cosine similarity against outside references.
+"""Head gates, importance and pruning against outside references.
 
 - the gate gradient against a numerical derivative (central difference of the loss with the
   head's out_proj columns scaled, plain torch, float64) and against the gradient of an explicit
@@ -8,9 +8,8 @@
   (what its `prune_heads` did), and importance equals the head-mask gradient of transformers'
   bertology example, run on transformers' own BERT with a head mask on its eager attention;
 - pruning curves remove exactly the least important heads (all heads gone = zeroed out_proj
-  weights), and on a model trained in the test fall from accuracy 1.0 to chance;
-- cosine similarity against `F.cosine_similarity` on tensors captured from
-  nn.MultiheadAttention (seed 001's demo), transformers' BertModel and nn.Transformer.
+  weights), and on a model trained in the test fall from accuracy 1.0 to chance.
+Per-position cosine similarity is in test_head_similarity.py.
 """
 
 import copy
@@ -27,27 +26,21 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.bert.modeling_bert import eager_attention_forward
 from transformers.pytorch_utils import prune_linear_layer
 
-import qkv
 from qkv.analysis.heads import (
     head_gates,
     head_importance,
-    position_cosine_similarity,
     prune_heads,
     pruning_curve,
 )
 from qkv.layers import MultiHeadAttention
 from qkv.models import GPT, BertConfig, BertModel, GPTConfig, Transformer, TransformerConfig
+from tests.analysis.heads_helpers import make_bert_pair, random_ids
 from tests.layers.helpers import randomize_
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning"),
     pytest.mark.filterwarnings("ignore:enable_nested_tensor is True:UserWarning"),
 ]
-
-HF_CONFIG = dict(
-    vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-    intermediate_size=37, max_position_embeddings=40, type_vocab_size=2,
-)  # fmt: skip
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -61,10 +54,6 @@ def one_thread():
 
 
 # ---------------------------------------------------------------- models and their inputs
-
-
-def _ids(vocab_size, shape, seed):
-    return torch.randint(3, vocab_size, shape, generator=torch.Generator().manual_seed(seed))
 
 
 def _bert():
@@ -86,21 +75,21 @@ def _transformer(dtype=torch.float32):
 def _run(kind, model, seed=0):
     """The model's output tensor on a fixed batch."""
     if kind == "transformer":
-        src, tgt = _ids(128, (2, 7), seed), _ids(128, (2, 5), seed + 1)
+        src, tgt = random_ids(128, (2, 7), seed), random_ids(128, (2, 5), seed + 1)
         return model(src, decoder_input_ids=tgt).logits
     if kind == "bert":
-        return model(_ids(128, (2, 9), seed)).last_hidden_state
-    return model(_ids(100, (2, 9), seed)).logits
+        return model(random_ids(128, (2, 9), seed)).last_hidden_state
+    return model(random_ids(100, (2, 9), seed)).logits
 
 
 def _loss(kind, model, seed):
     """Next-token cross-entropy in the model's dtype (the models' own losses compute in fp32)."""
     if kind == "transformer":
-        src, labels = _ids(128, (2, 7), seed), _ids(128, (2, 5), seed + 1)
+        src, labels = random_ids(128, (2, 7), seed), random_ids(128, (2, 5), seed + 1)
         decoder_input_ids = torch.cat([torch.ones(2, 1, dtype=torch.long), labels[:, :-1]], 1)
         logits = model(src, decoder_input_ids=decoder_input_ids).logits
     else:
-        ids = _ids(100, (2, 9), seed)
+        ids = random_ids(100, (2, 9), seed)
         logits, labels = model(ids[:, :-1]).logits, ids[:, 1:]
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
@@ -260,21 +249,7 @@ def test_importance_equals_the_gradient_of_an_explicit_head_mask(num_kv_heads):
 
 @pytest.fixture(scope="module")
 def bert_pair(tmp_path_factory):
-    """transformers' BertForSequenceClassification (eager attention, random N(0, 0.3) weights)
-    saved with save_pretrained and loaded by qkv; and a padded batch of sentence pairs."""
-    torch.manual_seed(0)
-    config = transformers.BertConfig(**HF_CONFIG, attn_implementation="eager")
-    theirs = randomize_(transformers.BertForSequenceClassification(config)).eval()
-    path = tmp_path_factory.mktemp("bert")
-    theirs.save_pretrained(path)
-    ours = qkv.models.from_pretrained(path).eval()
-    batches = []
-    for seed, lengths in ((1, [12, 7, 4]), (2, [9, 12, 5])):
-        ids = _ids(99, (3, 12), seed)
-        mask = (torch.arange(12)[None, :] < torch.tensor(lengths)[:, None]).long()  # (B, L)
-        segments = (torch.arange(12)[None, :] >= 5).long() * mask
-        batches.append((ids.masked_fill(mask == 0, 0), mask, segments, torch.tensor([0, 1, 1])))
-    return theirs, ours, path, batches
+    return make_bert_pair(tmp_path_factory.mktemp("bert"))
 
 
 def _hf_prune_heads_(attention, heads):
@@ -424,95 +399,6 @@ def test_pruning_curve_of_a_trained_model_falls_from_perfect_to_chance():
     assert accuracy(model) == 1.0  # restored
 
 
-# ---------------------------------------------------------------- cosine similarity
-
-
-def test_cosine_similarity_of_one_layer_matches_seed_001_demo_on_nn_multihead_attention():
-    """Seed 001: embed "the cat sat on mat", causal self-attention with E=64 and 4 heads, then
-    nn.functional.cosine_similarity(x[0], output[0], dim=-1)."""
-    torch.manual_seed(0)
-    embedding = nn.Embedding(5, 64)
-    reference = randomize_(nn.MultiheadAttention(64, 4, batch_first=True), std=0.1).eval()
-    ours = MultiHeadAttention.from_torch(reference).eval()
-    x = embedding(torch.tensor([[0, 1, 2, 3, 4]])).detach()  # (1, 5, 64)
-    blocked = torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=1)  # True = may not attend
-    with torch.no_grad():
-        output, _ = reference(x, x, x, attn_mask=blocked)
-    expected = nn.functional.cosine_similarity(x[0], output[0], dim=-1)  # (5,)
-    got = position_cosine_similarity(ours, x, causal=True)
-    assert got.shape == (1, 5)
-    torch.testing.assert_close(got[0], expected, rtol=0, atol=1e-6)
-
-
-def test_cosine_similarity_per_layer_matches_transformers_bert(bert_pair):
-    """Layer l's attention reads hidden_states[l] and writes attention.output.dense's output
-    (before dropout, residual and LayerNorm) in transformers' BertModel."""
-    theirs, ours, _, batches = bert_pair
-    ids, mask, segments, _ = batches[0]
-    written = []
-    hooks = [
-        layer.attention.output.dense.register_forward_hook(lambda m, a, out: written.append(out))
-        for layer in theirs.bert.encoder.layer
-    ]
-    with torch.no_grad():
-        states = theirs.bert(
-            input_ids=ids, attention_mask=mask, token_type_ids=segments, output_hidden_states=True
-        ).hidden_states
-    for hook in hooks:
-        hook.remove()
-    expected = torch.stack([F.cosine_similarity(states[i], written[i], dim=-1) for i in (0, 1)])
-    got = position_cosine_similarity(ours, ids, attention_mask=mask, token_type_ids=segments)
-    assert list(got) == ["bert.0.self", "bert.1.self"]
-    torch.testing.assert_close(torch.stack(list(got.values())), expected, rtol=0, atol=1e-5)
-
-
-def test_cosine_similarity_of_self_and_cross_attention_matches_nn_transformer():
-    torch.manual_seed(0)
-    reference = randomize_(
-        nn.Transformer(32, 4, 2, 2, 64, dropout=0.0, batch_first=True), seed=3
-    ).eval()
-    config = TransformerConfig.from_name("transformer-tiny", dropout=0.0, max_positions=16)
-    model = Transformer.from_torch(reference, config).eval()
-    src, tgt = _ids(128, (2, 7), 0), _ids(128, (2, 5), 1)
-    captured = []
-
-    def capture(module, args, output):
-        captured.append(F.cosine_similarity(args[0], output[0], dim=-1))
-
-    attentions = [layer.self_attn for layer in reference.encoder.layers]
-    for layer in reference.decoder.layers:
-        attentions += [layer.self_attn, layer.multihead_attn]  # in the order they run
-    hooks = [attention.register_forward_hook(capture) for attention in attentions]
-    # With gradients on, nn.Transformer takes its slow path, which calls the hooked modules.
-    causal = qkv.masks.to_torch_attn_mask(qkv.masks.causal(5))
-    reference(model.embed_source(src), model.embed_target(tgt), tgt_mask=causal)
-    for hook in hooks:
-        hook.remove()
-    got = position_cosine_similarity(model, src, decoder_input_ids=tgt)
-    names = ["encoder.0.self", "encoder.1.self", "decoder.0.self", "decoder.0.cross",
-             "decoder.1.self", "decoder.1.cross"]  # fmt: skip
-    assert list(got) == names
-    for name, expected in zip(names, captured, strict=True):
-        torch.testing.assert_close(got[name], expected.detach(), rtol=0, atol=1e-5, msg=name)
-
-
-def test_a_shared_layer_gives_one_entry_per_call():
-    """ALBERT-style sharing: one block applied twice equals two identical blocks."""
-    shared = randomize_(BertModel(BertConfig.from_name("tiny", share_layers=True)))
-    unshared = BertModel(BertConfig.from_name("tiny")).eval()
-    shared.eval()
-    state = shared.state_dict()
-    state.update(
-        {k.replace("layers.0.", "layers.1."): v for k, v in state.items() if "layers.0." in k}
-    )
-    unshared.load_state_dict(state)
-    ids = _ids(128, (2, 6), 0)
-    got = position_cosine_similarity(shared, ids)
-    expected = position_cosine_similarity(unshared, ids)
-    assert list(got) == ["layers.0.self", "layers.0.self#1"]
-    torch.testing.assert_close(list(got.values()), list(expected.values()), rtol=0, atol=1e-6)
-
-
 # ---------------------------------------------------------------- errors
 
 
@@ -526,7 +412,7 @@ def test_bad_arguments_name_what_was_expected():
     with pytest.raises(ValueError, match="batches: got no batch"):
         head_importance(model, [], lambda m, b: m(b).logits.sum())
     with pytest.raises(ValueError, match="loss_fn: expected it to return a scalar"):
-        head_importance(model, [_ids(100, (1, 4), 0)], lambda m, b: m(b).logits)
+        head_importance(model, [random_ids(100, (1, 4), 0)], lambda m, b: m(b).logits)
     scores = {"blocks.0.self": torch.ones(4), "blocks.1.self": torch.ones(4)}
     with pytest.raises(ValueError, match=r"fractions: expected floats in \[0, 1\], got 1.5"):
         pruning_curve(model, scores, lambda m: 0.0, [0.5, 1.5])
