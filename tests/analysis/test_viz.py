@@ -160,6 +160,29 @@ def test_text_page_with_the_real_minilm(browser, tmp_path):
     assert len(_drawn(page)) > 0 and problems == []
 
 
+def test_a_long_text_keeps_max_tokens_with_the_tokenizers_own_truncation(tmp_path, capsys):
+    """--max-tokens 12 on MiniLM: 12 tokens, [SEP] still last (the tokenizer's truncation, so
+    the same ids as transformers' BertTokenizer with max_length=12), and a note saying so; the
+    tokenizer's own setting (256) is left as it was."""
+    from transformers import BertTokenizerFast
+
+    from qkv.analysis.viz import load_model_and_tokenizers, text_attention_html
+
+    text = "the cat sat on the mat because it was warm and the dog was not " * 4
+    out = tmp_path / "long.html"
+    assert _run_cli(text, "--max-tokens", "12", "--out", str(out)) == 0
+    assert "kept the first 12 of 62 tokens" in capsys.readouterr().err  # 4 x 15 words + 2
+    (stack,) = _page_data(out.read_text())["stacks"]
+    model, tokenizer, _ = load_model_and_tokenizers(None)
+    reference = BertTokenizerFast(tokenizer_object=tokenizer)(text, max_length=12, truncation=True)
+    assert stack["tokens_q"] == reference.tokens() and stack["tokens_q"][-1] == "[SEP]"
+    before = tokenizer.truncation
+    page = text_attention_html(model, tokenizer, text, max_tokens=5)
+    assert len(_page_data(page)["stacks"][0]["tokens_q"]) == 5 and tokenizer.truncation == before
+    with pytest.raises(ValueError, match="max_tokens: expected None or an int >= 1, got 0"):
+        text_attention_html(model, tokenizer, text, max_tokens=0)
+
+
 def test_tokens_are_shown_as_text_never_as_markup(browser, tmp_path):
     tokens = ["</script><b>x", "a & b", "<img src=x onerror=alert(1)>"]
     weights = torch.softmax(torch.randn(1, 2, 3, 3), dim=-1)

