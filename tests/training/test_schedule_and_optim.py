@@ -5,7 +5,13 @@ import torch
 from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
 from qkv.models import BertConfig, BertForPreTraining
-from qkv.training import build_optimizer, build_scheduler, lr_multiplier, parameter_groups
+from qkv.training import (
+    TrainingConfig,
+    build_optimizer,
+    build_scheduler,
+    lr_multiplier,
+    parameter_groups,
+)
 
 
 @pytest.mark.parametrize(
@@ -103,3 +109,14 @@ def test_bad_optimizer_arguments():
         build_optimizer(torch.nn.Linear(2, 2), learning_rate=0.0)
     with pytest.raises(ValueError, match="weight_decay"):
         build_optimizer(torch.nn.Linear(2, 2), learning_rate=1e-3, weight_decay=-1.0)
+
+
+def test_warmup_defaults_to_a_share_of_the_steps():
+    """warmup_steps None: int(warmup_fraction * steps), at least one step (BERT's 10%)."""
+    assert TrainingConfig(steps=800).warmup_steps == 80
+    assert TrainingConfig(steps=2000, warmup_fraction=0.2).warmup_steps == 400
+    assert TrainingConfig(steps=5).warmup_steps == 1
+    assert TrainingConfig(steps=800, warmup_steps=7, warmup_fraction=0.5).warmup_steps == 7
+    for bad in (-0.1, 1.5, True):
+        with pytest.raises(ValueError, match="warmup_fraction: expected a number in"):
+            TrainingConfig(warmup_fraction=bad)

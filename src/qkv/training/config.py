@@ -14,8 +14,8 @@ __all__ = ["TrainingConfig"]
 class TrainingConfig:
     """steps: optimizer steps; batch_size: examples per step over all processes (the global
     batch), split into accumulation_steps micro-batches in each process.
-    learning_rate: the peak, reached after warmup_steps (None: 10% of steps), then `schedule`
-    ("linear", "cosine", "constant") decays it to 0 at `steps`.
+    learning_rate: the peak, reached after warmup_steps (None: int(warmup_fraction * steps), at
+    least 1), then `schedule` ("linear", "cosine", "constant") decays it to 0 at `steps`.
     weight_decay: AdamW's, not on norms and biases.
     clip_norm: the gradient's global L2 norm is clipped to it (None: no clipping).
     bf16: forward passes under CPU/GPU autocast to bfloat16 (weights and optimizer stay fp32).
@@ -29,6 +29,7 @@ class TrainingConfig:
     accumulation_steps: int = 1
     learning_rate: float = 1e-3
     warmup_steps: int | None = None
+    warmup_fraction: float = 0.1
     schedule: str = "linear"
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.98)
@@ -41,8 +42,13 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         _check_int("steps", self.steps, minimum=1)
+        if isinstance(self.warmup_fraction, bool) or not 0 <= self.warmup_fraction <= 1:
+            raise ValueError(
+                f"warmup_fraction: expected a number in [0, 1], got {self.warmup_fraction!r}"
+            )
         if self.warmup_steps is None:  # frozen: set the derived default once, here
-            object.__setattr__(self, "warmup_steps", max(1, self.steps // 10))
+            derived = max(1, int(self.steps * self.warmup_fraction))
+            object.__setattr__(self, "warmup_steps", derived)
         for name in ("steps", "batch_size", "accumulation_steps"):
             _check_int(name, getattr(self, name), minimum=1)
         for name in ("warmup_steps", "eval_every", "checkpoint_every", "log_every", "seed"):
