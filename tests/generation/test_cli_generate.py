@@ -89,11 +89,13 @@ def _run(capsys, *arguments: str) -> tuple[int, str, str]:
     return status, captured.out, captured.err
 
 
-def test_prints_the_decoded_greedy_tokens_of_transformers(checkpoint, capsys):
+@pytest.mark.parametrize("pack", ["--pack", "--no-pack"])
+def test_prints_the_decoded_greedy_tokens_of_transformers(checkpoint, capsys, pack):
+    """With oneDNN-packed linears (the default) and without."""
     path, reference, tokenizer = checkpoint
     expected = _transformers_text(reference, tokenizer)
     status, out, err = _run(
-        capsys, str(path), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS)
+        capsys, str(path), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS), pack
     )
     assert (status, err) == (0, "")
     assert len(expected.split()) == NEW_TOKENS

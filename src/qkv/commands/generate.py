@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 
 def _generate(args: argparse.Namespace) -> int:
     """Stream the continuation of --prompt to stdout, token by token."""
     from qkv.generation.text import load_for_generation, stream_text
+    from qkv.layers import packed_linears
 
     try:
         model, tokenizer = load_for_generation(args.path)
@@ -17,8 +19,9 @@ def _generate(args: argparse.Namespace) -> int:
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
             sinks=None if args.sinks is None else tuple(args.sinks),
         )  # fmt: skip
-        for piece in pieces:
-            print(piece, end="", flush=True)
+        with packed_linears(model) if args.pack else contextlib.nullcontext():
+            for piece in pieces:
+                print(piece, end="", flush=True)
     except (ValueError, TypeError, OSError, ImportError) as error:
         print(f"qkv generate: error: {error}", file=sys.stderr)
         return 1
@@ -51,5 +54,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         metavar=("NUM_SINKS", "WINDOW"),
         help="StreamingLLM cache: keep the first NUM_SINKS tokens and the last WINDOW (RoPE "
         "models), to generate past the model's context with constant memory",
+    )
+    generate.add_argument(
+        "--pack",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on the CPU, oneDNN-packed linear weights (qkv.layers.packed_linears): faster "
+        "decoding for a second copy of the weights in memory (default: on)",
     )
     generate.set_defaults(run=_generate)

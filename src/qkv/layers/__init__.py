@@ -4,6 +4,7 @@
 - `FeedForward` (ReLU/GELU) and `SwiGLU`: the position-wise sub-layer.
 - `LayerNorm` and `RMSNorm`.
 - `EncoderBlock` and `DecoderBlock`: sub-layers in "Add & Norm", post-norm or pre-norm.
+- `packed_linears(model)`: oneDNN-packed linear weights for faster CPU decoding (inference).
 
 `MultiHeadAttention` and the blocks have `from_torch` (and `MultiHeadAttention.to_torch`) to
 cross over to PyTorch's own modules.
@@ -14,6 +15,7 @@ from qkv.layers.blocks import DecoderBlock, EncoderBlock, post_norm, pre_norm
 from qkv.layers.feedforward import FeedForward, SwiGLU
 from qkv.layers.kv_cache import CrossAttentionCache, LayerCache, SinkKVCache, StaticKVCache
 from qkv.layers.norms import LayerNorm, RMSNorm
+from qkv.layers.packed import PackedLinear, packed_linears
 
 __all__ = [
     "CrossAttentionCache",
@@ -23,10 +25,12 @@ __all__ = [
     "LayerCache",
     "LayerNorm",
     "MultiHeadAttention",
+    "PackedLinear",
     "RMSNorm",
     "SinkKVCache",
     "StaticKVCache",
     "SwiGLU",
+    "packed_linears",
     "post_norm",
     "pre_norm",
 ]
