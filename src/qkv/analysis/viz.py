@@ -14,6 +14,7 @@ runs (seed 001 draws the same per-head maps as heat maps).
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
 from collections.abc import Sequence
@@ -102,7 +103,13 @@ def text_attention_html(
     truncation decides which, e.g. BERT keeps its final [SEP]); the page holds layers x heads x
     L^2 weights, so L = 512 is already tens of MB. None: the tokenizer's own setting.
     """
-    encoding = _encode(tokenizer, text, max_tokens)
+    if max_tokens is None:
+        encoding = tokenizer.encode(text)
+    else:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens: expected None or an int >= 1, got {max_tokens!r}")
+        with _truncation(tokenizer, max_tokens):
+            encoding = tokenizer.encode(text)
     input_ids = torch.tensor([encoding.ids], device=_device(model))  # (1, L)
     with record_attention(model) as recording, torch.inference_mode():
         model(input_ids)
@@ -111,7 +118,8 @@ def text_attention_html(
 
 def count_tokens(tokenizer, text: str) -> int:
     """Tokens of `text` with no truncation at all (special tokens included)."""
-    return len(_encode(tokenizer, text, None, truncate=False))
+    with _truncation(tokenizer, None):
+        return len(tokenizer.encode(text))
 
 
 def pair_attention_html(
@@ -229,21 +237,17 @@ def _check_tokens(name: str, tokens) -> None:
         raise TypeError(f"{name}: expected a sequence of str tokens, got {tokens!r}")
 
 
-def _encode(tokenizer, text: str, max_tokens: int | None, *, truncate: bool = True):
-    """tokenizer.encode(text), truncated to max_tokens (None: as the tokenizer is set up; with
-    truncate=False: not at all), leaving the tokenizer's own truncation setting as it was."""
-    if truncate and max_tokens is None:
-        return tokenizer.encode(text)
-    if truncate and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
-                     or max_tokens < 1):  # fmt: skip
-        raise ValueError(f"max_tokens: expected None or an int >= 1, got {max_tokens!r}")
+@contextlib.contextmanager
+def _truncation(tokenizer, max_tokens: int | None):
+    """Inside the block the tokenizer truncates at max_tokens (None: not at all); after it,
+    its own setting is back."""
     saved = tokenizer.truncation
+    if max_tokens is None:
+        tokenizer.no_truncation()
+    else:
+        tokenizer.enable_truncation(max_tokens)
     try:
-        if truncate:
-            tokenizer.enable_truncation(max_tokens)
-        else:
-            tokenizer.no_truncation()
-        return tokenizer.encode(text)
+        yield tokenizer
     finally:
         if saved is None:
             tokenizer.no_truncation()
