@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkv.generation import generate
-from qkv.layers import PackedLinear, packed_linears
-from qkv.models import GPT, GPTConfig
+from qkv.generation import beam_search, generate
+from qkv.layers import MultiHeadAttention, PackedLinear, SwiGLU, packed_linears
+from qkv.models import GPT, GPTConfig, Transformer, TransformerConfig
 from tests.layers.helpers import randomize_
 
 
@@ -42,11 +42,17 @@ def test_a_packed_model_gives_the_same_logits_and_tokens_and_is_given_back(name)
     with packed_linears(model) as same:
         assert same is model and not torch.is_grad_enabled()
         swapped = {n: m for n, m in model.named_modules() if isinstance(m, PackedLinear)}
-        assert set(swapped) == set(linears)
+        fused = {f"blocks.{i}.self_attn.fused_qkv" for i in range(model.config.num_layers)}
+        if model.config.ffn == "swiglu":
+            fused |= {f"blocks.{i}.ffn.fused_gate_up" for i in range(model.config.num_layers)}
+        assert set(swapped) == set(linears) | fused
         torch.testing.assert_close(model(ids).logits, logits, atol=1e-5, rtol=0)
         assert torch.equal(generate(model, ids, max_new_tokens=12), tokens)
     assert torch.is_grad_enabled()
     assert {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)} == linears
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    assert all(block.self_attn.fused_qkv is None for block in model.blocks)
+    assert model.state_dict().keys() == state.keys()
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     if model.config.tie_embeddings:
         assert model.lm_head.weight is model.token_embedding.weight
@@ -68,3 +74,58 @@ def test_what_cannot_be_packed_is_left_alone_or_refused_clearly():
         PackedLinear(nn.Linear(4, 4).double())
     with pytest.raises(ValueError, match="x: expected a last dimension of 4"):
         PackedLinear(nn.Linear(4, 4))(torch.randn(2, 5))
+    with pytest.raises(ValueError, match="linears: expected at least one nn.Linear"):
+        PackedLinear()
+    with pytest.raises(ValueError, match="linears: expected the same in_features and dtype"):
+        PackedLinear(nn.Linear(4, 4), nn.Linear(5, 4))
+    with pytest.raises(ValueError, match="linear: expected a CPU float32/bfloat16 nn.Linear"):
+        PackedLinear(nn.Linear(4, 4), nn.Conv1d(4, 4, 1))
+
+
+@pytest.mark.parametrize("bias", [(True, True, True), (False, False, False), (True, False, True)])
+def test_stacked_linears_equal_their_outputs_concatenated(bias):
+    torch.manual_seed(0)
+    linears = [nn.Linear(32, n, bias=b) for n, b in zip((48, 16, 16), bias, strict=True)]
+    x = torch.randn(2, 3, 32)
+    expected = torch.cat([linear(x) for linear in linears], dim=-1)  # (2, 3, 80)
+    stacked = PackedLinear(*linears)
+    assert "packed at its first call" in repr(stacked)
+    torch.testing.assert_close(stacked(x), expected, atol=1e-5, rtol=0)
+    assert "3 linears stacked, oneDNN-packed" in repr(stacked)
+
+
+def test_fused_projections_give_what_the_separate_ones_give():
+    torch.manual_seed(0)
+    attention = MultiHeadAttention(64, 8, 2, bias=True).eval()  # GQA: q 64, k and v 16 wide
+    ffn = SwiGLU(64, 96).eval()
+    x, context = torch.randn(2, 5, 64), torch.randn(2, 7, 64)
+    with torch.no_grad():
+        expected = attention(x, causal=True), attention(x, context), ffn(x)
+    with packed_linears(attention), packed_linears(ffn):
+        assert isinstance(attention.fused_qkv, PackedLinear)
+        assert isinstance(ffn.fused_gate_up, PackedLinear)
+        got = attention(x, causal=True), attention(x, context), ffn(x)
+        # self-attention took the fused product; cross-attention the separate q, k and v
+        assert "oneDNN-packed" in repr(attention.fused_qkv)
+        assert "oneDNN-packed" in repr(attention.k_proj)
+        assert "packed at its first call" in repr(ffn.gate_proj)  # never needed
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert attention.fused_qkv is None and ffn.fused_gate_up is None
+    assert "fused_qkv" not in dict(attention.named_children())
+
+
+def test_packed_encoder_decoder_gives_the_same_beams():
+    """Self-attention fused, cross-attention separate: beam search finds the same targets."""
+    torch.manual_seed(0)
+    config = TransformerConfig(
+        src_vocab_size=40, tgt_vocab_size=50, embed_dim=32, num_heads=4, num_encoder_layers=2,
+        num_decoder_layers=2, ffn_dim=64, dropout=0.0, max_positions=16,
+    )  # fmt: skip
+    model = randomize_(Transformer(config), std=0.2).eval()
+    source = torch.randint(3, 40, (2, 6), generator=torch.Generator().manual_seed(1))
+    expected = beam_search(model, source, max_new_tokens=8, num_beams=3)
+    with packed_linears(model):
+        got = beam_search(model, source, max_new_tokens=8, num_beams=3)
+    assert torch.equal(got[0], expected[0])
+    torch.testing.assert_close(got[1], expected[1], atol=1e-5, rtol=0)

@@ -48,7 +48,12 @@ class MultiHeadAttention(nn.Module):
     Parameters: q_proj (E -> H * D), k_proj and v_proj (context_dim -> H_kv * D),
     out_proj (H * D -> E). `observer`, when set (`qkv.analysis.record_attention` does), is
     called as observer(self, q, k, mask=, causal=, window=, bias=, cross=) before each attention.
+    `fused_qkv`, when set (`qkv.layers.packed_linears` does), computes the three projections
+    of a self-attention call in one product: x -> (..., (H + 2 H_kv) D), q then k then v.
     """
+
+    # Projections that read the same input and may be computed as one: attribute -> linears.
+    FUSABLE = {"fused_qkv": ("q_proj", "k_proj", "v_proj")}
 
     def __init__(
         self,
@@ -87,6 +92,7 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, **factory)
         # Set by `qkv.analysis.record_attention`; None (one attribute test per call) otherwise.
         self.observer: Callable[..., None] | None = None
+        self.fused_qkv: nn.Module | None = None  # set by qkv.layers.packed_linears
 
     def forward(
         self,
@@ -119,11 +125,17 @@ class MultiHeadAttention(nn.Module):
         source = x if context is None else context
         L_k = source.shape[1]
         H, H_kv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).view(B, L_q, H, D).transpose(1, 2)  # (B, H, L_q, D)
+        if context is None and self.fused_qkv is not None:  # one product for q, k and v
+            q, k, v = self.fused_qkv(x).split((H * D, H_kv * D, H_kv * D), dim=-1)
+            projected = (k, v)  # each (B, L, H_kv * D)
+        else:
+            q, projected = self.q_proj(x), None
+        q = q.view(B, L_q, H, D).transpose(1, 2)  # (B, H, L_q, D)
 
         def project_keys_values() -> tuple[torch.Tensor, torch.Tensor]:
-            k = self.k_proj(source).view(B, L_k, H_kv, D).transpose(1, 2)  # (B, H_kv, L_k, D)
-            v = self.v_proj(source).view(B, L_k, H_kv, D).transpose(1, 2)  # (B, H_kv, L_k, D)
+            k, v = projected or (self.k_proj(source), self.v_proj(source))  # (B, L_k, H_kv * D)
+            k = k.view(B, L_k, H_kv, D).transpose(1, 2)  # (B, H_kv, L_k, D)
+            v = v.view(B, L_k, H_kv, D).transpose(1, 2)  # (B, H_kv, L_k, D)
             return k, v
 
         if isinstance(cache, CrossAttentionCache):

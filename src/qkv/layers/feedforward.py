@@ -74,8 +74,12 @@ class SwiGLU(nn.Module):
 
     The gate decides, per hidden unit, how much of the linear `up_proj` branch passes. Llama has
     no biases (`bias=False`); hidden_dim is usually about 8/3 * E so that the three matrices cost
-    what the two of a 4 * E FFN do. Input (..., E), output (..., E).
+    what the two of a 4 * E FFN do. Input (..., E), output (..., E). `fused_gate_up`, when set
+    (`qkv.layers.packed_linears` does), computes gate and up in one product.
     """
+
+    # Projections that read the same input and may be computed as one: attribute -> linears.
+    FUSABLE = {"fused_gate_up": ("gate_proj", "up_proj")}
 
     def __init__(
         self,
@@ -93,7 +97,11 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(embed_dim, hidden_dim, bias=bias, **factory)
         self.up_proj = nn.Linear(embed_dim, hidden_dim, bias=bias, **factory)
         self.down_proj = nn.Linear(hidden_dim, embed_dim, bias=bias, **factory)
+        self.fused_gate_up: nn.Module | None = None  # set by qkv.layers.packed_linears
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gated = F.silu(self.gate_proj(x)) * self.up_proj(x)  # (..., hidden_dim)
-        return self.down_proj(gated)  # (..., E)
+        if self.fused_gate_up is not None:  # one product for both: (..., 2 * hidden_dim)
+            gate, up = self.fused_gate_up(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)  # each (..., hidden_dim)
+        return self.down_proj(F.silu(gate) * up)  # (..., E)

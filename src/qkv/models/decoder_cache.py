@@ -54,7 +54,9 @@ class DecoderCache:
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
         attention = decoder.blocks[0].self_attn
-        weight = attention.k_proj.weight
+        # Any parameter: its projections may be swapped for weightless modules
+        # (qkv.layers.packed_linears), its norms keep theirs.
+        weight = next(decoder.parameters())
         self_attention = StaticKVCache(
             num_layers=len(decoder.blocks),
             batch=batch_size,
