@@ -91,6 +91,24 @@ def test_rotary_embedding_module_matches_hugging_face_gqa():
     assert (rotary.head_dim, rotary.base, rotary.layout) == (D, 10000.0, "half")
 
 
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_module_rotates_exactly_as_apply_rope_and_hugging_face(layout, dtype):
+    """RotaryEmbedding's fewer-op path (a roll against a sign-flipped sin) is bit-identical."""
+    torch.manual_seed(3)
+    B, H, H_kv, L, D = 2, 4, 2, 3, 16
+    q, k = torch.randn(B, H, L, D).to(dtype), torch.randn(B, H_kv, L, D).to(dtype)
+    batched = torch.stack([torch.arange(L) + 7, torch.arange(L) + 40])  # (B, L)
+    for positions in (torch.arange(L) + 5, batched):
+        cos, sin = rope_cos_sin(positions, D, layout=layout)  # float32 tables
+        q_rotated, k_rotated = RotaryEmbedding(D, layout=layout)(q, k, positions)
+        assert torch.equal(q_rotated, apply_rope(q, cos, sin, layout=layout))
+        assert torch.equal(k_rotated, apply_rope(k, cos, sin, layout=layout))
+        if layout == "half" and dtype == torch.float32:
+            hf_cos, hf_sin = hf_cos_sin(positions.expand(B, L), D, 10000.0)
+            assert torch.equal(q_rotated, apply_rotary_pos_emb(q, k, hf_cos, hf_sin)[0])
+
+
 def test_bf16_error_at_most_twice_hugging_face():
     """DESIGN.md tolerance rule: in bf16, at most twice the error of the reference library."""
     torch.manual_seed(3)

@@ -136,14 +136,22 @@ class RotaryEmbedding(nn.Module):
         if positions is not None:
             _check_rope_positions(positions, q, k)
         dtype = torch.promote_types(angle_dtype(q.dtype), angle_dtype(k.dtype))
-        cos, sin = self._cos_sin(positions, L_q, q.device, dtype)  # each (L, D) or (B, L, D)
-        q_rotated = apply_rope(q, cos, sin, layout=self.layout)
-        k_rotated = apply_rope(k, cos, sin, layout=self.layout)
-        return q_rotated, k_rotated
+        cos, sin = self._cos_sin(positions, L_q, q.device, dtype)  # each (L|B, 1|L, ..., D)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`apply_rope` on tables prepared by `_cos_sin`, in fewer ops (decoding runs this 16
+        times a token): for the half layout rotate_half(x) * sin == roll(x, D/2) * (-sin_1,
+        sin_2), bit for bit (negation is exact), one roll instead of chunk, neg and cat."""
+        half = self.layout == "half"
+        rotated = x.roll(self.head_dim // 2, dims=-1) if half else _rotate_pairs(x)
+        return (x * cos + rotated * sin).to(x.dtype)
 
     def _cos_sin(self, positions, length: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for these positions, reused when they are the very tensor of the last call
-        (unchanged since: same `_version`) or, without positions, the same length."""
+        """cos/sin for these positions, ready for `_rotate`: (L, D) or (B, 1, L, D), sin negated
+        in its first half for the half layout. Reused when the positions are the very tensor
+        of the last call (unchanged since: same `_version`) or, without positions, the same
+        length."""
         if positions is None:
             key = (None, length, device, dtype)
         else:
@@ -163,6 +171,11 @@ class RotaryEmbedding(nn.Module):
         cos, sin = rope_cos_sin(
             positions, self.head_dim, base=self.base, layout=self.layout, dtype=dtype
         )
+        if cos.dim() == 3:  # (B, L, D) -> (B, 1, L, D): broadcast over heads
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        if self.layout == "half":  # (-sin_1, sin_2), for `_rotate`
+            half = self.head_dim // 2
+            sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         self._last = (key, cos, sin)
         return cos, sin
 
