@@ -100,9 +100,11 @@ def test_naive_memory_is_whole_score_matrices_of_the_seed_formula(result):
         formula = scores.nelement() * scores.element_size()
         assert point.score_bytes == formula == B * H * L * L * 4
         copies = point.peak_bytes / formula
-        # the peak is a whole number of (B, H, L, L) fp32 tensors plus O(L) odds and ends, and
-        # no more of them than the budget's prediction assumes
-        assert abs(copies - round(copies)) < 0.1, copies
+        # the peak is a whole number of (B, H, L, L) fp32 tensors plus O(L) odds and ends (at
+        # most a few (B, H, L, D) ones: q scaled, the output), and no more of them than the
+        # budget's prediction assumes
+        odds = point.peak_bytes - round(copies) * formula
+        assert abs(odds) <= 2 * B * H * L * D * 4, (L, copies)
         assert 1 <= round(copies) <= NAIVE_SCORE_COPIES[False]
         assert point.peak_bytes <= predicted_peak(
             "naive", batch=B, heads=H, length=L, head_dim=D, dtype=torch.float32, backward=False

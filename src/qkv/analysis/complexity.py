@@ -38,8 +38,9 @@ BACKENDS = {"naive": "reference", "sdpa": "sdpa", "tiled": "tiled"}
 DEFAULT_LENGTHS = (256, 512, 1024, 2048)  # a few seconds per backend on 2 CPU cores
 DEFAULT_MAX_MEMORY = 4 * 2**30
 # Live (B, H, L, L) score-sized tensors at the reference backend's peak, counted in fp32 (it
-# computes scores and softmax in fp32 whatever the input dtype): scores, their masked copy and
-# the softmax output in forward; forward + backward keeps a few more (<= 4.7 measured, in bf16).
+# computes scores and softmax in fp32 whatever the input dtype): scores, their masked copy (when
+# anything masks) and the softmax output in forward; forward + backward keeps a few more (<= 4.7
+# measured, in bf16).
 NAIVE_SCORE_COPIES = {False: 3, True: 5}
 _MIN_SAMPLE_S = 0.01  # a timed sample repeats a fast call until it lasts at least this long
 

@@ -11,8 +11,8 @@ and output 0, with finite gradients (seed 002 section 2.3, the NaN guard).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from qkv.attention.dropout import dropout
 from qkv.attention.request import AttentionRequest
 
 name = "reference"
@@ -45,9 +45,12 @@ def run(request: AttentionRequest) -> tuple[torch.Tensor, torch.Tensor]:
     allowed = request.allowed()
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
-    weights = _softmax_without_nan(scores)
+    if allowed is None and additive is None:  # nothing masks: no row can be empty
+        weights = torch.softmax(scores, dim=-1)
+    else:
+        weights = _softmax_without_nan(scores)
     if request.dropout_p > 0.0:
-        weights = F.dropout(weights, p=request.dropout_p)
+        weights = dropout(weights, request.dropout_p)  # qkv's: a cheaper mask on the CPU
     output = _grouped_weighted_sum(request, weights, v.to(compute_dtype))
     return output.to(q.dtype), weights.to(q.dtype)
 

@@ -31,6 +31,17 @@ def why_not(request: AttentionRequest) -> str | None:
     return None
 
 
+def why_not_auto(request: AttentionRequest) -> str | None:
+    """Why `auto` passes over a request this backend could serve: dropout on the CPU."""
+    if request.dropout_p > 0.0 and request.q.device.type == "cpu":
+        return (
+            "dropout on the CPU: PyTorch's kernel falls back to its math path and draws the "
+            "mask with bernoulli_; the reference backend runs the same math with qkv's cheaper "
+            "dropout mask"
+        )
+    return None
+
+
 def notes(request: AttentionRequest) -> list[str]:
     out = []
     if request.causal and _needs_mask(request):

@@ -2,7 +2,7 @@
 
 - `MultiHeadAttention`: MHA, GQA and MQA; self- and cross-attention; optional RoPE or ALiBi.
 - `FeedForward` (ReLU/GELU) and `SwiGLU`: the position-wise sub-layer.
-- `LayerNorm` and `RMSNorm`.
+- `LayerNorm` and `RMSNorm`; `Dropout` (nn.Dropout with a cheaper CPU mask).
 - `EncoderBlock` and `DecoderBlock`: sub-layers in "Add & Norm", post-norm or pre-norm.
 - `packed_linears(model)`: oneDNN-packed linear weights for faster CPU decoding (inference).
 
@@ -10,6 +10,7 @@
 cross over to PyTorch's own modules.
 """
 
+from qkv.layers._dropout import Dropout
 from qkv.layers.attention import MultiHeadAttention
 from qkv.layers.blocks import DecoderBlock, EncoderBlock, post_norm, pre_norm
 from qkv.layers.feedforward import FeedForward, SwiGLU
@@ -20,6 +21,7 @@ from qkv.layers.packed import PackedLinear, packed_linears
 __all__ = [
     "CrossAttentionCache",
     "DecoderBlock",
+    "Dropout",
     "EncoderBlock",
     "FeedForward",
     "LayerCache",
