@@ -31,13 +31,12 @@ from qkv.layers._dropout import make_dropout
 from qkv.layers.kv_cache import LayerCache, SinkKVCache, StaticKVCache
 from qkv.models.checkpoints import HuggingFaceIO
 from qkv.models.gpt_config import GPTConfig
+from qkv.models.losses import IGNORE_INDEX, cross_entropy
 from qkv.models.outputs import CausalLMOutput
 from qkv.models.serialization import register_model_class
 from qkv.positional import LearnedPositionalEmbedding, RotaryEmbedding
 
 __all__ = ["GPT", "GPTBlock", "GPTConfig", "make_ffn", "make_norm", "make_rope", "next_token_loss"]
-
-IGNORE_INDEX = -100  # label value that the loss skips (Hugging Face and F.cross_entropy default)
 
 
 def make_norm(config: GPTConfig) -> nn.Module:
@@ -68,14 +67,15 @@ def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of logits[:, i] against labels[:, i + 1], skipping labels == -100.
 
     logits (B, L, V), labels (B, L): the labels are the input ids themselves (shifted here), as
-    in Hugging Face's `ForCausalLMLoss`. Computed in fp32 whatever the logits' dtype.
+    in Hugging Face's `ForCausalLMLoss`. Computed in fp32 whatever the logits' dtype; no
+    labelled position gives 0 rather than NaN.
 
     The labels move, not the logits: slicing logits[:, :-1] would copy the largest tensor of
     the model (B * L * V), so the last position gets the label -100 instead.
     """
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, L): target of logits[:, i]
-    predictions = logits.flatten(0, 1).float()  # (B * L, V), a view when already fp32
-    return F.cross_entropy(predictions, targets.flatten(), ignore_index=IGNORE_INDEX)
+    # (B * L, V), a view: qkv's cross_entropy (F.cross_entropy's values, a fused backward)
+    return cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 class GPTBlock(nn.Module):
