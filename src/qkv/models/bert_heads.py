@@ -25,12 +25,11 @@ from qkv.layers._dropout import make_dropout
 from qkv.models._inputs import describe
 from qkv.models.bert import BertConfig, BertModel, init_bert_weights
 from qkv.models.checkpoints import HuggingFaceIO
+from qkv.models.losses import cross_entropy
 from qkv.models.outputs import ClassificationOutput, PreTrainingOutput
 from qkv.models.serialization import register_model_class
 
 __all__ = ["BertForPreTraining", "BertForSequenceClassification", "MaskedLMHead"]
-
-IGNORE_INDEX = -100  # MLM labels at this value (the unselected tokens) carry no loss
 
 
 class MaskedLMHead(nn.Module):
@@ -99,9 +98,7 @@ class BertForPreTraining(HuggingFaceIO, nn.Module):
             if masked_positions is not None:
                 labels = labels[masked_positions]  # (N,)
             flat_logits = logits.reshape(-1, logits.shape[-1])  # (B * L, V) or (N, V)
-            losses.append(
-                F.cross_entropy(flat_logits, labels.reshape(-1), ignore_index=IGNORE_INDEX)
-            )
+            losses.append(cross_entropy(flat_logits, labels.reshape(-1)))  # skips -100
         if next_sentence_label is not None:
             _check_labels("next_sentence_label", next_sentence_label, (input_ids.shape[0],))
             losses.append(F.cross_entropy(nsp_logits, next_sentence_label))
