@@ -268,9 +268,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--device", default=default_device())
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--budget", type=float, default=30.0, help="seconds of timing per row")
+    parser.add_argument("--budget", type=float, default=45.0, help="seconds of timing per row")
     parser.add_argument("--out", type=Path, default=RESULTS / "models.json")
     args = parser.parse_args(argv)
     if args.quick:

@@ -17,6 +17,7 @@ from a `context` (the encoder's memory in a decoder, seed 002 section 4.1).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -53,7 +54,7 @@ class MultiHeadAttention(nn.Module):
     """
 
     # Projections that read the same input and may be computed as one: attribute -> linears.
-    FUSABLE = {"fused_qkv": ("q_proj", "k_proj", "v_proj")}
+    FUSABLE: ClassVar[dict[str, tuple[str, ...]]] = {"fused_qkv": ("q_proj", "k_proj", "v_proj")}
 
     def __init__(
         self,

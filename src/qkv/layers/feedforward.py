@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -79,7 +80,7 @@ class SwiGLU(nn.Module):
     """
 
     # Projections that read the same input and may be computed as one: attribute -> linears.
-    FUSABLE = {"fused_gate_up": ("gate_proj", "up_proj")}
+    FUSABLE: ClassVar[dict[str, tuple[str, ...]]] = {"fused_gate_up": ("gate_proj", "up_proj")}
 
     def __init__(
         self,
