@@ -129,3 +129,20 @@ def test_packed_encoder_decoder_gives_the_same_beams():
         got = beam_search(model, source, max_new_tokens=8, num_beams=3)
     assert torch.equal(got[0], expected[0])
     torch.testing.assert_close(got[1], expected[1], atol=1e-5, rtol=0)
+
+
+def test_under_cpu_autocast_a_packed_linear_computes_what_autocast_f_linear_does():
+    """fp32 weights under bf16 autocast: a bf16 copy is packed, the output is bf16 like
+    autocast's F.linear (oneDNN's bf16 product on both sides here), and leaving autocast goes
+    back to the fp32 weights."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96)
+    x = torch.randn(3, 7, 64)
+    packed = PackedLinear(linear, batch_hint=21)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, got = linear(x), packed(x)
+    assert got.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expected, atol=0.05, rtol=0.02)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=0)
+    assert packed(x).dtype == torch.float32

@@ -59,7 +59,9 @@ class PackedLinear(nn.Module):
     weight is reordered into oneDNN's blocked layout at the first call (`batch_hint`: the rows
     per call it is tuned for; 1 = decoding).
 
-    (..., in_features) -> (..., sum of out_features), in the weights' dtype. No gradients.
+    (..., in_features) -> (..., sum of out_features), in the weights' dtype, or in bf16 under
+    CPU autocast (a bf16 copy of fp32 weights is packed then, as autocast's F.linear casts
+    them at every call). No gradients.
     """
 
     def __init__(self, *linears: nn.Linear, batch_hint: int = 1) -> None:
@@ -69,34 +71,47 @@ class PackedLinear(nn.Module):
         self.out_features = sum(linear.out_features for linear in linears)
         self.batch_hint = batch_hint
         self._linears = linears  # a plain tuple: not submodules, nothing in a state_dict
-        self._packed: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._dtype = linears[0].weight.dtype
+        # dtype -> (packed weight, bias): the weights' own, and under CPU autocast its dtype
+        self._packed: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(
                 f"x: expected a last dimension of {self.in_features}, got shape {tuple(x.shape)}"
             )
-        if self._packed is None:
-            self._packed = self._pack()
-        weight, bias = self._packed
+        dtype = self._compute_dtype()
+        if dtype not in self._packed:
+            self._packed[dtype] = self._pack(dtype)
+        weight, bias = self._packed[dtype]
+        if x.dtype != dtype:
+            x = x.to(dtype)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
-    def _pack(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _compute_dtype(self) -> torch.dtype:
+        """The weights' dtype, or CPU autocast's (bf16) for fp32 weights, as F.linear would."""
+        if self._dtype == torch.float32 and torch.is_autocast_enabled("cpu"):
+            autocast_dtype = torch.get_autocast_dtype("cpu")
+            if autocast_dtype in _PACKABLE_DTYPES:
+                return autocast_dtype
+        return self._dtype
+
+    def _pack(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(packed weight (out, in), bias (out,) or None) from the linears' current weights."""
         with torch.no_grad():
             weights = [linear.weight.detach() for linear in self._linears]
             weight = weights[0] if len(weights) == 1 else torch.cat(weights)  # (out, in)
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.batch_hint)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), self.batch_hint)
             if all(linear.bias is None for linear in self._linears):
                 return packed, None
             biases = [
                 torch.zeros(m.out_features, dtype=weight.dtype) if m.bias is None else m.bias
                 for m in self._linears
             ]
-            return packed, torch.cat([b.detach() for b in biases])  # (out,)
+            return packed, torch.cat([b.detach() for b in biases]).to(dtype)  # (out,)
 
     def extra_repr(self) -> str:
-        packed = "oneDNN-packed" if self._packed is not None else "packed at its first call"
+        packed = "oneDNN-packed" if self._packed else "packed at its first call"
         stacked = f", {len(self._linears)} linears stacked" if len(self._linears) > 1 else ""
         sizes = f"in_features={self.in_features}, out_features={self.out_features}"
         return f"{sizes}{stacked}, {packed}"
