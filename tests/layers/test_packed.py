@@ -89,9 +89,12 @@ def test_stacked_linears_equal_their_outputs_concatenated(bias):
     x = torch.randn(2, 3, 32)
     expected = torch.cat([linear(x) for linear in linears], dim=-1)  # (2, 3, 80)
     stacked = PackedLinear(*linears)
-    assert "packed at its first call" in repr(stacked)
+    assert "packed at its first call" in repr(stacked) and stacked.packing_seconds == 0
     torch.testing.assert_close(stacked(x), expected, atol=1e-5, rtol=0)
     assert "3 linears stacked, oneDNN-packed" in repr(stacked)
+    spent = stacked.packing_seconds
+    stacked(x)
+    assert spent > 0 and stacked.packing_seconds == spent  # packed once
 
 
 def test_fused_projections_give_what_the_separate_ones_give():
