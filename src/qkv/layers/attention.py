@@ -134,7 +134,10 @@ class MultiHeadAttention(nn.Module):
         q = q.view(B, L_q, H, D).transpose(1, 2)  # (B, H, L_q, D)
 
         def project_keys_values() -> tuple[torch.Tensor, torch.Tensor]:
-            k, v = projected or (self.k_proj(source), self.v_proj(source))  # (B, L_k, H_kv * D)
+            if projected is not None:  # the fused product's k and v
+                k, v = projected  # each (B, L_k, H_kv * D)
+            else:
+                k, v = self.k_proj(source), self.v_proj(source)
             k = k.view(B, L_k, H_kv, D).transpose(1, 2)  # (B, H_kv, L_k, D)
             v = v.view(B, L_k, H_kv, D).transpose(1, 2)  # (B, H_kv, L_k, D)
             return k, v

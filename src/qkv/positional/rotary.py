@@ -136,7 +136,7 @@ class RotaryEmbedding(nn.Module):
         if positions is not None:
             _check_rope_positions(positions, q, k)
         dtype = torch.promote_types(angle_dtype(q.dtype), angle_dtype(k.dtype))
-        cos, sin = self._cos_sin(positions, L_q, q.device, dtype)  # each (L|B, 1|L, ..., D)
+        cos, sin = self._cos_sin(positions, L_q, q.device, dtype)  # (L, D) or (B, 1, L, D)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
