@@ -149,3 +149,22 @@ def test_under_cpu_autocast_a_packed_linear_computes_what_autocast_f_linear_does
     with torch.no_grad():
         torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=0)
     assert packed(x).dtype == torch.float32
+
+
+def test_under_torch_compile_each_packed_linear_computes_with_its_own_weights():
+    """Compiled, a packed product is an opaque operator that finds its module by a handle: two
+    packed linears of the same shape through one compiled function (and a second pair through
+    the same function) each give their own F.linear, around a fused activation."""
+    torch.manual_seed(0)
+    pairs = [(nn.Linear(16, 24), nn.Linear(16, 24)) for _ in range(2)]
+    x = torch.randn(1, 1, 16)
+
+    def two_products(a: nn.Module, b: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([F.silu(a(x)), b(x) * 2], dim=-1)
+
+    compiled = torch.compile(two_products, fullgraph=True)
+    for a, b in pairs:
+        expected = two_products(a, b, x)
+        with torch.no_grad():
+            got = compiled(PackedLinear(a), PackedLinear(b), x)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
