@@ -188,7 +188,9 @@ def _auto_request(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict
 ) -> tuple[AttentionRequest, ModuleType]:
     """The request and the backend `auto` runs it on: remembered for a known signature."""
-    key = request_key(q, k, v, **options)
+    # Under torch.compile the choice is made while tracing, once per graph: a memo keyed by
+    # the shapes would make every decoding step's key length a guard (a recompile per step).
+    key = None if torch.compiler.is_compiling() else request_key(q, k, v, **options)
     known = _AUTO_CHOICES.get(key) if key is not None else None
     if known is not None:
         chosen, checked = known  # scale, window and dropout_p as make_request normalised them

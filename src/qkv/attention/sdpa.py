@@ -132,7 +132,11 @@ def _compute_dtype(request: AttentionRequest) -> torch.dtype:
 
 def _plain_causal(request: AttentionRequest) -> bool:
     """Causal that SDPA's is_causal serves as is: L_q == L_k (its top-left alignment is then
-    bottom-right too)."""
+    bottom-right too). One query is never plain causal (unless L_k == 1, where causal hides
+    nothing): checked first, so that a compiled decoding step, whose key length is symbolic,
+    answers with a plain bool."""
+    if request.query_len == 1:
+        return False
     return request.query_len == request.key_len
 
 

@@ -8,6 +8,12 @@ Batches of prompts of different lengths are left-padded: the pad tokens are mask
 and every row's position ids count only its real tokens, so row b's tokens get the same
 positions (and RoPE angles) as if it were alone.
 
+`compile=True` runs every step after the prefill through the model's forward compiled by
+`torch.compile` (dynamic shapes, one graph for every step and cache length): the norms, RoPE,
+casts and cache writes between the matrix products fuse into a few kernels, which on the CPU is
+most of a step's time outside the products themselves. Compiling costs tens of seconds once per
+model structure and process (later calls, and models of the same config, reuse it).
+
 Three entry points, one loop: `decode_steps` yields a `DecodeStep` (tokens, the logits they were
 chosen from, the cache) per step; `stream` yields only the tokens; `generate` returns the whole
 sequences. All three check their arguments when called, before any decoding.
@@ -15,6 +21,7 @@ sequences. All three check their arguments when called, before any decoding.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -56,6 +63,7 @@ def generate(
     seed: int | None = None,
     sinks: tuple[int, int] | None = None,
     on_token: Callable[[torch.Tensor], None] | None = None,
+    compile: bool = False,
 ) -> torch.Tensor:
     """Prompt followed by up to `max_new_tokens` new tokens, (B, L + new).
 
@@ -64,11 +72,13 @@ def generate(
     generator seeded with `seed`). Rows that emit `eos_token_id` are padded with it afterwards;
     decoding stops when every row has. `sinks=(num_sinks, window)` decodes with a StreamingLLM
     cache of that size, past the model's context. `on_token(tokens (B,))` streams each step.
+    `compile=True` decodes with the model's forward compiled (see the module doc): the same
+    tokens, faster steps after a one-time compilation.
     """
     steps = stream(
         model, input_ids, max_new_tokens=max_new_tokens, attention_mask=attention_mask,
         temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
-        seed=seed, sinks=sinks,
+        seed=seed, sinks=sinks, compile=compile,
     )  # fmt: skip
     new_tokens = []
     for tokens in steps:
@@ -90,12 +100,13 @@ def stream(
     eos_token_id: int | None = None,
     seed: int | None = None,
     sinks: tuple[int, int] | None = None,
+    compile: bool = False,
 ) -> Iterator[torch.Tensor]:
     """The same decoding as `generate`, yielding each step's tokens (B,) as they come."""
     steps = decode_steps(
         model, input_ids, max_new_tokens=max_new_tokens, attention_mask=attention_mask,
         temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
-        seed=seed, sinks=sinks,
+        seed=seed, sinks=sinks, compile=compile,
     )  # fmt: skip
     return (step.tokens for step in steps)
 
@@ -112,6 +123,7 @@ def decode_steps(
     eos_token_id: int | None = None,
     seed: int | None = None,
     sinks: tuple[int, int] | None = None,
+    compile: bool = False,
 ) -> Iterator[DecodeStep]:
     """The same decoding as `generate`, yielding a `DecodeStep` (tokens, logits, cache) per step.
 
@@ -119,6 +131,7 @@ def decode_steps(
     """
     config = model.config
     B, L = _check_call(config, input_ids, max_new_tokens, eos_token_id, sinks)
+    step_forward = _step_forward(model, compile, sinks)
     check_sampling(temperature, top_k, top_p, config.vocab_size)
     mask = _prompt_mask(attention_mask, B, L, input_ids.device)
     padded = not bool(mask.all())  # one host sync, here rather than in every step
@@ -135,16 +148,18 @@ def decode_steps(
     # one that it would inspect (a host sync) and drop at every step.
     step_mask = mask if padded else None
     return _decode(
-        model, input_ids, step_mask, positions, cache, max_new_tokens, eos_token_id, sampling,
-        generator,
+        model, step_forward, input_ids, step_mask, positions, cache, max_new_tokens,
+        eos_token_id, sampling, generator,
     )  # fmt: skip
 
 
 def _decode(
-    model, input_ids, mask, positions, cache, max_new_tokens, eos_token_id, sampling, generator
-):
+    model, step_forward, input_ids, mask, positions, cache, max_new_tokens, eos_token_id,
+    sampling, generator,
+):  # fmt: skip
     """The decoding loop of `decode_steps`, its arguments already checked. mask: (B, L) with
-    padding, or None without; positions (B, L) of the prompt's tokens."""
+    padding, or None without; positions (B, L) of the prompt's tokens. The prompt goes through
+    `model`, every later step through `step_forward` (the model, or its compiled forward)."""
     B = input_ids.shape[0]
     finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
     tokens, step_mask, step_positions = input_ids, mask, positions
@@ -153,8 +168,9 @@ def _decode(
         # into the caller's code between steps.
         with torch.no_grad():
             # Only the prompt needs its ids checked: later tokens are this loop's own choices.
-            check_ids = tokens is input_ids
-            logits = _forward(model, tokens, step_mask, step_positions, cache, check_ids)  # (B, V)
+            prefill = tokens is input_ids
+            forward = model if prefill else step_forward
+            logits = _forward(forward, tokens, step_mask, step_positions, cache, prefill)  # (B, V)
         chosen = next_token(logits, **sampling, generator=generator)
         if eos_token_id is not None:
             chosen = torch.where(finished, eos_token_id, chosen)
@@ -177,6 +193,30 @@ def _forward(model, tokens, mask, positions, cache, check_ids: bool) -> torch.Te
         return logits[:, -1].float()
     output = model(tokens, attention_mask=mask, position_ids=positions, cache=cache, **options)
     return output.logits[:, -1].float()
+
+
+# One compiled forward per model class: torch.compile caches its graphs on the code object,
+# guarded by the parameters' shapes and dtypes, so models of one config share them.
+_COMPILED_FORWARDS: dict[type, Callable] = {}
+
+
+def _step_forward(model: nn.Module, compile: bool, sinks) -> Callable:
+    """What runs a decoding step after the prefill: the model, or with `compile` its class's
+    forward compiled with dynamic shapes (the key length grows every step) and no graph breaks
+    (`fullgraph`: a break would fail loudly rather than decode slowly), bound to `model`."""
+    if not isinstance(compile, bool):
+        raise TypeError(f"compile: expected a bool, got {compile!r}")
+    if not compile:
+        return model
+    if sinks is not None:
+        raise ValueError(
+            "compile: not supported with sinks (a StreamingLLM cache re-rotates a window that "
+            "moves every step); expected compile=False, or no sinks"
+        )
+    cls = type(model)
+    if cls not in _COMPILED_FORWARDS:
+        _COMPILED_FORWARDS[cls] = torch.compile(cls.forward, dynamic=True, fullgraph=True)
+    return functools.partial(_COMPILED_FORWARDS[cls], model)
 
 
 def make_cache(

@@ -277,7 +277,7 @@ def _key_mask(attention_mask: torch.Tensor | None, B: int, L: int) -> torch.Tens
             f"{attention_mask.dtype}"
         )
     keep = attention_mask.bool()  # (B, L)
-    if bool(keep.all()):
+    if not torch.compiler.is_compiling() and bool(keep.all()):  # compiled: no host sync
         return None
     return keep[:, None, None, :]  # (B, 1, 1, L_k): broadcast over heads and queries
 

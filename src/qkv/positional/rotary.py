@@ -156,7 +156,7 @@ class RotaryEmbedding(nn.Module):
             key = (None, length, device, dtype)
         else:
             key = (positions, positions._version, device, dtype)
-        last = self._last
+        last = None if torch.compiler.is_compiling() else self._last
         if (
             last is not None
             and len(last[0]) == len(key)
@@ -176,7 +176,8 @@ class RotaryEmbedding(nn.Module):
         if self.layout == "half":  # (-sin_1, sin_2), for `_rotate`
             half = self.head_dim // 2
             sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        self._last = (key, cos, sin)
+        if not torch.compiler.is_compiling():
+            self._last = (key, cos, sin)
         return cos, sin
 
     def extra_repr(self) -> str:
