@@ -91,9 +91,25 @@ class PackedLinear(nn.Module):
             raise ValueError(
                 f"x: expected a last dimension of {self.in_features}, got shape {tuple(x.shape)}"
             )
-        if torch.compiler.is_compiling():  # traced as one opaque call (see the module doc)
+        if torch.compiler.is_compiling():  # see the module doc
+            if x.numel() == self.in_features and self._compute_dtype() == self._dtype:
+                return self._matvec(x)
             return torch.ops.qkv.packed_linear(x, self._handle)
         return self._linear(x)
+
+    def _matvec(self, x: torch.Tensor) -> torch.Tensor:
+        """One row, compiled: each weight times the row, summed over in_features, in fp32.
+
+        Written as an elementwise product and a sum, which inductor fuses into one streaming
+        reduction over the weight (no (out, in) temporary), where a matrix product would be an
+        external GEMV call. (..., in_features) with one row -> (..., out_features)."""
+        h = x.unsqueeze(-2).float()  # (..., 1, in)
+        outputs = []
+        for linear in self._linears:
+            y = (h * linear.weight.float()).sum(-1)  # (..., out_i)
+            outputs.append(y if linear.bias is None else y + linear.bias.float())
+        y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+        return y.to(self._dtype)
 
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
         """forward's product, run eagerly: packs at the first call, then one oneDNN call."""
