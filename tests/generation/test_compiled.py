@@ -8,6 +8,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from qkv.generation import decode_steps, generate
+from qkv.generation.generate import _CompiledSteps
 from qkv.layers import packed_linears
 from tests.generation.reference_models import left_padded_prompts, qkv_model
 
@@ -29,6 +30,19 @@ def test_compiled_steps_equal_eager_ones_on_a_left_padded_batch(preset):
     ids, mask = left_padded_prompts()
     eager_tokens, eager_logits = _steps(model, ids, mask)
     tokens, logits = _steps(model, ids, mask, compile=True)
+    torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(tokens, eager_tokens)
+
+
+@pytest.mark.parametrize("prompt_length", [1, 2])
+def test_compiled_steps_stay_right_as_the_cache_grows_past_the_window(prompt_length):
+    """From the third step on the compiled steps trust their guards (generate.py,
+    `_CompiledSteps`): a one-token prompt (a cache length of 1 at the first step, which
+    torch.compile specialises) and Mistral's window of 4, first outgrown at a later step."""
+    model = qkv_model("tiny-mistral")
+    prompt = torch.arange(1, prompt_length + 1).unsqueeze(0)  # (1, prompt_length)
+    eager_tokens, eager_logits = _steps(model, prompt, None)
+    tokens, logits = _steps(model, prompt, None, compile=True)
     torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
     assert torch.equal(tokens, eager_tokens)
 
@@ -57,3 +71,29 @@ def test_compile_refuses_what_it_does_not_serve():
         generate(model, prompt, max_new_tokens=2, compile="yes")
     with pytest.raises(ValueError, match="compile: not supported with sinks"):
         generate(model, prompt, max_new_tokens=2, sinks=(1, 4), compile=True)
+
+
+def test_a_step_refused_with_guards_skipped_is_run_again_with_every_guard_checked():
+    """What _CompiledSteps does when torch.compile refuses to recompile in the stance that
+    skips guards: the step is run again with guards on, and so is the next; then it skips
+    again. (The stance is torch.compile's; a stand-in forward records the order of calls.)"""
+    calls = []
+
+    def forward(step):
+        calls.append(step)
+        if step == 3 and calls.count(3) == 1:
+            raise RuntimeError("Recompilation triggered with skip_guard_eval_unsafe stance.")
+        return step * 10
+
+    steps = _CompiledSteps(forward)
+    assert [steps(step) for step in range(1, 6)] == [10, 20, 30, 40, 50]
+    assert calls == [1, 2, 3, 3, 4, 5]
+    assert steps.checked_steps == 2  # 3 (again) and 4 checked; 5 skipped guards
+
+    def failing(step):
+        raise RuntimeError("another error")
+
+    other = _CompiledSteps(failing)
+    other.checked_steps = 2
+    with pytest.raises(RuntimeError, match="another error"):
+        other(1)

@@ -38,6 +38,9 @@ def why_not_auto(request: AttentionRequest) -> str | None:
         return "the call brings its own dense mask or bias, which SDPA reads as well as tiles do"
     scores = request.query_len * request.key_len
     if scores < MIN_SCORES_FOR_WINDOW:
+        if torch.compiler.is_compiling():  # printing symbolic lengths would specialise the
+            # graph on their values: a recompilation at every decoding step
+            return f"L_q * L_k < {MIN_SCORES_FOR_WINDOW}: SDPA with a dense mask is faster"
         return f"L_q * L_k = {scores} < {MIN_SCORES_FOR_WINDOW}: SDPA with a dense mask is faster"
     visible = min(1.0, (request.window[0] + request.window[1] + 1) / request.key_len)
     if visible > MAX_VISIBLE_FRACTION:
