@@ -19,6 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 import qkv.models
 from qkv.cli import main
 from qkv.generation import generate
+from qkv.generation.generate import _COMPILED_FORWARDS
 from qkv.generation.text import incremental_text, load_for_generation, stream_text
 from tests.generation.reference_models import redraw
 
@@ -89,9 +90,9 @@ def _run(capsys, *arguments: str) -> tuple[int, str, str]:
     return status, captured.out, captured.err
 
 
-@pytest.mark.parametrize("pack", ["--pack", "--no-pack"])
+@pytest.mark.parametrize("pack", ["--pack", "--no-pack", "--compile"])
 def test_prints_the_decoded_greedy_tokens_of_transformers(checkpoint, capsys, pack):
-    """With oneDNN-packed linears (the default) and without."""
+    """With oneDNN-packed linears (the default), without, and packed and compiled."""
     path, reference, tokenizer = checkpoint
     expected = _transformers_text(reference, tokenizer)
     status, out, err = _run(
@@ -100,6 +101,8 @@ def test_prints_the_decoded_greedy_tokens_of_transformers(checkpoint, capsys, pa
     assert (status, err) == (0, "")
     assert len(expected.split()) == NEW_TOKENS
     assert out == expected + "\n"
+    if pack == "--compile":  # the flag reached generate: GPT's forward was compiled
+        assert qkv.models.GPT in _COMPILED_FORWARDS
 
 
 def test_qkv_own_checkpoint_prints_the_same(checkpoint, capsys, tmp_path):
