@@ -501,8 +501,8 @@ def main(argv=None) -> None:
     print(
         f"# limit = read peak / (weights + mean K/V bytes per token); targets: qkv/hf >= "
         f"{TARGET_RATIO}, qkv >= {TARGET_FRACTION:.0%} of the limit ('!' = missed by qkv's "
-        f"faster path); matvec = the model's F.linear calls alone, packed matvec = the packed "
-        f"products of a packed step alone (the fastest a step could be with these kernels)"
+        f"fastest path); packed matvec = the packed products of a packed step alone (the "
+        f"fastest an eager packed step could be; compiled steps use other kernels)"
     )
     for line in divergence_notes(rows):
         print(f"# tokens differ: {line}")
