@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 import qkv.models
 from qkv.cli import main
 from qkv.generation import generate
-from qkv.generation.generate import _COMPILED_FORWARDS
+from qkv.generation.compiled import _COMPILED_FORWARDS
 from qkv.generation.text import incremental_text, load_for_generation, stream_text
 from tests.generation.reference_models import redraw
 

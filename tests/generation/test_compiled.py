@@ -8,7 +8,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from qkv.generation import decode_steps, generate
-from qkv.generation.generate import _CompiledSteps
+from qkv.generation.compiled import CompiledSteps
 from qkv.layers import packed_linears
 from tests.generation.reference_models import left_padded_prompts, qkv_model
 
@@ -36,8 +36,8 @@ def test_compiled_steps_equal_eager_ones_on_a_left_padded_batch(preset):
 
 @pytest.mark.parametrize("prompt_length", [1, 2])
 def test_compiled_steps_stay_right_as_the_cache_grows_past_the_window(prompt_length):
-    """From the third step on the compiled steps trust their guards (generate.py,
-    `_CompiledSteps`): a one-token prompt (a cache length of 1 at the first step, which
+    """From the third step on the compiled steps trust their guards (compiled.py,
+    `CompiledSteps`): a one-token prompt (a cache length of 1 at the first step, which
     torch.compile specialises) and Mistral's window of 4, first outgrown at a later step."""
     model = qkv_model("tiny-mistral")
     prompt = torch.arange(1, prompt_length + 1).unsqueeze(0)  # (1, prompt_length)
@@ -74,7 +74,7 @@ def test_compile_refuses_what_it_does_not_serve():
 
 
 def test_a_step_refused_with_guards_skipped_is_run_again_with_every_guard_checked():
-    """What _CompiledSteps does when torch.compile refuses to recompile in the stance that
+    """What CompiledSteps does when torch.compile refuses to recompile in the stance that
     skips guards: the step is run again with guards on, and so is the next; then it skips
     again. (The stance is torch.compile's; a stand-in forward records the order of calls.)"""
     calls = []
@@ -85,7 +85,7 @@ def test_a_step_refused_with_guards_skipped_is_run_again_with_every_guard_checke
             raise RuntimeError("Recompilation triggered with skip_guard_eval_unsafe stance.")
         return step * 10
 
-    steps = _CompiledSteps(forward)
+    steps = CompiledSteps(forward)
     assert [steps(step) for step in range(1, 6)] == [10, 20, 30, 40, 50]
     assert calls == [1, 2, 3, 3, 4, 5]
     assert steps.checked_steps == 2  # 3 (again) and 4 checked; 5 skipped guards
@@ -93,7 +93,7 @@ def test_a_step_refused_with_guards_skipped_is_run_again_with_every_guard_checke
     def failing(step):
         raise RuntimeError("another error")
 
-    other = _CompiledSteps(failing)
+    other = CompiledSteps(failing)
     other.checked_steps = 2
     with pytest.raises(RuntimeError, match="another error"):
         other(1)

@@ -24,13 +24,13 @@ sequences. All three check their arguments when called, before any decoding.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from qkv.generation.compiled import compiled_steps
 from qkv.generation.sampling import check_sampling, next_token
 from qkv.layers.kv_cache import SinkKVCache, StaticKVCache
 
@@ -134,7 +134,7 @@ def decode_steps(
     """
     config = model.config
     B, L = _check_call(config, input_ids, max_new_tokens, eos_token_id, sinks)
-    step_forward = _step_forward(model, compile, sinks)
+    step_forward = compiled_steps(model, sinks) if _check_compile(compile) else model
     check_sampling(temperature, top_k, top_p, config.vocab_size)
     mask = _prompt_mask(attention_mask, B, L, input_ids.device)
     padded = not bool(mask.all())  # one host sync, here rather than in every step
@@ -198,67 +198,6 @@ def _forward(model, tokens, mask, positions, cache, check_ids: bool) -> torch.Te
     return output.logits[:, -1].float()
 
 
-# One compiled forward per model class: torch.compile caches its graphs on the code object,
-# guarded by the parameters' shapes and dtypes, so models of one config share them.
-_COMPILED_FORWARDS: dict[type, Callable] = {}
-
-
-def _step_forward(model: nn.Module, compile: bool, sinks) -> Callable:
-    """What runs a decoding step after the prefill: the model, or with `compile` its class's
-    forward compiled with dynamic shapes (the key length grows every step) and no graph breaks
-    (`fullgraph`: a break would fail loudly rather than decode slowly), bound to `model`."""
-    if not isinstance(compile, bool):
-        raise TypeError(f"compile: expected a bool, got {compile!r}")
-    if not compile:
-        return model
-    if sinks is not None:
-        raise ValueError(
-            "compile: not supported with sinks (a StreamingLLM cache re-rotates a window that "
-            "moves every step); expected compile=False, or no sinks"
-        )
-    cls = type(model)
-    if cls not in _COMPILED_FORWARDS:
-        _COMPILED_FORWARDS[cls] = torch.compile(cls.forward, dynamic=True, fullgraph=True)
-    return _CompiledSteps(functools.partial(_COMPILED_FORWARDS[cls], model))
-
-
-class _CompiledSteps:
-    """The compiled forward for the steps of one decoding call, trusting its guards from the
-    third step on.
-
-    Before running a graph, torch.compile checks its guards: ~2000 of them for the 55M Llama of
-    benchmarks/decode.py (every module attribute, parameter and shape it read), ~1 ms of a 5 ms
-    step on the dev VM. Within one call, the steps differ only by the token ids, positions
-    (same shapes), the key mask and the cache length, which grow by one; the graph compiled
-    for dynamic shapes guards on them only through range checks that the cache, sized for the
-    whole call, satisfies (e.g. length + 1 <= max_length). So the first two steps (lengths L and
-    L + 1: a graph specialised on a length of 1 is left behind there) check every guard, and
-    later steps run with `skip_guard_eval_unsafe`, which evaluates only the guards on tensors
-    and those that told graphs apart before. Where one of those fails (a window outgrown, say),
-    torch.compile refuses to recompile in that stance: the step is run again with every guard
-    checked (compiling what it needs), and so is the next one.
-    Changing the model while iterating `decode_steps` is not supported (nor is it in eager
-    decoding: the cache holds keys computed with the old weights).
-    """
-
-    def __init__(self, forward: Callable) -> None:
-        self.forward = forward
-        self.checked_steps = 0  # consecutive steps run with every guard checked
-
-    def __call__(self, *args, **kwargs):
-        if self.checked_steps < 2:
-            self.checked_steps += 1
-            return self.forward(*args, **kwargs)
-        try:
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                return self.forward(*args, **kwargs)
-        except RuntimeError as error:
-            if "skip_guard_eval_unsafe" not in str(error):
-                raise
-        self.checked_steps = 1  # the step again, every guard checked; the next one as well
-        return self.forward(*args, **kwargs)
-
-
 def make_cache(
     model: nn.Module,
     *,
@@ -300,6 +239,12 @@ def _generator(seed: int | None, device) -> torch.Generator | None:
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
+
+
+def _check_compile(compile: object) -> bool:
+    if not isinstance(compile, bool):
+        raise TypeError(f"compile: expected a bool, got {compile!r}")
+    return compile
 
 
 def _is_int(value: object) -> bool:
