@@ -168,3 +168,17 @@ def test_under_torch_compile_each_packed_linear_computes_with_its_own_weights():
         with torch.no_grad():
             got = compiled(PackedLinear(a), PackedLinear(b), x)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_compiled_stacked_linears_equal_their_outputs_concatenated():
+    """Compiled at one row, several linears (biases mixed) give cat([l(x) for l]): one
+    reduction per linear, concatenated (one reduction over a stacked copy was measured 5-12%
+    slower a decoding step, interleaved, besides costing the copy)."""
+    torch.manual_seed(0)
+    linears = [nn.Linear(16, n, bias=b) for n, b in ((24, True), (8, False), (8, True))]
+    x = torch.randn(1, 1, 16)
+    expected = torch.cat([linear(x) for linear in linears], dim=-1)  # (1, 1, 40)
+    compiled = torch.compile(lambda module, x: module(x), fullgraph=True)
+    with torch.no_grad():
+        got = compiled(PackedLinear(*linears), x)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
