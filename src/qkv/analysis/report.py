@@ -22,11 +22,8 @@ The maps come from one forward pass under `record_attention`, exact whatever bac
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import html
-import io
-import json
 import logging
 from collections.abc import Callable, Sequence
 
@@ -34,6 +31,7 @@ import torch
 from torch import nn
 
 from qkv.analysis.attention_maps import AttentionMap, record_attention
+from qkv.analysis.report_html import figure, json_script, page, section, table
 from qkv.analysis.viz import attention_view_html
 
 __all__ = ["COMPLEXITY_LENGTHS", "DEFAULT_SECTIONS", "SECTIONS", "SEED_PLOTS", "build_report"]
@@ -46,24 +44,8 @@ SECTIONS = {  # name -> heading, in page order
 }  # fmt: skip
 DEFAULT_SECTIONS = tuple(name for name in SECTIONS if name != "heads")  # heads: on request
 COMPLEXITY_LENGTHS = (128, 256, 512, 1024)
-FIGURE_DPI = 80  # PNGs of ~20-80 KB each: the page stays around a megabyte
 VIEWER_HEIGHT, VIEWER_ROW_HEIGHT = 160, 22  # pixels: controls, then one row per token
 SEED_TOKENS = ("The", "cat", "sat", "down")  # seed 001 lab, Step 2
-_CSS = """
-body { font: 15px/1.45 system-ui, sans-serif; margin: 0 auto; max-width: 1200px; padding: 16px;
-       color: #222; }
-nav { background: #f4f4f4; padding: 8px 16px; border-radius: 4px; }
-section { margin-top: 32px; }
-table { border-collapse: collapse; margin: 8px 0; }
-th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: left; font-variant-numeric:
-         tabular-nums; }
-tr.sub th { padding-left: 24px; font-weight: normal; }
-figure { margin: 16px 0; }
-figure img { max-width: 100%; height: auto; }
-figcaption { color: #555; font-size: 13px; }
-iframe { width: 100%; border: 1px solid #ccc; }
-.note { color: #555; font-size: 13px; }
-"""
 
 
 def _seed_attention():
@@ -131,8 +113,8 @@ def build_report(
     bodies = []
     for name in wanted:
         logger.info("report: building the %s section", name)
-        bodies.append(_section(name, builders[name]()))
-    return _page(f"qkv report: {model_name}", wanted, bodies)
+        bodies.append(section(name, SECTIONS[name], builders[name]()))
+    return page(f"qkv report: {model_name}", {n: SECTIONS[n] for n in wanted}, bodies)
 
 
 def _check_sections(sections: Sequence[str], complexity: bool) -> list[str]:
@@ -215,10 +197,10 @@ def _attention_section(plots, recorded: _TextRun, *, layers, heads) -> str:
             weights, tokens=recorded.tokens, title=f"{attention.name}", max_columns=6
         )
         caption = f"{attention.name}: heads {head_index}"
-        parts.append(_figure(fig, figure_id=f"fig-attention-{attention.name}", caption=caption))
+        parts.append(figure(fig, figure_id=f"fig-attention-{attention.name}", caption=caption))
         rounded = [[[round(w, 6) for w in row] for row in head] for head in weights.tolist()]
         data["maps"].append({"name": attention.name, "heads": head_index, "weights": rounded})
-    parts.append(_json_script("qkv-attention-data", data))
+    parts.append(json_script("qkv-attention-data", data))
     return "\n".join(parts)
 
 
@@ -254,7 +236,7 @@ def _heads_section(model: nn.Module, recorded: _TextRun) -> str:
         "<p>Cosine similarity between each attention module's input and output, per position "
         "(seed 001, \u201cPutting It All Together\u201d: low means attention does substantial "
         "work).</p>",
-        _table(rows, header=("attention", "mean", "min", "max"), row_headers=False),
+        table(rows, header=("attention", "mean", "min", "max"), row_headers=False),
     ]
     if not isinstance(model, GPT) or recorded.input_ids.shape[1] < 2:
         parts.append(
@@ -270,7 +252,7 @@ def _heads_section(model: nn.Module, recorded: _TextRun) -> str:
 
     scores = head_importance(model, [recorded.input_ids], next_token_loss)  # {name: (H,)}
     parts.append(_importance_figure(scores))
-    parts.append(_json_script("qkv-head-importance", {
+    parts.append(json_script("qkv-head-importance", {
         "names": list(scores), "importance": [v.tolist() for v in scores.values()],
     }))  # fmt: skip
     return "\n".join(parts)
@@ -292,7 +274,7 @@ def _importance_figure(scores: dict[str, torch.Tensor]) -> str:
     ax.set_ylabel("attention module")
     fig.colorbar(image, ax=ax)
     caption = "Head importance on the text: next-token loss (Michel et al. 2019, section 4.1)"
-    return _figure(fig, figure_id="fig-heads-importance", caption=caption)
+    return figure(fig, figure_id="fig-heads-importance", caption=caption)
 
 
 def _model_section(model: nn.Module, model_name: str) -> str:
@@ -306,7 +288,7 @@ def _model_section(model: nn.Module, model_name: str) -> str:
     config = getattr(model, "config", None)
     if dataclasses.is_dataclass(config):
         rows += [(f"config.{key}", repr(value)) for key, value in vars(config).items()]
-    return _table(rows)
+    return table(rows)
 
 
 def _cost_report(model: nn.Module):
@@ -324,7 +306,7 @@ def _cost_section(model: nn.Module, model_name: str) -> str:
     return (
         f"<p>{html.escape(model_name)} at its full context of {report.context} tokens, batch "
         f"{report.batch}, {report.dtype} (as <code>qkv cost</code>; formulas only).</p>\n"
-        + _table(rows, header=("", report.name))
+        + table(rows, header=("", report.name))
         + '\n<p class="note">FLOPs: 2 per multiply-add, matrix products only, dense L x L '
         "scores; training ~ 3 x forward (seed 002 section 3.3). Scores: one head of one sample; "
         "one layer = all H heads x batch. KV cache: seed 002 section 6.1.</p>"
@@ -354,16 +336,16 @@ def _complexity_section(model: nn.Module, lengths: Sequence[int]) -> str:
         f"L^{_exponent(fit.memory_exponent)}"
         for fit in result.fits
     )
-    figure = _figure(
+    plot = figure(
         plot_complexity(result), figure_id="fig-complexity", caption="Time and memory against L"
     )
     return (
         f"<p>Self-attention at this model's shape ({report.num_heads} heads of {report.head_dim})"
         f", one repeat: a glimpse, not a measurement (<code>qkv bench complexity</code> measures)."
         f" Seed 001: each doubling of L costs about 4x for O(L^2).</p>\n"
-        + _table(rows[1:], header=rows[0], row_headers=False)
+        + table(rows[1:], header=rows[0], row_headers=False)
         + f"\n<p>Fitted over L &gt;= {result.fit_from}: {html.escape(fits)}.</p>\n"
-        + figure
+        + plot
     )
 
 
@@ -371,61 +353,8 @@ def _seeds_section(plots) -> str:
     parts = ["<p>Figures the seed documents draw; they do not depend on the model.</p>"]
     for name, (caption, arguments) in SEED_PLOTS.items():
         fig = getattr(plots, name)(**arguments())
-        parts.append(_figure(fig, figure_id=f"fig-seeds-{name}", caption=caption))
+        parts.append(figure(fig, figure_id=f"fig-seeds-{name}", caption=caption))
     return "\n".join(parts)
-
-
-def _json_script(element_id: str, data: dict) -> str:
-    """Data as <script type="application/json">; "<" inside could close the element, so "<",
-    ">" and "&" travel as JSON escapes (the same string once parsed)."""
-    payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    payload = payload.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
-    return f'<script type="application/json" id="{element_id}">{payload}</script>'
-
-
-def _figure(fig, *, figure_id: str, caption: str) -> str:
-    """A matplotlib figure as an inline PNG (a data: URI) with its caption; the figure is
-    cleared afterwards (frees its artists)."""
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=FIGURE_DPI)
-    fig.clear()
-    encoded = base64.b64encode(buffer.getvalue()).decode("ascii")
-    caption = html.escape(caption)
-    return (
-        f'<figure id="{html.escape(figure_id)}"><img alt="{caption}" '
-        f'src="data:image/png;base64,{encoded}"><figcaption>{caption}</figcaption></figure>'
-    )
-
-
-def _table(
-    rows: Sequence[Sequence[str]], *, header: Sequence[str] | None = None, row_headers=True
-) -> str:
-    """An HTML table; with row_headers, each row's first cell is its <th scope="row"> label
-    (a label indented with spaces, e.g. "  of which embeddings", becomes a sub-row)."""
-    head = "".join(f"<th>{html.escape(cell)}</th>" for cell in header or ())
-    lines = [f"<table><thead><tr>{head}</tr></thead><tbody>" if header else "<table><tbody>"]
-    for row in rows:
-        cells = "".join(f"<td>{html.escape(cell)}</td>" for cell in row[int(row_headers) :])
-        if not row_headers:
-            lines.append(f"<tr>{cells}</tr>")
-            continue
-        sub = ' class="sub"' if row[0].startswith(" ") else ""
-        lines.append(f'<tr{sub}><th scope="row">{html.escape(row[0].strip())}</th>{cells}</tr>')
-    return "\n".join([*lines, "</tbody></table>"])
-
-
-def _section(name: str, body: str) -> str:
-    return f'<section id="{name}">\n<h2>{SECTIONS[name]}</h2>\n{body}\n</section>'
-
-
-def _page(title: str, names: Sequence[str], bodies: Sequence[str]) -> str:
-    contents = "".join(f'<li><a href="#{name}">{SECTIONS[name]}</a></li>' for name in names)
-    return "\n".join([
-        "<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
-        '<link rel="icon" href="data:,">', f"<title>{html.escape(title)}</title>",
-        f"<style>{_CSS}</style>", "</head>", "<body>", f"<h1>{html.escape(title)}</h1>",
-        f'<nav><h2>Contents</h2><ol>{contents}</ol></nav>', *bodies, "</body>", "</html>", "",
-    ])  # fmt: skip
 
 
 def _ratio(value: float | None) -> str:
