@@ -22,11 +22,10 @@ from qkv.analysis.complexity import (
     NAIVE_SCORE_COPIES,
     backend_function,
     fit_exponent,
-    format_table,
     measure_complexity,
-    plot_complexity,
     predicted_peak,
 )
+from qkv.analysis.complexity_report import format_table, plot_complexity
 from qkv.commands import bench
 
 LENGTHS = (256, 512, 1024)

@@ -314,7 +314,8 @@ def _cost_section(model: nn.Module, model_name: str) -> str:
 
 
 def _complexity_section(model: nn.Module, lengths: Sequence[int]) -> str:
-    from qkv.analysis.complexity import measure_complexity, plot_complexity
+    from qkv.analysis.complexity import measure_complexity
+    from qkv.analysis.complexity_report import plot_complexity
 
     report = _cost_report(model)
     result = measure_complexity(

@@ -14,7 +14,8 @@ def _complexity(args: argparse.Namespace) -> int:
 
     import torch
 
-    from qkv.analysis.complexity import format_table, measure_complexity, plot_complexity
+    from qkv.analysis.complexity import measure_complexity
+    from qkv.analysis.complexity_report import format_table, plot_complexity
 
     dtype = getattr(torch, _DTYPES[args.dtype])
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
