@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 from qkv.generation import decode_steps, generate
 from qkv.generation.compiled import CompiledSteps
 from qkv.layers import packed_linears
-from tests.generation.reference_models import left_padded_prompts, qkv_model
+from tests.generation.reference_models import left_padded_prompts, qkv_model, redraw
 
 NEW_TOKENS = 10
 
@@ -62,6 +62,12 @@ def test_packed_and_compiled_equals_eager_and_one_graph_serves_every_later_call(
         output = generate(model, longer, max_new_tokens=2 * NEW_TOKENS, compile=True)
         assert counters["stats"]["unique_graphs"] == graphs  # no recompilation
     assert torch.equal(output, generate(model, longer, max_new_tokens=2 * NEW_TOKENS))
+    # out of the block: the plain modules again, a graph of their own, then packed once more
+    assert torch.equal(generate(model, prompt, max_new_tokens=NEW_TOKENS, compile=True), expected)
+    with packed_linears(model):
+        assert torch.equal(
+            generate(model, prompt, max_new_tokens=NEW_TOKENS, compile=True), expected
+        )
 
 
 def test_compile_refuses_what_it_does_not_serve():
@@ -97,3 +103,26 @@ def test_a_step_refused_with_guards_skipped_is_run_again_with_every_guard_checke
     other.checked_steps = 2
     with pytest.raises(RuntimeError, match="another error"):
         other(1)
+
+
+def test_two_decodings_interleaved_step_by_step_each_get_their_own_graph():
+    """Guards are trusted from the third step of each call: two calls advanced in turns, one
+    model packed (PackedLinear products) and one plain, of the same config and different
+    weights, each still gets its own graph and weights at every step."""
+    plain, packed = qkv_model("tiny-llama"), redraw(qkv_model("tiny-llama"), seed=1)
+    prompt = torch.arange(1, 6).unsqueeze(0)  # (1, 5)
+    expected = {name: _steps(m, prompt, None) for name, m in (("plain", plain), ("packed", packed))}
+    with packed_linears(packed):
+        iterators = {
+            name: decode_steps(m, prompt, max_new_tokens=NEW_TOKENS, compile=True)
+            for name, m in (("plain", plain), ("packed", packed))
+        }
+        got = {name: [] for name in iterators}
+        for _ in range(NEW_TOKENS):
+            for name, steps in iterators.items():  # one step of each, in turns
+                got[name].append(next(steps))
+    for name, (tokens, logits) in expected.items():
+        assert torch.equal(torch.stack([s.tokens for s in got[name]], 1), tokens)
+        torch.testing.assert_close(
+            torch.stack([s.logits for s in got[name]], 1), logits, rtol=1e-5, atol=1e-5
+        )

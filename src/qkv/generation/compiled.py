@@ -8,6 +8,8 @@ what the products of one row compile to.
 from __future__ import annotations
 
 import functools
+import types
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -15,24 +17,39 @@ from torch import nn
 
 __all__ = ["CompiledSteps", "compiled_steps"]
 
-# One compiled forward per model class: torch.compile caches its graphs on the code object,
-# guarded by the parameters' shapes and dtypes, so models of one config share them.
-_COMPILED_FORWARDS: dict[type, Callable] = {}
+# One compiled forward per model, each compiled from its own copy of the class's forward code:
+# torch.compile keeps graphs and guards on a code object, so a model never runs a graph that
+# another model's calls compiled (which CompiledSteps, trusting guards, could otherwise pick).
+# Weak keys: a model dropped by its user takes its compiled forward with it.
+_COMPILED_FORWARDS: weakref.WeakKeyDictionary[nn.Module, Callable] = weakref.WeakKeyDictionary()
 
 
 def compiled_steps(model: nn.Module, sinks: tuple[int, int] | None = None) -> CompiledSteps:
-    """What runs the decoding steps after the prefill with `compile=True`: the model's class's
-    forward compiled with dynamic shapes (the key length grows every step) and no graph breaks
-    (`fullgraph`: a break would fail loudly rather than decode slowly), bound to `model`."""
+    """What runs the decoding steps after the prefill with `compile=True`: the model's forward
+    compiled with dynamic shapes (the key length grows every step) and no graph breaks
+    (`fullgraph`: a break would fail loudly rather than decode slowly). Compiled at the first
+    call for a model; later calls reuse its graphs."""
     if sinks is not None:
         raise ValueError(
             "compile: not supported with sinks (a StreamingLLM cache re-rotates a window that "
             "moves every step); expected compile=False, or no sinks"
         )
-    cls = type(model)
-    if cls not in _COMPILED_FORWARDS:
-        _COMPILED_FORWARDS[cls] = torch.compile(cls.forward, dynamic=True, fullgraph=True)
-    return CompiledSteps(functools.partial(_COMPILED_FORWARDS[cls], model))
+    forward = _COMPILED_FORWARDS.get(model)
+    if forward is None:
+        forward = torch.compile(_own_copy(type(model).forward), dynamic=True, fullgraph=True)
+        _COMPILED_FORWARDS[model] = forward
+    return CompiledSteps(functools.partial(forward, model))
+
+
+def _own_copy(function: types.FunctionType) -> types.FunctionType:
+    """The same function on a new code object (same bytecode, globals, defaults)."""
+    copy = types.FunctionType(
+        function.__code__.replace(), function.__globals__, function.__name__,
+        function.__defaults__, function.__closure__,
+    )  # fmt: skip
+    copy.__kwdefaults__ = function.__kwdefaults__
+    copy.__qualname__ = function.__qualname__
+    return copy
 
 
 class CompiledSteps:

@@ -12,8 +12,8 @@ positions (and RoPE angles) as if it were alone.
 `torch.compile` (dynamic shapes, one graph for every step and cache length): the norms, RoPE,
 casts and cache writes between the matrix products fuse into a few kernels, which on the CPU is
 most of a step's time outside the products themselves. Compiling costs tens of seconds once per
-model structure and process (later calls, and models of the same config, reuse it), and needs
-what torch.compile's inductor needs on the CPU: a C++ compiler. Inside
+model (its later calls reuse the graphs; a new `packed_linears` block, with new modules,
+compiles again), and needs what torch.compile's inductor needs on the CPU: a C++ compiler. Inside
 `qkv.layers.packed_linears` the products of one row compile to streaming reductions too (see
 qkv.layers.packed): on the dev VM that is 2.8-3.1x transformers' tokens/s (benchmarks/decode.py).
 
