@@ -96,13 +96,17 @@ def test_a_step_refused_with_guards_skipped_is_run_again_with_every_guard_checke
     assert calls == [1, 2, 3, 3, 4, 5]
     assert steps.checked_steps == 2  # 3 (again) and 4 checked; 5 skipped guards
 
+    failures = []
+
     def failing(step):
-        raise RuntimeError("another error")
+        failures.append(step)
+        raise ValueError("a genuine error")
 
     other = CompiledSteps(failing)
     other.checked_steps = 2
-    with pytest.raises(RuntimeError, match="another error"):
+    with pytest.raises(ValueError, match="a genuine error"):  # raised by the checked rerun
         other(1)
+    assert failures == [1, 1]
 
 
 def test_two_decodings_interleaved_step_by_step_each_get_their_own_graph():

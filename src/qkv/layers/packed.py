@@ -31,8 +31,8 @@ Under `torch.compile` (`qkv.generate(..., compile=True)`), everything around the
 (norms, RoPE, the cache writes) fuses, and a product over
 - one row (a decoding step at batch 1) is written as an elementwise product and a sum, which
   inductor turns into one streaming C++ reduction over the plain weight: on the dev VM it reads
-  weights at ~90% of a `.sum()`'s bandwidth, where oneDNN's GEMV reaches ~55% (nothing is
-  packed then);
+  a decoding step's weights at 87-107% of the rate of a `.sum()` over each, where oneDNN's GEMV
+  reaches 49-68% (nothing is packed then);
 - more rows is one opaque operator, `torch.ops.qkv.packed_linear`, which finds its module by a
   handle: a oneDNN-packed tensor has no strides, so the compiler cannot trace it.
 """
