@@ -70,6 +70,23 @@ def test_packed_and_compiled_equals_eager_and_one_graph_serves_every_later_call(
         )
 
 
+def test_a_cache_as_long_as_the_head_size_is_not_compiled_as_a_constant():
+    """A first call whose cache holds head_dim slots (32 + 32 = 64 in benchmarks/decode.py)
+    once made torch.compile take the cache length for the head size, a constant, and compile
+    again for the next call. From a fresh state, without the profile torch.compile keeps on
+    disk (what earlier compilations learnt about sizes would hide it)."""
+    torch._dynamo.reset()
+    model = qkv_model("tiny-llama")
+    D = model.config.head_dim
+    prompt = torch.arange(1, 3).unsqueeze(0)  # (1, 2)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        generate(model, prompt, max_new_tokens=D - 2, compile=True)  # a cache of D slots
+        graphs = counters["stats"]["unique_graphs"]
+        output = generate(model, prompt, max_new_tokens=D + 5, compile=True)
+    assert counters["stats"]["unique_graphs"] == graphs  # no recompilation
+    assert torch.equal(output, generate(model, prompt, max_new_tokens=D + 5))
+
+
 def test_compile_refuses_what_it_does_not_serve():
     model = qkv_model("tiny-llama")
     prompt = torch.zeros(1, 3, dtype=torch.long)

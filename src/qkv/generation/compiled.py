@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-__all__ = ["CompiledSteps", "compiled_steps"]
+__all__ = ["CompiledSteps", "compiled_steps", "mark_cache_dynamic"]
 
 # One compiled forward per model, each compiled from its own copy of the class's forward code:
 # torch.compile keeps graphs and guards on a code object, so a model never runs a graph that
@@ -39,6 +39,15 @@ def compiled_steps(model: nn.Module, sinks: tuple[int, int] | None = None) -> Co
         forward = torch.compile(_own_copy(type(model).forward), dynamic=True, fullgraph=True)
         _COMPILED_FORWARDS[model] = forward
     return CompiledSteps(functools.partial(forward, model))
+
+
+def mark_cache_dynamic(cache) -> None:
+    """Compile the steps for any batch size and cache length: torch.compile takes the sizes of
+    a tensor it reaches through an object (the cache's keys and values) as constants at first,
+    and would compile again for a call with another max_new_tokens."""
+    for tensor in (cache.keys, cache.values):  # (layers, B, H_kv, slots, D)
+        torch._dynamo.maybe_mark_dynamic(tensor, 1)
+        torch._dynamo.maybe_mark_dynamic(tensor, 3)
 
 
 def _own_copy(function: types.FunctionType) -> types.FunctionType:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from qkv.generation.compiled import compiled_steps
+from qkv.generation.compiled import compiled_steps, mark_cache_dynamic
 from qkv.generation.sampling import check_sampling, next_token
 from qkv.layers.kv_cache import SinkKVCache, StaticKVCache
 
@@ -145,6 +145,8 @@ def decode_steps(
         )
     positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, L): real tokens count
     cache = make_cache(model, batch=B, max_length=L + max_new_tokens, sinks=sinks)
+    if compile:
+        mark_cache_dynamic(cache)
     generator = _generator(seed, input_ids.device) if temperature > 0 else None
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
     # Without padding every key is real: the model gets no mask at all, rather than an all-ones
