@@ -42,9 +42,10 @@ def compiled_steps(model: nn.Module, sinks: tuple[int, int] | None = None) -> Co
 
 
 def mark_cache_dynamic(cache) -> None:
-    """Compile the steps for any batch size and cache length: torch.compile takes the sizes of
-    a tensor it reaches through an object (the cache's keys and values) as constants at first,
-    and would compile again for a call with another max_new_tokens."""
+    """Compile the steps for any batch size and cache length. Unmarked, torch.compile may take
+    the sizes of the cache's keys and values as constants (it did for a cache of head_dim
+    slots, unified with the head size) and compile again for a call with another
+    max_new_tokens."""
     for tensor in (cache.keys, cache.values):  # (layers, B, H_kv, slots, D)
         torch._dynamo.maybe_mark_dynamic(tensor, 1)
         torch._dynamo.maybe_mark_dynamic(tensor, 3)
