@@ -42,7 +42,7 @@ def test_llama_2_70b_cache_is_the_seed_figure(num_kv_heads, gibibytes):
     with torch.device("meta"):
         model = GPT(config)
     cache = make_cache(model, batch=1, max_length=4096, dtype=torch.float16)
-    assert cache.keys.device.type == "meta"
+    assert all(t.device.type == "meta" for t in cache.keys + cache.values)
     assert cache.bytes_per_sample == gibibytes * 2**30
 
 
@@ -57,7 +57,8 @@ def test_the_cache_shrinks_by_num_heads_over_num_kv_heads(preset):
     grouped = make_cache(gqa, batch=3, max_length=20)
     full = make_cache(mha, batch=3, max_length=20)
     assert full.nbytes == ratio * grouped.nbytes
-    assert grouped.keys.shape[2] == config.num_kv_heads  # (layers, B, H_kv, L, D)
+    assert len(grouped.keys) == config.num_layers
+    assert grouped.keys[0].shape == (3, config.num_kv_heads, 20, config.head_dim)  # (B, H_kv, L, D)
 
 
 def test_the_cache_generate_decodes_with_has_the_formula_size():
@@ -74,5 +75,17 @@ def test_the_cache_generate_decodes_with_has_the_formula_size():
 def test_make_cache_follows_the_model_dtype():
     model = qkv_model("tiny-llama").to(torch.bfloat16)
     cache = make_cache(model, batch=1, max_length=4)
-    assert cache.keys.dtype == torch.bfloat16
+    assert all(t.dtype == torch.bfloat16 for t in cache.keys + cache.values)
     assert cache.bytes_per_sample == 4 * 2 * 2 * 2 * 8 * 2
+
+
+def test_every_layer_has_its_own_keys_and_values():
+    """One allocation per layer and per K/V: compiled decoding writes a layer's new slot in
+    place only then (slices of one tensor shared by every layer were compiled into copies of
+    the whole cache at every layer of every step)."""
+    model = qkv_model("tiny-llama")
+    cache = make_cache(model, batch=2, max_length=6)
+    tensors = cache.keys + cache.values
+    assert len(tensors) == 2 * model.config.num_layers
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == len(tensors)
+    assert all(t.shape == (2, model.config.num_kv_heads, 6, model.config.head_dim) for t in tensors)

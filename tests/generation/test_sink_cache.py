@@ -74,7 +74,8 @@ def test_before_any_eviction_sinks_change_nothing(preset):
 
 
 def test_memory_stays_constant_for_four_times_the_cache():
-    """The same two tensors, same addresses, same size from the first step to the last."""
+    """The same tensors (two per layer), same addresses, same size from the first step to the
+    last."""
     model = qkv_model("tiny-llama")
     prompt = _prompt(4)
     new_tokens = 4 * CAPACITY
@@ -82,14 +83,18 @@ def test_memory_stays_constant_for_four_times_the_cache():
     first = next(steps)
     cache = first.cache
     keys, values = cache.keys, cache.values
-    before = (keys.data_ptr(), values.data_ptr(), cache.nbytes)
+
+    def addresses():
+        return [t.data_ptr() for t in cache.keys + cache.values]
+
+    before = (addresses(), cache.nbytes)
     config = model.config
     per_sample = CAPACITY * config.num_layers * 2 * config.num_kv_heads * config.head_dim * 4
     assert cache.nbytes == 2 * per_sample  # batch 2, fp32
     count = 1 + sum(1 for step in steps if step.cache is cache)
     assert count == new_tokens
     assert cache.keys is keys and cache.values is values
-    assert (cache.keys.data_ptr(), cache.values.data_ptr(), cache.nbytes) == before
+    assert (addresses(), cache.nbytes) == before
     assert cache.length == prompt.shape[1] + new_tokens - 1  # every token but the last was fed
 
 

@@ -46,9 +46,9 @@ def mark_cache_dynamic(cache) -> None:
     the sizes of the cache's keys and values as constants (it did for a cache of head_dim
     slots, unified with the head size) and compile again for a call with another
     max_new_tokens."""
-    for tensor in (cache.keys, cache.values):  # (layers, B, H_kv, slots, D)
-        torch._dynamo.maybe_mark_dynamic(tensor, 1)
-        torch._dynamo.maybe_mark_dynamic(tensor, 3)
+    for tensor in cache.keys + cache.values:  # (B, H_kv, slots, D) each
+        torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        torch._dynamo.maybe_mark_dynamic(tensor, 2)
 
 
 def _own_copy(function: types.FunctionType) -> types.FunctionType:

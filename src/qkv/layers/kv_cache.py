@@ -24,22 +24,37 @@ from qkv.positional import RotaryEmbedding, apply_rope, rope_cos_sin
 
 
 class _KVStorage:
-    """Keys and values of every layer, (layers, B, H_kv, slots, D), and their size: the part
-    both cache policies share."""
+    """Keys and values of every layer, one (B, H_kv, slots, D) tensor per layer in `keys` and
+    `values`, and their size: the part both cache policies share.
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> None:
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+    One allocation per layer, not one (layers, B, H_kv, slots, D) tensor: under torch.compile a
+    write into a slice of one tensor shared by every layer is traced as a new copy of the whole
+    tensor (functionalization) at every layer, and inductor made those copies, plus a copy of
+    each layer's keys and values for attention, at every step (O(layers^2 x slots)); a write
+    into a layer's own tensor compiles to an in-place store of the new token's slot."""
+
+    def __init__(self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device) -> None:
+        layers = range(num_layers)
+        self.keys = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in layers)
+        self.values = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in layers)
         self.length = 0  # tokens written so far, shared by every layer (a host-side int)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(tensor.nbytes for tensor in self.keys + self.values)
 
     @property
     def bytes_per_sample(self) -> int:
         """L_ctx * layers * 2 * H_kv * head_dim * bytes per element (seed 002 section 6.1)."""
-        return (self.keys.nbytes + self.values.nbytes) // self.keys.shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return self.nbytes // self.batch_size
 
     def layer(self, index: int) -> LayerCache:
         """The cache of one attention layer, as `MultiHeadAttention(..., cache=)` takes it."""
@@ -51,7 +66,7 @@ class _KVStorage:
 
 
 class StaticKVCache(_KVStorage):
-    """Preallocated keys and values for every layer: (layers, B, H_kv, max_length, D)."""
+    """Preallocated keys and values for every layer: (B, H_kv, max_length, D) each."""
 
     def __init__(
         self,
@@ -64,7 +79,8 @@ class StaticKVCache(_KVStorage):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__((num_layers, batch, num_kv_heads, max_length, head_dim), dtype, device)
+        shape = (batch, num_kv_heads, max_length, head_dim)
+        super().__init__(num_layers, shape, dtype, device)
         self.max_length = max_length
 
     def attend_inputs(
@@ -89,14 +105,15 @@ class StaticKVCache(_KVStorage):
             if positions is None:  # one sequence, no padding: the slots are the positions
                 positions = torch.arange(self.length, end, device=k.device)
             q, k = rope(q, k, positions=positions)
-        self.keys[layer, :, :, self.length : end] = k
-        self.values[layer, :, :, self.length : end] = v
-        return q, self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+        keys, values = self.keys[layer], self.values[layer]
+        keys[:, :, self.length : end] = k
+        values[:, :, self.length : end] = v
+        return q, keys[:, :, :end], values[:, :, :end]
 
     def reorder(self, index: torch.Tensor) -> None:
         """Beam search: keep the batch rows `index` (B,), in that order (one gather)."""
-        self.keys = self.keys.index_select(1, index)
-        self.values = self.values.index_select(1, index)
+        self.keys = tuple(keys.index_select(0, index) for keys in self.keys)
+        self.values = tuple(values.index_select(0, index) for values in self.values)
 
 
 class SinkKVCache(_KVStorage):
@@ -123,8 +140,9 @@ class SinkKVCache(_KVStorage):
             raise ValueError(
                 f"num_sinks, window: expected >= 0 and >= 1, got {num_sinks}, {window}"
             )
-        shape = (num_layers, batch, num_kv_heads, num_sinks + window, head_dim)
-        super().__init__(shape, dtype, device)  # length: tokens seen, may exceed the capacity
+        shape = (batch, num_kv_heads, num_sinks + window, head_dim)
+        # length: tokens seen, which may exceed the capacity
+        super().__init__(num_layers, shape, dtype, device)
         self.num_sinks, self.window = num_sinks, window
 
     @property
@@ -159,8 +177,8 @@ class SinkKVCache(_KVStorage):
         if k.shape[2] != 1:
             raise ValueError(f"k: a SinkKVCache takes one token per step, got {k.shape[2]}")
         slot = self._slot(self.length)
-        self.keys[layer, :, :, slot] = k[:, :, 0]
-        self.values[layer, :, :, slot] = v[:, :, 0]
+        self.keys[layer][:, :, slot] = k[:, :, 0]
+        self.values[layer][:, :, slot] = v[:, :, 0]
         order = torch.tensor(self._order(self.length + 1), device=k.device)
         keys = self.keys[layer].index_select(2, order)  # (B, H_kv, n, D), oldest first
         values = self.values[layer].index_select(2, order)

@@ -35,7 +35,7 @@ class DecoderCache:
             raise TypeError(
                 f"self_attention: expected a StaticKVCache, got {type(self_attention).__name__}"
             )
-        num_layers = self_attention.keys.shape[0]
+        num_layers = self_attention.num_layers
         if len(cross_attention) != num_layers or not all(
             isinstance(cache, CrossAttentionCache) for cache in cross_attention
         ):
@@ -75,7 +75,7 @@ class DecoderCache:
 
     @property
     def batch_size(self) -> int:
-        return self.self_attention.keys.shape[1]
+        return self.self_attention.batch_size
 
     @property
     def max_length(self) -> int:
