@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkv.generation import beam_search, generate
+from qkv.generation.compiled import _INDUCTOR_OPTIONS
 from qkv.layers import MultiHeadAttention, PackedLinear, SwiGLU, packed_linears
 from qkv.models import GPT, GPTConfig, Transformer, TransformerConfig
 from tests.layers.helpers import randomize_
@@ -182,3 +183,27 @@ def test_compiled_stacked_linears_equal_their_outputs_concatenated():
     with torch.no_grad():
         got = compiled(PackedLinear(*linears), x)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_compiled_bf16_row_is_the_rounded_row_as_eagerly():
+    """Compiled at one row, a bf16 product converts the row to fp32 once, into a buffer
+    (qkv.layers.packed); with qkv's compile options (as `generate(compile=True)` uses them) the
+    row is still the bf16-rounded one when it comes from fp32 math cast to bf16, as it is
+    eagerly: the same outputs as from a row rounded beforehand, and the fp64 product of that
+    row within one bf16 rounding."""
+    torch.manual_seed(0)
+    linear = nn.Linear(512, 256, bias=False).to(torch.bfloat16)
+    row = torch.randn(1, 1, 512) * 3  # fp32, not representable in bf16
+
+    def cast_then_product(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return module((x * 1.5).to(torch.bfloat16))
+
+    compiled = torch.compile(cast_then_product, fullgraph=True, options=_INDUCTOR_OPTIONS)
+    packed = PackedLinear(linear)
+    rounded = (row * 1.5).to(torch.bfloat16)
+    with torch.no_grad():
+        got = compiled(packed, row)
+        from_rounded = torch.compile(lambda m, x: m(x), options=_INDUCTOR_OPTIONS)(packed, rounded)
+    assert torch.equal(got, from_rounded)
+    expected = (rounded.double() @ linear.weight.double().T).to(torch.bfloat16)
+    torch.testing.assert_close(got, expected, atol=0, rtol=2**-8)

@@ -28,7 +28,14 @@ _COMPILED_FORWARDS: weakref.WeakKeyDictionary[nn.Module, Callable] = weakref.Wea
 # reduction (qkv.layers.packed) then keeps up with the memory: over a (32000, 512) bf16 weight
 # on the dev VM, 42 GB/s where a .sum() read 43 (27 without); whole bf16 decoding calls 2-3%
 # faster, fp32 unchanged (measured interleaved on the same weights).
-_INDUCTOR_OPTIONS = {"cpp.enable_floating_point_contract_flag": "fast"}
+# emulate_precision_casts: a cast to bf16 rounds, as it does eagerly, even where inductor keeps
+# the value in fp32 (a bf16 row converted once for the products, qkv.layers.packed); without
+# it, x.to(bf16).float() may be compiled as x, and compiled decoding would compute with values
+# eager decoding never sees.
+_INDUCTOR_OPTIONS = {
+    "cpp.enable_floating_point_contract_flag": "fast",
+    "emulate_precision_casts": True,
+}
 
 
 def compiled_steps(model: nn.Module, sinks: tuple[int, int] | None = None) -> CompiledSteps:
