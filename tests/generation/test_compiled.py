@@ -147,3 +147,24 @@ def test_two_decodings_interleaved_step_by_step_each_get_their_own_graph():
         torch.testing.assert_close(
             torch.stack([s.logits for s in got[name]], 1), logits, rtol=1e-5, atol=1e-5
         )
+
+
+def test_a_later_packed_block_compiles_nothing_and_sees_weights_changed_in_between():
+    """packed_linears reuses a model's PackedLinear modules from block to block (their packed
+    copies are dropped on exit), so the graph compiled in the first block serves the second.
+    At batch 2 the products are opaque operators that name their module's handle: new modules
+    in each block compiled again (a guard on the handle). No new graph, and the weights redrawn
+    between the blocks are the ones used, by the compiled steps and the eager prefill alike."""
+    model = qkv_model("tiny-llama")
+    ids, mask = left_padded_prompts()
+    assert ids.shape[0] > 1
+    with packed_linears(model):
+        generate(model, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, compile=True)
+    graphs = counters["stats"]["unique_graphs"]
+    redraw(model, seed=5)  # in place: the same modules, new values
+    expected = _steps(model, ids, mask)
+    with packed_linears(model):
+        got = _steps(model, ids, mask, compile=True)
+    assert counters["stats"]["unique_graphs"] == graphs  # no recompilation
+    assert torch.equal(got[0], expected[0])
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-5, atol=1e-5)

@@ -221,20 +221,28 @@ def packed_linears(
     `PackedLinear`; on exit the original modules are back, even after an exception. A weight
     shared by two linears (or tied to an embedding) is packed once per linear; the model's own
     tensors are never modified. Gradients are off inside the block (torch.no_grad). Yields the
-    model."""
+    model. A later block on the same model reuses its PackedLinear modules (not their packed
+    copies, which are dropped on exit), so compiled decoding compiles once per model, not once
+    per block."""
     fused = _fusions(model) if fuse else []
     swapped: list[tuple[nn.Module, str, nn.Linear]] = []
-    packed: dict[int, PackedLinear] = {}  # one PackedLinear per distinct nn.Linear module
+    previous = _LAST_BLOCK.get(model, {})
+    used: dict[tuple[nn.Linear, ...], PackedLinear] = {}  # one per distinct group of linears
+
+    def packed(*linears: nn.Linear) -> PackedLinear:
+        if linears not in used:
+            used[linears] = _reuse(previous.get(linears), linears, batch_hint)
+        return used[linears]
+
     try:
         for module, attribute, linears in fused:
-            setattr(module, attribute, PackedLinear(*linears, batch_hint=batch_hint))
+            setattr(module, attribute, packed(*linears))
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is nn.Linear and can_pack(child):
-                    if id(child) not in packed:
-                        packed[id(child)] = PackedLinear(child, batch_hint=batch_hint)
-                    setattr(parent, name, packed[id(child)])
+                    setattr(parent, name, packed(child))
                     swapped.append((parent, name, child))
+        _LAST_BLOCK[model] = used
         with torch.no_grad():
             yield model
     finally:
@@ -243,6 +251,31 @@ def packed_linears(
         for module, attribute, _ in fused:
             delattr(module, attribute)  # drops the registered submodule ...
             setattr(module, attribute, None)  # ... and leaves the plain None it was
+        for module in used.values():
+            module._packed.clear()  # the packed copies live only inside the block
+
+
+# model -> the PackedLinears of its last packed_linears block, by the linears they hold. The
+# next block reuses those that still fit, so that what torch.compile compiled for them (its
+# guards name these very modules) serves again, where new modules compiled anew (20-40 s for
+# the 55M Llama of benchmarks/decode.py). Their packed copies are dropped on exit: weights
+# changed between blocks are packed afresh. Weak: a dropped model takes its entry with it.
+_LAST_BLOCK: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
+
+
+def _reuse(module: PackedLinear | None, linears: tuple[nn.Linear, ...], batch_hint: int):
+    """`module` if it still describes `linears` (their dtype and sizes, the batch hint), with its
+    packing time reset; a new PackedLinear otherwise."""
+    fits = module is not None and (
+        module.batch_hint == batch_hint
+        and module._dtype == linears[0].weight.dtype
+        and module.in_features == linears[0].in_features
+        and module.out_features == sum(linear.out_features for linear in linears)
+    )
+    if not fits:
+        return PackedLinear(*linears, batch_hint=batch_hint)
+    module.packing_seconds = 0.0
+    return module
 
 
 def _fusions(model: nn.Module) -> list[tuple[nn.Module, str, tuple[nn.Linear, ...]]]:
