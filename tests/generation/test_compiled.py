@@ -160,6 +160,8 @@ def test_a_later_packed_block_compiles_nothing_and_sees_weights_changed_in_betwe
     assert ids.shape[0] > 1
     with packed_linears(model):
         generate(model, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, compile=True)
+        with packed_linears(model):  # nested: nothing left to pack, nothing forgotten
+            pass
     graphs = counters["stats"]["unique_graphs"]
     redraw(model, seed=5)  # in place: the same modules, new values
     expected = _steps(model, ids, mask)

@@ -242,7 +242,8 @@ def packed_linears(
                 if type(child) is nn.Linear and can_pack(child):
                     setattr(parent, name, packed(child))
                     swapped.append((parent, name, child))
-        _LAST_BLOCK[model] = used
+        if used:  # a block nested in another finds nothing left to pack
+            _LAST_BLOCK[model] = used
         with torch.no_grad():
             yield model
     finally:
