@@ -12,10 +12,10 @@ positions (and RoPE angles) as if it were alone.
 `torch.compile` (dynamic shapes, one graph for every step and cache length): the norms, RoPE,
 casts and cache writes between the matrix products fuse into a few kernels, which on the CPU is
 most of a step's time outside the products themselves. Compiling costs tens of seconds once per
-model (its later calls reuse the graphs; a new `packed_linears` block, with new modules,
-compiles again), and needs what torch.compile's inductor needs on the CPU: a C++ compiler. Inside
-`qkv.layers.packed_linears` the products of one row compile to streaming reductions too (see
-qkv.layers.packed): on the dev VM that is 2.5-3.2x transformers' tokens/s (benchmarks/decode.py).
+model (its later calls, and later `packed_linears` blocks, reuse the graphs), and needs what
+torch.compile's inductor needs on the CPU: a C++ compiler. Inside `qkv.layers.packed_linears`
+the products of one row compile to streaming reductions too (see qkv.layers.packed): on the dev
+VM that is 3.0-3.4x transformers' tokens/s (benchmarks/decode.py).
 
 Three entry points, one loop: `decode_steps` yields a `DecodeStep` (tokens, the logits they were
 chosen from, the cache) per step; `stream` yields only the tokens; `generate` returns the whole
