@@ -79,7 +79,7 @@ def test_a_cache_as_long_as_the_head_size_is_not_compiled_as_a_constant():
     model = qkv_model("tiny-llama")
     D = model.config.head_dim
     prompt = torch.arange(1, 3).unsqueeze(0)  # (1, 2)
-    with torch._inductor.config.patch(force_disable_caches=True):
+    with torch._dynamo.config.patch(automatic_dynamic_local_pgo=False):
         generate(model, prompt, max_new_tokens=D - 2, compile=True)  # a cache of D slots
         graphs = counters["stats"]["unique_graphs"]
         output = generate(model, prompt, max_new_tokens=D + 5, compile=True)
@@ -96,34 +96,74 @@ def test_compile_refuses_what_it_does_not_serve():
         generate(model, prompt, max_new_tokens=2, sinks=(1, 4), compile=True)
 
 
-def test_a_step_refused_with_guards_skipped_is_run_again_with_every_guard_checked():
-    """What CompiledSteps does when torch.compile refuses to recompile in the stance that
-    skips guards: the step is run again with guards on, and so is the next; then it skips
-    again. (The stance is torch.compile's; a stand-in forward records the order of calls.)"""
-    calls = []
+class _StandInGraph:
+    """What CompiledSteps uses of a compiled forward: `guard_check` and `fn`."""
 
-    def forward(step):
-        calls.append(step)
-        if step == 3 and calls.count(3) == 1:
-            raise RuntimeError("Recompilation triggered with skip_guard_eval_unsafe stance.")
+    def __init__(self, name, calls, passes=lambda step: True, fails=lambda step: False):
+        self.name, self.calls, self.passes, self.fails = name, calls, passes, fails
+
+    def guard_check(self, model, step):
+        self.calls.append(("check", self.name, step))
+        return self.passes(step)
+
+    def fn(self, model, step):
+        self.calls.append(("run", self.name, step))
+        if self.fails(step):
+            raise RuntimeError("a graph that no longer fits")
         return step * 10
 
-    steps = CompiledSteps(forward)
+
+def test_steps_check_guards_until_two_steps_passed_the_same_graph_then_run_it_directly():
+    """Step 1 finds no graph and compiles one for a cache length of 1 (specialised: its guard
+    fails at any other length); step 2 fails that guard and compiles another, which step 3
+    passes too: from step 4 on it runs without guards. Stand-in graphs record the calls."""
+    calls = []
+    compiled = iter([
+        _StandInGraph("length 1", calls, passes=lambda step: step == 1),
+        _StandInGraph("any length", calls),
+    ])  # fmt: skip
+    graphs = []
+    steps = CompiledSteps("model", graphs, compile=lambda model, args, kwargs: next(compiled))
     assert [steps(step) for step in range(1, 6)] == [10, 20, 30, 40, 50]
-    assert calls == [1, 2, 3, 3, 4, 5]
-    assert steps.checked_steps == 2  # 3 (again) and 4 checked; 5 skipped guards
+    assert [g.name for g in graphs] == ["length 1", "any length"]
+    assert calls == [
+        ("run", "length 1", 1),
+        ("check", "length 1", 2), ("run", "any length", 2),
+        ("check", "length 1", 3), ("check", "any length", 3), ("run", "any length", 3),
+        ("run", "any length", 4),
+        ("run", "any length", 5),
+    ]  # fmt: skip
 
-    failures = []
+    calls.clear()  # a later call of the same model: its graphs are checked, none compiled
+    later = CompiledSteps("model", graphs, compile=None)
+    assert [later(step) for step in (7, 8, 9)] == [70, 80, 90]
+    assert [c for c in calls if c[0] == "run"] == [("run", "any length", s) for s in (7, 8, 9)]
 
-    def failing(step):
-        failures.append(step)
-        raise ValueError("a genuine error")
 
-    other = CompiledSteps(failing)
-    other.checked_steps = 2
-    with pytest.raises(ValueError, match="a genuine error"):  # raised by the checked rerun
-        other(1)
-    assert failures == [1, 1]
+def test_a_step_that_raises_without_guards_runs_again_with_them_and_so_does_the_next():
+    """A graph run without guards raising (a shape it no longer fits, say): the step runs
+    again with every guard checked, the next one too; a genuine error raises from the rerun."""
+    calls = []
+    first_run_of_4 = lambda step: step == 4 and calls.count(("run", "graph", 4)) == 1  # noqa: E731
+    graph = _StandInGraph("graph", calls, fails=first_run_of_4)
+    steps = CompiledSteps("model", [graph], compile=None)
+    assert [steps(step) for step in range(1, 7)] == [10, 20, 30, 40, 50, 60]
+    assert calls == [
+        ("check", "graph", 1), ("run", "graph", 1),
+        ("check", "graph", 2), ("run", "graph", 2),
+        ("run", "graph", 3),
+        ("run", "graph", 4), ("check", "graph", 4), ("run", "graph", 4),
+        ("check", "graph", 5), ("run", "graph", 5),
+        ("run", "graph", 6),
+    ]  # fmt: skip
+
+    calls.clear()
+    broken = _StandInGraph("broken", calls, fails=lambda step: step == 3)
+    other = CompiledSteps("model", [broken], compile=None)
+    other(1), other(2)
+    with pytest.raises(RuntimeError, match="no longer fits"):  # raised by the checked rerun
+        other(3)
+    assert calls[-3:] == [("run", "broken", 3), ("check", "broken", 3), ("run", "broken", 3)]
 
 
 def test_two_decodings_interleaved_step_by_step_each_get_their_own_graph():
