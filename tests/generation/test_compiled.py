@@ -94,6 +94,9 @@ def test_compile_refuses_what_it_does_not_serve():
         generate(model, prompt, max_new_tokens=2, compile="yes")
     with pytest.raises(ValueError, match="compile: not supported with sinks"):
         generate(model, prompt, max_new_tokens=2, sinks=(1, 4), compile=True)
+    no_caches = torch._inductor.config.patch(force_disable_caches=True)
+    with no_caches, pytest.raises(RuntimeError, match="force_disable_caches is set"):
+        generate(model, prompt, max_new_tokens=2, compile=True)  # nothing compiled yet
 
 
 class _StandInGraph:

@@ -57,6 +57,12 @@ def compile_forward(model: nn.Module, args: tuple, kwargs: dict) -> Any:
     Python floats (an eps, a RoPE base) are compiled as constants, guarded like any attribute:
     with dynamic shapes torch.compile otherwise turns them into graph inputs, then retraces
     when one of them cannot be one, which aot_compile does not do (it raises)."""
+    if torch._inductor.config.force_disable_caches:
+        raise RuntimeError(
+            "compile=True: torch._inductor.config.force_disable_caches is set, and the ahead-of-"
+            "time compilation behind compile=True needs torch.compile's caches; expected it "
+            "unset (for a cold compile, point TORCHINDUCTOR_CACHE_DIR at an empty directory)"
+        )
     forward = torch.compile(
         type(model).forward, dynamic=True, fullgraph=True, options=_INDUCTOR_OPTIONS
     )
