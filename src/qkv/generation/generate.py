@@ -15,7 +15,7 @@ most of a step's time outside the products themselves. Compiling costs tens of s
 model (its later calls, and later `packed_linears` blocks, reuse the graphs), and needs what
 torch.compile's inductor needs on the CPU: a C++ compiler. Inside `qkv.layers.packed_linears`
 the products of one row compile to streaming reductions too (see qkv.layers.packed): on the dev
-VM that is 3.0-3.4x transformers' tokens/s (benchmarks/decode.py).
+VM that is 3.0-4.0x transformers' tokens/s (benchmarks/decode.py).
 
 Three entry points, one loop: `decode_steps` yields a `DecodeStep` (tokens, the logits they were
 chosen from, the cache) per step; `stream` yields only the tokens; `generate` returns the whole
