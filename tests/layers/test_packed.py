@@ -67,6 +67,25 @@ def test_an_error_inside_the_block_still_gives_the_model_back():
     assert [m for m in model.modules() if isinstance(m, nn.Linear)] == linears
 
 
+def test_a_module_called_after_its_block_does_not_bring_old_weights_into_the_next_block():
+    """A PackedLinear kept past its block and called there packs its weights (no block clears
+    that copy); the next block reuses the module, and must pack the weights it has now."""
+    torch.manual_seed(0)
+    model = randomize_(GPT(GPTConfig.from_name("tiny-llama")), std=0.1).eval()
+    ids = torch.randint(
+        0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1)
+    )
+    with packed_linears(model):
+        kept = model.lm_head
+    kept(torch.randn(1, model.config.embed_dim))  # outside any block: packs, and keeps it
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)  # in place: the same module, new values
+        expected = model(ids).logits
+    with packed_linears(model):
+        assert model.lm_head is kept  # reused
+        torch.testing.assert_close(model(ids).logits, expected, atol=1e-5, rtol=0)
+
+
 def test_what_cannot_be_packed_is_left_alone_or_refused_clearly():
     model = GPT(GPTConfig.from_name("tiny-llama")).double()
     with packed_linears(model):

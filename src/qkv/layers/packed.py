@@ -266,7 +266,9 @@ _LAST_BLOCK: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDiction
 
 def _reuse(module: PackedLinear | None, linears: tuple[nn.Linear, ...], batch_hint: int):
     """`module` if it still describes `linears` (their dtype and sizes, the batch hint), with its
-    packing time reset; a new PackedLinear otherwise."""
+    packing time reset and no packed copy (one made by a call outside any block, from a
+    module kept past its block, may hold weights changed since); a new PackedLinear
+    otherwise."""
     fits = module is not None and (
         module.batch_hint == batch_hint
         and module._dtype == linears[0].weight.dtype
@@ -276,6 +278,7 @@ def _reuse(module: PackedLinear | None, linears: tuple[nn.Linear, ...], batch_hi
     if not fits:
         return PackedLinear(*linears, batch_hint=batch_hint)
     module.packing_seconds = 0.0
+    module._packed.clear()
     return module
 
 
