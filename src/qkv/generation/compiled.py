@@ -84,7 +84,7 @@ class CompiledSteps:
     """The compiled forward for the steps of one decoding call, called without guards once two
     consecutive steps passed every guard of the same graph.
 
-    A graph's guards check what it was compiled for: ~1800 of them for the 55M Llama of
+    A graph's guards check what it was compiled for: ~1700 of them for the 55M Llama of
     benchmarks/decode.py (every module attribute, parameter and shape it read), ~1 ms of a 4 ms
     step on the dev VM; torch.compile's own call adds ~0.3 ms more (its frame hook, the guards
     on tensors that even `skip_guard_eval_unsafe` keeps). Within one call, the steps differ
