@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 RUN_STAMP := $(VENV)/.qkv-installed
 STAMP := $(VENV)/.qkv-test-installed
 
-.PHONY: install run test lint browser bench clean
+.PHONY: install run test test-masked lint browser bench clean
 
 # `make run` needs qkv and matplotlib only; `make test` adds the references and test tools.
 $(RUN_STAMP): pyproject.toml
@@ -40,6 +40,23 @@ browser:
 
 test: lint browser
 	$(BIN)/python -m pytest
+	$(MAKE) --no-print-directory test-masked
+
+# The CPU fast paths (packed and fused linears, bf16 under autocast, compiled products, the
+# dropout kernel) again, with CPU features masked as on an older or smaller CPU: oneDNN capped
+# at AVX2 (no AVX-512, no AMX), then PyTorch's kernels and inductor at their portable baseline.
+# Each run has its own inductor cache: torch.compile's cache does not key its C++ code on
+# ATEN_CPU_CAPABILITY, and code vectorised for one ISA fails to build under another.
+FAST_PATH_TESTS := tests/layers/test_packed.py tests/layers/test_dropout.py \
+	tests/attention/test_dropout.py \
+	tests/generation/test_compiled.py::test_packed_and_compiled_equals_eager_and_one_graph_serves_every_later_call
+test-masked: $(STAMP)
+	@echo "== fast paths with oneDNN capped at AVX2, ATEN_CPU_CAPABILITY=avx2"
+	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 TORCHINDUCTOR_CACHE_DIR=$(VENV)/inductor-avx2 \
+		$(BIN)/python -m pytest $(FAST_PATH_TESTS)
+	@echo "== fast paths with oneDNN capped at SSE4.1, ATEN_CPU_CAPABILITY=default"
+	ONEDNN_MAX_CPU_ISA=SSE41 ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_CACHE_DIR=$(VENV)/inductor-default \
+		$(BIN)/python -m pytest $(FAST_PATH_TESTS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/attention.py

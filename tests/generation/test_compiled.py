@@ -213,3 +213,22 @@ def test_a_later_packed_block_compiles_nothing_and_sees_weights_changed_in_betwe
     assert counters["stats"]["unique_graphs"] == graphs  # no recompilation
     assert torch.equal(got[0], expected[0])
     torch.testing.assert_close(got[1], expected[1], rtol=1e-5, atol=1e-5)
+
+
+def test_without_a_cpp_compiler_compile_true_decodes_eagerly_and_says_why(monkeypatch, caplog):
+    """A machine without a C++ compiler (torch.compile's CPU kernels need one) gets the eager
+    tokens and a logged reason, not a compiler error in the middle of decoding."""
+    from qkv import capabilities
+    from qkv.generation import compiled
+
+    missing = capabilities.Support(False, "no C++ compiler was found (install g++)")
+    monkeypatch.setattr(capabilities, "compiler", lambda: missing)
+    monkeypatch.setattr(compiled, "_WARNED", [])
+    model = qkv_model("tiny-gpt2")
+    prompt = torch.arange(1, 4).unsqueeze(0)  # (1, 3)
+    counters.clear()
+    with caplog.at_level("WARNING", logger="qkv.generation.compiled"):
+        tokens = generate(model, prompt, max_new_tokens=NEW_TOKENS, compile=True)
+    assert torch.equal(tokens, generate(model, prompt, max_new_tokens=NEW_TOKENS))
+    assert "decoding eagerly instead: no C++ compiler" in caplog.text
+    assert not counters["stats"]["unique_graphs"]  # nothing was compiled

@@ -6,9 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qkv import capabilities
 from qkv.generation import beam_search, generate
 from qkv.generation.compiled import _INDUCTOR_OPTIONS
-from qkv.layers import MultiHeadAttention, PackedLinear, SwiGLU, packed_linears
+from qkv.layers import MultiHeadAttention, PackedLinear, SwiGLU, explain_packing, packed_linears
 from qkv.models import GPT, GPTConfig, Transformer, TransformerConfig
 from tests.layers.helpers import randomize_
 
@@ -98,7 +99,7 @@ def test_what_cannot_be_packed_is_left_alone_or_refused_clearly():
         PackedLinear()
     with pytest.raises(ValueError, match="linears: expected the same in_features and dtype"):
         PackedLinear(nn.Linear(4, 4), nn.Linear(5, 4))
-    with pytest.raises(ValueError, match="linear: expected a CPU float32/bfloat16 nn.Linear"):
+    with pytest.raises(ValueError, match="linear: expected an nn.Linear, got Conv1d"):
         PackedLinear(nn.Linear(4, 4), nn.Conv1d(4, 4, 1))
 
 
@@ -226,3 +227,80 @@ def test_compiled_bf16_row_is_the_rounded_row_as_eagerly():
     assert torch.equal(got, from_rounded)
     expected = (rounded.double() @ linear.weight.double().T).to(torch.bfloat16)
     torch.testing.assert_close(got, expected, atol=0, rtol=2**-8)
+
+
+def test_explain_packing_lists_what_is_packed_fused_and_left_with_the_reason():
+    model = GPT(GPTConfig.from_name("tiny-llama")).eval()
+    plan = explain_packing(model)
+    layers = model.config.num_layers
+    linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    assert sorted(label for *_, label in plan.swaps) == sorted(linears)
+    assert len(plan.fused) == 2 * layers and plan.left == []
+    text = str(plan)
+    assert f"{len(linears)} linears packed for oneDNN (torch.float32)" in text
+    assert "blocks.0.self_attn.fused_qkv = q_proj + k_proj + v_proj" in text
+    assert "under CPU autocast to bf16" in text
+    # float64 is never packed: every linear and every group is left, each with its reason
+    plan = explain_packing(model.double())
+    assert plan.swaps == [] and plan.fused == []
+    assert len(plan.left) == len(linears) + 2 * layers
+    assert all("float64" in reason for _, reason in plan.left)
+    with pytest.raises(TypeError, match="model: expected an nn.Module"):
+        explain_packing("gpt2")
+
+
+@pytest.fixture
+def no_onednn_bf16(monkeypatch):
+    """This process answers as a CPU without AVX512-BW/VL/DQ or AVX-NE-CONVERT does."""
+    real = capabilities.onednn_linear
+
+    def answer(dtype: torch.dtype) -> capabilities.Support:
+        if dtype == torch.bfloat16:
+            return capabilities.Support(False, "oneDNN's bf16 kernels need AVX512-BW/VL/DQ")
+        return real(dtype)
+
+    monkeypatch.setattr(capabilities, "onednn_linear", answer)
+
+
+def test_without_onednn_bf16_a_bf16_model_keeps_its_linears_and_its_outputs(no_onednn_bf16):
+    torch.manual_seed(0)
+    model = randomize_(GPT(GPTConfig.from_name("tiny-llama")), std=0.1).to(torch.bfloat16)
+    ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator())
+    with torch.no_grad():
+        expected = model.eval()(ids).logits
+    plan = explain_packing(model)
+    assert plan.swaps == [] and all("AVX512" in reason for _, reason in plan.left)
+    with packed_linears(model):
+        assert not any(isinstance(m, PackedLinear) for m in model.modules())
+        assert torch.equal(model(ids).logits, expected)
+
+
+def test_without_onednn_bf16_autocast_and_bf16_products_are_f_linears(no_onednn_bf16):
+    """fp32 weights under bf16 autocast, and a PackedLinear built over bf16 weights, compute
+    exactly what F.linear computes (it is what runs), where oneDNN cannot pack bf16."""
+    torch.manual_seed(0)
+    linear, x = nn.Linear(64, 96), torch.randn(3, 64)
+    packed = PackedLinear(linear)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(packed(x), linear(x))
+    assert "computed by F.linear, as autocast does" in str(explain_packing(nn.Sequential(linear)))
+    bf16 = nn.Linear(64, 96).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(PackedLinear(bf16)(x.bfloat16()), bf16(x.bfloat16()))
+    assert "computed by F.linear" in repr(PackedLinear(bf16))
+
+
+def test_the_capability_answers_agree_with_what_the_cpu_does():
+    """The probe's answer is what happens: where bf16 packing is said to work, a packed bf16
+    product runs; where it is not, oneDNN refuses it (the crash the fallback avoids)."""
+    weight, x = torch.randn(8, 16).bfloat16(), torch.randn(2, 16).bfloat16()
+    answer = capabilities.onednn_linear(torch.bfloat16)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        ran = True
+    except RuntimeError:
+        ran = False
+    assert bool(answer) == ran, answer.reason
+    assert capabilities.onednn_linear(torch.float64).reason.endswith("not torch.float64")
+    assert "torch" in capabilities.describe() and "compiled decoding" in capabilities.describe()

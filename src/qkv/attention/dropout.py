@@ -1,18 +1,20 @@
 """Dropout with a cheaper mask on the CPU: 16 random bits per element instead of bernoulli_.
 
-Inverted dropout (Srivastava et al. 2014; seed 004 "Regularization", BERT's 0.1 on the hidden
-states and on the attention weights): in training each element is zeroed with probability p
-and the survivors are scaled by 1 / (1 - p), so the expectation of every element is unchanged.
+Inverted dropout (Srivastava et al. 2014; the Transformer's regularisation, Vaswani et al. 2017
+s5.4, and BERT's 0.1 on the hidden states and on the attention weights): in training each
+element is zeroed with probability p and the survivors are scaled by 1 / (1 - p), so the
+expectation of every element is unchanged.
 
 On the CPU, PyTorch's `F.dropout` draws its mask with `bernoulli_`, one random number per
-element through a slow path: 58 ms for the (32, 12, 128, 128) attention weights of a BERT-base
-layer at B = 32, L = 128 on the 2-core dev VM, more than the layer's attention matmuls. Here one
-64-bit draw gives the masks of four elements: its four 16-bit lanes are compared with a
-threshold, 13 ms for the same tensor (torch 2.13). The price is that the keep probability is
-k / 65536 with k = round((1 - p) * 65536): p within 2^-17 of the one asked for (FlashAttention
-rounds it to 1/255), and the survivors are scaled by 65536 / k, so the expectation stays exact.
-The backward pass multiplies the gradient by the same saved mask (a bool per element, as
-PyTorch's dropout saves). Other devices use `F.dropout`, whose GPU kernels are already fused.
+element through a slow path: for the attention weights of a BERT-base layer it can cost more
+than the layer's attention matmuls (benchmarks/models.py). Here one 64-bit draw gives the masks
+of four elements: its four 16-bit lanes are compared with a threshold, several times cheaper.
+The price is that the keep probability is k / 65536 with k = round((1 - p) * 65536): p within
+2^-17 of the one asked for (FlashAttention rounds it to 1/255), and the survivors are scaled by
+65536 / k, so the expectation stays exact. The backward pass multiplies the gradient by the
+same saved mask (a bool per element, as PyTorch's dropout saves). Only portable tensor ops are
+used (integer draws, a comparison, a select): no CPU feature is needed. Other devices use
+`F.dropout`, whose GPU kernels are already fused.
 """
 
 from __future__ import annotations

@@ -7,13 +7,18 @@ what the products of one row compile to.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
+from qkv import capabilities
+
 __all__ = ["CompiledSteps", "compiled_steps", "mark_cache_dynamic"]
+
+logger = logging.getLogger(__name__)
 
 # A model's compiled forwards (torch.compile's AOTCompiledFunction: a graph, its guards, and the
 # bytecode that gathers its inputs and replays the forward's side effects). Weak keys: a model
@@ -22,9 +27,8 @@ _GRAPHS: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictio
 
 # -ffp-contract=fast: a product and the running sum it feeds compile to one fused multiply-add
 # (one rounding instead of two) rather than two vector instructions. A one-row product's
-# reduction (qkv.layers.packed) then keeps up with the memory: over a (32000, 512) bf16 weight
-# on the dev VM, 42 GB/s where a .sum() read 43 (27 without); whole bf16 decoding calls 2-3%
-# faster, fp32 unchanged (measured interleaved on the same weights).
+# reduction (qkv.layers.packed) then keeps up with the memory: it reads a bf16 weight about as
+# fast as a .sum() over it does, where without the flag it is instruction-bound.
 # emulate_precision_casts: a cast to bf16 rounds, as it does eagerly, even where inductor keeps
 # the value in fp32 (a bf16 row converted once for the products, qkv.layers.packed); without
 # it, x.to(bf16).float() may be compiled as x, and compiled decoding would compute with values
@@ -35,18 +39,38 @@ _INDUCTOR_OPTIONS = {
 }
 
 
-def compiled_steps(model: nn.Module, sinks: tuple[int, int] | None = None) -> CompiledSteps:
+def compiled_steps(
+    model: nn.Module, sinks: tuple[int, int] | None = None
+) -> CompiledSteps | nn.Module:
     """What runs the decoding steps after the prefill with `compile=True` (see `CompiledSteps`):
     the model's forward compiled with dynamic shapes (the key length grows every step) and no
     graph breaks (`fullgraph`: a break fails loudly rather than decode slowly). A model's
     graphs are kept for its later calls. Its C++ kernels may fuse a product and a sum into one
-    FMA (`_INDUCTOR_OPTIONS`)."""
+    FMA (`_INDUCTOR_OPTIONS`).
+
+    Where torch.compile cannot build CPU kernels here (no C++ compiler: see
+    `qkv.capabilities.compiler`), the steps run eagerly through `model` itself, with the same
+    tokens, and a warning is logged once."""
     if sinks is not None:
         raise ValueError(
             "compile: not supported with sinks (a StreamingLLM cache re-rotates a window that "
             "moves every step); expected compile=False, or no sinks"
         )
+    support = capabilities.compiler()
+    if not support and _on_cpu(model):
+        if not _WARNED:
+            logger.warning("compile=True: decoding eagerly instead: %s", support.reason)
+            _WARNED.append(True)
+        return model
     return CompiledSteps(model, _GRAPHS.setdefault(model, []))
+
+
+_WARNED: list[bool] = []  # the fallback's warning is logged once per process
+
+
+def _on_cpu(model: nn.Module) -> bool:
+    parameter = next(model.parameters(), None)
+    return parameter is None or parameter.device.type == "cpu"
 
 
 def compile_forward(model: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -66,6 +90,11 @@ def compile_forward(model: nn.Module, args: tuple, kwargs: dict) -> Any:
     forward = torch.compile(
         type(model).forward, dynamic=True, fullgraph=True, options=_INDUCTOR_OPTIONS
     )
+    if not hasattr(forward, "aot_compile"):
+        raise RuntimeError(
+            f"compile=True: needs torch.compile(...).aot_compile (torch >= 2.13), got torch "
+            f"{torch.__version__}; expected a newer torch, or compile=False"
+        )
     with torch._dynamo.config.patch(specialize_float=True):
         return forward.aot_compile(((model, *args), kwargs))
 
@@ -85,8 +114,8 @@ class CompiledSteps:
     consecutive steps passed every guard of the same graph.
 
     A graph's guards check what it was compiled for: ~1700 of them for the 55M Llama of
-    benchmarks/decode.py (every module attribute, parameter and shape it read), ~1 ms of a 4 ms
-    step on the dev VM; torch.compile's own call adds ~0.3 ms more (its frame hook, the guards
+    benchmarks/decode.py (every module attribute, parameter and shape it read), a quarter of a
+    step's time on a 2-thread CPU; torch.compile's own call adds more (its frame hook, the guards
     on tensors that even `skip_guard_eval_unsafe` keeps). Within one call, the steps differ
     only by the token ids, positions (same shapes), the key mask and the cache length, which
     grow by one; a graph compiled for dynamic shapes guards on them only through range checks
@@ -94,8 +123,8 @@ class CompiledSteps:
     each step checks every guard of the model's graphs, compiling one that fits when none
     does, until two consecutive steps (two cache lengths: a graph specialised on a length of 1
     fails at the second) passed the same graph; every later step calls that graph's `fn`
-    directly, which on the dev VM makes a step 7% (fp32) to 10% (bf16) faster than
-    torch.compile with `skip_guard_eval_unsafe` did. A step that raises there runs again with
+    directly, which makes a step measurably faster than torch.compile with
+    `skip_guard_eval_unsafe` (benchmarks/decode.py). A step that raises there runs again with
     every guard checked (compiling what it needs, or raising a genuine error; a failed graph
     wrote only cache slots the rerun writes again), and so does the next one.
 

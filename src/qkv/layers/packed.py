@@ -1,21 +1,21 @@
 """Faster CPU matrix-vector products for decoding: linear weights packed once for oneDNN.
 
-At batch 1 every decoding step reads every weight once (seed 002 section 6: decoding is
-memory-bound), so the speed of a step is the bandwidth `F.linear` reaches on a (1, E) input.
-On the CPUs we measured, PyTorch's default path (MKL's GEMV for fp32) reaches a fraction of
-what oneDNN's blocked-layout kernels reach on the same weights; `packed_linears(model)` swaps
-every `nn.Linear` of a model for a `PackedLinear` holding the weight reordered into oneDNN's
-layout, for as long as the `with` block lasts:
+At batch 1 every decoding step reads every weight once (decoding is memory-bound: Pope et al.
+2022, s2), so the speed of a step is the bandwidth `F.linear` reaches on a (1, E) input. On the
+CPUs measured in benchmarks/decode.py, PyTorch's default path (MKL's GEMV for fp32) reaches a
+fraction of what oneDNN's blocked-layout kernels reach on the same weights;
+`packed_linears(model)` swaps every `nn.Linear` of a model for a `PackedLinear` holding the
+weight reordered into oneDNN's layout, for as long as the `with` block lasts:
 
     with qkv.layers.packed_linears(model):
         tokens = qkv.generate(model, prompt, max_new_tokens=128)
+    print(qkv.layers.explain_packing(model))   # what the block packs and fuses, and why
 
 It also fuses the projections that read the same input into one product: a module lists them
 in a class attribute `FUSABLE` (attribute -> linear names), e.g. MultiHeadAttention's q, k and
 v (`fused_qkv`) and SwiGLU's gate and up (`fused_gate_up`); inside the block the module finds a
 `PackedLinear` over the stacked weights in that attribute and makes one call where it made
-three (or two). Fewer, larger products are faster: 52 us instead of 98 us for the q, k, v of a
-512-wide GQA layer in fp32 on the 2-core dev VM.
+three (or two): fewer, larger products are faster.
 
 Weights are packed at their first call, not on entry: a projection the model never calls (the
 separate q, k, v of a self-attention layer once fused) costs neither time nor memory, while
@@ -25,14 +25,17 @@ Inference only: a packed weight has no gradient, and it is a copy (the model's o
 kept to be put back, so each packed weight takes twice its memory inside the block). It serves
 CPU fp32 and bf16 weights; other devices and dtypes keep their nn.Linear. The outputs equal
 `F.linear`'s up to the order of the floating-point sums (tested: within fp32 rounding).
-`benchmarks/decode.py` measures both paths side by side.
+
+Not every machine can pack: oneDNN's bf16 kernels need AVX512-BW/VL/DQ or AVX-NE-CONVERT, and a
+build may lack the ops (`qkv.capabilities` asks, once per process). What cannot be packed here
+keeps its nn.Linear, and a bf16 copy under CPU autocast that cannot be packed is computed by
+F.linear, as autocast would: the same results, slower. `explain_packing` says which applies.
 
 Under `torch.compile` (`qkv.generate(..., compile=True)`), everything around the products
 (norms, RoPE, the cache writes) fuses, and a product over
 - one row (a decoding step at batch 1) is written as an elementwise product and a sum, which
-  inductor turns into one streaming C++ reduction over the plain weight: on the dev VM it reads
-  a decoding step's weights at 87-107% of the rate of a `.sum()` over each, where oneDNN's GEMV
-  reaches 49-68% (nothing is packed then);
+  inductor turns into one streaming C++ reduction over the plain weight, which reads the
+  weights faster than oneDNN's GEMV (nothing is packed then);
 - more rows is one opaque operator, `torch.ops.qkv.packed_linear`, which finds its module by a
   handle: a oneDNN-packed tensor has no strides, so the compiler cannot trace it.
 """
@@ -41,28 +44,22 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import time
 import weakref
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PackedLinear", "can_pack", "packed_linears"]
+from qkv import capabilities
+from qkv.layers.packed_plan import can_pack, explain_packing
+
+__all__ = ["PackedLinear", "can_pack", "explain_packing", "packed_linears"]
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def can_pack(linear: nn.Linear) -> bool:
-    """True if this PyTorch has the oneDNN ops and the weight is a CPU fp32/bf16 tensor."""
-    weight = linear.weight
-    return (
-        torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        and weight.device.type == "cpu"
-        and weight.dtype in _PACKABLE_DTYPES
-    )
+logger = logging.getLogger(__name__)
 
 
 class PackedLinear(nn.Module):
@@ -73,7 +70,8 @@ class PackedLinear(nn.Module):
 
     (..., in_features) -> (..., sum of out_features), in the weights' dtype, or in bf16 under
     CPU autocast (a bf16 copy of fp32 weights is packed then, as autocast's F.linear casts
-    them at every call). No gradients.
+    them at every call). No gradients. Where oneDNN cannot pack the dtype on this machine
+    (`qkv.capabilities.onednn_linear`), the product is F.linear's: the same outputs, unpacked.
     """
 
     def __init__(self, *linears: nn.Linear, batch_hint: int = 1) -> None:
@@ -110,9 +108,7 @@ class PackedLinear(nn.Module):
 
         A bf16 row is converted to fp32 once, into a buffer (`as_strided` makes inductor store
         what it views): left to fusion, the conversion ran inside the reduction, once per
-        weight row, and the loop was bound by its instructions rather than by memory (over a
-        (32000, 512) bf16 weight on the dev VM, interleaved: 54 GB/s with the row in fp32,
-        32 converting it per row, 46 for a .sum())."""
+        weight row, and the loop was bound by its instructions rather than by memory."""
         h = x.unsqueeze(-2).float()  # (..., 1, in)
         if x.dtype != torch.float32:
             h = h.as_strided(h.shape, h.stride())  # no-op eagerly; a stored fp32 row compiled
@@ -126,14 +122,22 @@ class PackedLinear(nn.Module):
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
         """forward's product, run eagerly: packs at the first call, then one oneDNN call."""
         dtype = self._compute_dtype()
+        if x.dtype != dtype:
+            x = x.to(dtype)
+        if not capabilities.onednn_linear(dtype):  # e.g. bf16 on a CPU without AVX-512
+            return self._plain_linear(x)
         if dtype not in self._packed:
             start = time.perf_counter()
             self._packed[dtype] = self._pack(dtype)
             self.packing_seconds += time.perf_counter() - start
         weight, bias = self._packed[dtype]
-        if x.dtype != dtype:
-            x = x.to(dtype)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+    def _plain_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """F.linear over each stacked linear, concatenated: what runs where oneDNN cannot
+        pack the compute dtype. (..., in_features) -> (..., out_features)."""
+        outputs = [F.linear(x, linear.weight, linear.bias) for linear in self._linears]
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
     def _compute_dtype(self) -> torch.dtype:
         """The weights' dtype, or CPU autocast's (bf16) for fp32 weights, as F.linear would."""
@@ -158,7 +162,10 @@ class PackedLinear(nn.Module):
             return packed, torch.cat([b.detach() for b in biases]).to(dtype)  # (out,)
 
     def extra_repr(self) -> str:
+        support = capabilities.onednn_linear(self._dtype)
         packed = "oneDNN-packed" if self._packed else "packed at its first call"
+        if not support:
+            packed = f"computed by F.linear: {support.reason}"
         stacked = f", {len(self._linears)} linears stacked" if len(self._linears) > 1 else ""
         sizes = f"in_features={self.in_features}, out_features={self.out_features}"
         return f"{sizes}{stacked}, {packed}"
@@ -192,15 +199,13 @@ def _check_linears(linears: tuple[nn.Linear, ...]) -> None:
     if not linears:
         raise ValueError("linears: expected at least one nn.Linear, got none")
     for linear in linears:
-        if not isinstance(linear, nn.Linear) or not can_pack(linear):
-            got = (
-                f"{linear.weight.dtype} on {linear.weight.device}"
-                if isinstance(linear, nn.Linear)
-                else type(linear).__name__
-            )
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
+        weight = linear.weight
+        if weight.device.type != "cpu" or weight.dtype not in _PACKABLE_DTYPES:
             raise ValueError(
-                f"linear: expected a CPU float32/bfloat16 nn.Linear and a PyTorch with oneDNN, "
-                f"got {got}"
+                f"linear: expected a CPU float32/bfloat16 nn.Linear, got {weight.dtype} on "
+                f"{weight.device}"
             )
     first = linears[0]
     for linear in linears[1:]:
@@ -223,8 +228,14 @@ def packed_linears(
     tensors are never modified. Gradients are off inside the block (torch.no_grad). Yields the
     model. A later block on the same model reuses its PackedLinear modules (not their packed
     copies, which are dropped on exit), so compiled decoding compiles once per model, not once
-    per block."""
-    fused = _fusions(model) if fuse else []
+    per block.
+
+    What cannot be packed on this machine (see `qkv.capabilities`) keeps its nn.Linear; the
+    plan is `explain_packing(model, fuse=fuse)`, and its summary is logged at INFO."""
+    plan = explain_packing(model, fuse=fuse)
+    logger.info("%s", plan.summary())
+    for label, reason in plan.left:
+        logger.debug("packed_linears: %s left as it is: %s", label, reason)
     swapped: list[tuple[nn.Module, str, nn.Linear]] = []
     previous = _LAST_BLOCK.get(model, {})
     used: dict[tuple[nn.Linear, ...], PackedLinear] = {}  # one per distinct group of linears
@@ -235,13 +246,11 @@ def packed_linears(
         return used[linears]
 
     try:
-        for module, attribute, linears in fused:
+        for module, attribute, linears, _ in plan.fused:
             setattr(module, attribute, packed(*linears))
-        for parent in list(model.modules()):
-            for name, child in list(parent.named_children()):
-                if type(child) is nn.Linear and can_pack(child):
-                    setattr(parent, name, packed(child))
-                    swapped.append((parent, name, child))
+        for parent, name, child, _ in plan.swaps:
+            setattr(parent, name, packed(child))
+            swapped.append((parent, name, child))
         if used:  # a block nested in another finds nothing left to pack
             _LAST_BLOCK[model] = used
         with torch.no_grad():
@@ -249,7 +258,7 @@ def packed_linears(
     finally:
         for parent, name, child in reversed(swapped):
             setattr(parent, name, child)
-        for module, attribute, _ in fused:
+        for module, attribute, _, _ in plan.fused:
             delattr(module, attribute)  # drops the registered submodule ...
             setattr(module, attribute, None)  # ... and leaves the plain None it was
         for module in used.values():
@@ -280,17 +289,3 @@ def _reuse(module: PackedLinear | None, linears: tuple[nn.Linear, ...], batch_hi
     module.packing_seconds = 0.0
     module._packed.clear()
     return module
-
-
-def _fusions(model: nn.Module) -> list[tuple[nn.Module, str, tuple[nn.Linear, ...]]]:
-    """(module, attribute, linears) for every `FUSABLE` group of the model that can be packed
-    as one: plain nn.Linears, packable, of the same input width and dtype."""
-    found = []
-    for module in model.modules():
-        for attribute, names in getattr(type(module), "FUSABLE", {}).items():
-            linears = tuple(getattr(module, name) for name in names)
-            if all(type(m) is nn.Linear and can_pack(m) for m in linears) and (
-                len({(m.in_features, m.weight.dtype) for m in linears}) == 1
-            ):
-                found.append((module, attribute, linears))
-    return found

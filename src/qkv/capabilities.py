@@ -1,0 +1,124 @@
+"""What this CPU and this PyTorch build can do, asked before any fast path is taken.
+
+qkv's CPU speed-ups (oneDNN-packed linears, their bf16 copies under autocast, compiled decoding
+steps) depend on things a machine may lack: oneDNN's bf16 kernels need AVX512-BW/VL/DQ or
+AVX-NE-CONVERT, an ARM build may have no packed-linear ops at all, and torch.compile's CPU
+backend needs a C++ compiler. Each question here is answered once per process, by asking
+PyTorch and, where PyTorch's own answer can be wrong (a CPU feature masked with
+`ONEDNN_MAX_CPU_ISA`), by running the operation once on a tiny input. A fast path that is not
+supported falls back to the plain PyTorch operation, with the same results.
+
+    print(qkv.capabilities.describe())   # the whole picture, in words
+
+The answers honour the variables that mask CPU features, so the fallbacks can be tested on any
+machine: `ONEDNN_MAX_CPU_ISA=AVX2` (oneDNN) and `ATEN_CPU_CAPABILITY=avx2` or `default`
+(PyTorch's own vectorised kernels, and the ISA inductor compiles for).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["Support", "compiler", "cpu_isa", "describe", "onednn_linear"]
+
+_ONEDNN_OPS = ("_reorder_linear_weight", "_linear_pointwise")
+
+
+@dataclass(frozen=True)
+class Support:
+    """An answer: whether a fast path can run here, and why (or why not), in words."""
+
+    ok: bool
+    reason: str
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+@functools.cache
+def onednn_linear(dtype: torch.dtype) -> Support:
+    """Can oneDNN pack a linear weight of `dtype` and multiply with it on this CPU?
+
+    PyTorch's checks first (oneDNN in the build, its ops, bf16 support of the CPU), then one
+    packed product of a (8, 16) weight compared with F.linear: a masked or missing CPU feature
+    shows up as an error or a wrong result there, not in the middle of a model."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return Support(False, f"oneDNN packing serves float32 and bfloat16, not {dtype}")
+    if not torch.backends.mkldnn.is_available():
+        return Support(False, "this PyTorch build has no oneDNN (torch.backends.mkldnn)")
+    missing = [op for op in _ONEDNN_OPS if not hasattr(torch.ops.mkldnn, op)]
+    if missing:
+        return Support(False, f"this PyTorch build lacks the oneDNN ops {', '.join(missing)}")
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return Support(
+            False, "oneDNN's bf16 kernels need AVX512-BW/VL/DQ or AVX-NE-CONVERT on this CPU"
+        )
+    return _probe_packed_product(dtype)
+
+
+def _probe_packed_product(dtype: torch.dtype) -> Support:
+    """One packed product on a tiny input, against F.linear in float32."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(8, 16, generator=generator).to(dtype)  # (out, in)
+    x = torch.randn(2, 16, generator=generator).to(dtype)  # (rows, in)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    except RuntimeError as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else "no message"
+        return Support(False, f"oneDNN refused a {dtype} packed product here: {first_line}")
+    expected = F.linear(x.float(), weight.float())
+    tolerance = 1e-4 if dtype == torch.float32 else 0.1
+    if y.shape != expected.shape or not torch.allclose(y.float(), expected, atol=tolerance):
+        return Support(False, f"oneDNN's {dtype} packed product gave wrong results here")
+    return Support(True, f"oneDNN packs {dtype} weights on this CPU")
+
+
+@functools.cache
+def compiler() -> Support:
+    """Can torch.compile's CPU backend (inductor) build its C++ kernels here? It needs a C++
+    compiler (`CXX`, or inductor's default, g++) and a Python that torch.compile supports."""
+    if not torch._dynamo.is_dynamo_supported():
+        return Support(False, "torch.compile does not support this Python version")
+    candidates = [os.environ.get("CXX")] + list(torch._inductor.config.cpp.cxx)
+    for name in candidates:
+        if name and shutil.which(name):
+            return Support(True, f"torch.compile builds C++ kernels with {shutil.which(name)}")
+    return Support(
+        False,
+        "torch.compile needs a C++ compiler for CPU kernels and none was found "
+        "(install g++, or point CXX at one)",
+    )
+
+
+def cpu_isa() -> dict[str, object]:
+    """The CPU features PyTorch sees: the ISA its kernels dispatch to (after
+    ATEN_CPU_CAPABILITY), AVX-512, AMX, and the oneDNN ISA cap if one is set."""
+    cpu = torch.cpu
+    return {
+        "aten_capability": torch.backends.cpu.get_cpu_capability(),
+        "avx2": cpu._is_avx2_supported(),
+        "avx512": cpu._is_avx512_supported(),
+        "avx512_bf16": cpu._is_avx512_bf16_supported(),
+        "amx": cpu._is_amx_tile_supported(),
+        "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+    }
+
+
+def describe() -> str:
+    """Every answer above, one line each, for a person (`qkv check` and bug reports)."""
+    isa = cpu_isa()
+    flags = ", ".join(f"{name}={value}" for name, value in isa.items() if value is not None)
+    lines = [f"torch {torch.__version__}; CPU: {flags}; {torch.get_num_threads()} threads"]
+    for dtype in (torch.float32, torch.bfloat16):
+        answer = onednn_linear(dtype)
+        lines.append(f"packed {dtype} linears: {'yes' if answer else 'no'} ({answer.reason})")
+    answer = compiler()
+    lines.append(f"compiled decoding: {'yes' if answer else 'no'} ({answer.reason})")
+    return "\n".join(lines)
