@@ -8,7 +8,7 @@ the model's `max_seq_length` (sentence_bert_config.json: 256 tokens, [CLS] and [
 
     vectors = embed(["A cat sits.", "Un chat."])      # (2, 384) float32, unit rows
 
-numpy is not a dependency of qkv; it is imported only to write .npy files.
+numpy is imported only to write .npy files.
 """
 
 from __future__ import annotations
@@ -182,13 +182,8 @@ def write_embeddings(texts: Sequence[str], embeddings: torch.Tensor, path: str |
             for line in jsonl_lines(texts, embeddings):
                 file.write(line + "\n")
     elif out.suffix == ".npy":
-        try:
-            import numpy
-        except ImportError as error:
-            raise ImportError(
-                "out: writing .npy needs numpy, which qkv does not depend on; install numpy "
-                "(pip install numpy) or write .jsonl instead"
-            ) from error
+        import numpy  # a dependency of qkv, imported here only where it is used
+
         numpy.save(out, embeddings.detach().cpu().float().numpy())
     else:
         raise ValueError(f"out: expected a path ending in .npy or .jsonl, got {str(path)!r}")
