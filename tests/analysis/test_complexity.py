@@ -1,7 +1,7 @@
-"""`qkv.analysis.complexity` and `qkv bench complexity`: seed 001 section 2.4.2's doubling table.
+"""`qkv.analysis.complexity` and `qkv bench complexity`: the O(L^2) doubling table.
 
 Outside references: numpy's least-squares polyfit (the exponent fit), the byte size PyTorch
-gives a (B, H, L, L) fp32 tensor (seed 001's `seq_len * seq_len * n_heads * 4` formula, the
+gives a (B, H, L, L) fp32 tensor (the `seq_len * seq_len * n_heads * 4` formula, the
 naive backend's memory), and `F.scaled_dot_product_attention` (the three timed calls do the
 same work). No timed assertions: times are only checked to be positive.
 """
@@ -34,8 +34,9 @@ B, H, D = 1, 4, 32
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
-    """One thread: on a shared 2-core machine two OpenMP threads can wait on each other for
-    ~100 ms per call. Only memory and shapes are asserted here, never times."""
+    """One thread: on a machine with few cores, shared with other work, two OpenMP threads can
+    wait on each other and make each call far slower. Only memory and shapes are asserted here,
+    never times."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -92,10 +93,10 @@ def test_the_three_timed_calls_agree_with_pytorch_sdpa(causal, backward):
             torch.testing.assert_close(grads, expected_grads, msg=backend)
 
 
-def test_naive_memory_is_whole_score_matrices_of_the_seed_formula(result):
+def test_naive_memory_is_whole_score_matrices_of_l_times_l_times_heads_times_4_bytes(result):
     for point in result.rows("naive"):
         L = point.length
-        scores = torch.empty(B, H, L, L, dtype=torch.float32)  # seed 001: L * L * heads * 4
+        scores = torch.empty(B, H, L, L, dtype=torch.float32)  # L * L * heads * 4 bytes
         formula = scores.nelement() * scores.element_size()
         assert point.score_bytes == formula == B * H * L * L * 4
         copies = point.peak_bytes / formula
@@ -123,7 +124,7 @@ def test_naive_memory_grows_as_L_squared_and_tiled_clearly_slower(result):
     assert tiled[2].time_ratio == pytest.approx(tiled[2].seconds / tiled[1].seconds)
 
 
-def test_format_table_has_a_row_per_backend_and_length_like_seed_001(result):
+def test_format_table_has_a_row_per_backend_and_length_with_time_ratio_and_memory(result):
     text = format_table(result)
     lines = text.splitlines()
     header = lines[1]

@@ -1,5 +1,5 @@
-"""`qkv cost` against outside references: the seeds' figures (seed 002 section 6.1: Llama-2-70B's
-KV cache; seed 001: score matrices at 8K/32K/128K), published parameter counts, parameters of
+"""`qkv cost` against outside references: figures worked out by hand (Llama-2-70B's KV cache,
+score matrices at 8K/32K/128K), published parameter counts, parameters of
 instantiated qkv and Hugging Face models, FLOPs counted by `torch.utils.flop_counter`, the KV
 caches' own sizes, and the peak memory measured while the scores are materialised."""
 
@@ -75,12 +75,12 @@ def _counted_flops(run) -> int:
     return counter.get_total_flops()
 
 
-# --- the seeds' figures ------------------------------------------------------------------------
+# --- figures worked out by hand ---------------------------------------------------------------
 
 
-def test_llama_2_70b_kv_cache_is_the_seed_figure():
-    """Seed 002 section 6.1: 80 layers, H_kv = 8, D = 128, 4096 tokens, fp16: 1.25 GB per
-    sample with GQA; 10 GB with MHA (H_kv = 64); exactly 1.25 and 10 GiB."""
+def test_llama_2_70b_kv_cache_is_1_25_gib_with_gqa_and_10_gib_with_mha():
+    """80 layers, H_kv = 8, D = 128, 4096 tokens, fp16: 1.25 GB per sample with GQA (Ainslie et
+    al. 2023); 10 GB with MHA (H_kv = 64); exactly 1.25 and 10 GiB."""
     report = cost_report("llama-2-70b", context=4096, dtype="fp16")
     assert (report.num_decoder_layers, report.num_heads, report.num_kv_heads) == (80, 64, 8)
     assert report.head_dim == 128
@@ -92,8 +92,8 @@ def test_llama_2_70b_kv_cache_is_the_seed_figure():
     assert format_bytes(report.kv_cache_bytes_per_sample) == "1.25 GiB"
 
 
-def test_score_matrix_is_seed_001_exercise():
-    """Seed 001: d_model 4096, 32 heads, fp16, one layer: 4.29 GB at 8K, 68.7 GB at 32K and
+def test_score_matrix_bytes_at_8k_32k_and_128k_tokens():
+    """d_model 4096, 32 heads, fp16, one layer: 4.29 GB at 8K, 68.7 GB at 32K and
     1099 GB at 128K; one head in fp32 at 128,000 tokens: 128000^2 x 4 bytes (~62 GB)."""
     report = cost_report("llama-2-7b", dtype="fp16")  # E = 4096, H = 32
     per_layer = {s.length: s.per_layer_bytes for s in report.score_matrix}
@@ -104,9 +104,9 @@ def test_score_matrix_is_seed_001_exercise():
     assert one_head.per_head_bytes == 128_000 * 128_000 * 4
 
 
-def test_attention_flops_and_parameters_are_seed_002_formulas():
-    """Seed 002 section 3.3: 4 D^2 projection weights whatever H; 8 B L E^2 + 4 B L^2 E FLOPs
-    per layer; seed 001 exercise (b): 4 x 768^2 = 2,359,296 for d_model 768, 12 heads."""
+def test_attention_flops_and_parameters_are_the_textbook_formulas():
+    """4 D^2 projection weights whatever H; 8 B L E^2 + 4 B L^2 E FLOPs per layer; for
+    d_model 768 and 12 heads, 4 x 768^2 = 2,359,296 parameters."""
     for heads in (1, 12):
         layout = AttentionLayout(embed_dim=768, num_heads=heads, num_kv_heads=heads,
                                  head_dim=768 // heads, bias=False)  # fmt: skip

@@ -1,5 +1,5 @@
 """Per-position cosine similarity between what an attention layer reads and what it writes,
-against `F.cosine_similarity` on tensors captured from nn.MultiheadAttention (seed 001's demo),
+against `F.cosine_similarity` on tensors captured from nn.MultiheadAttention,
 transformers' BertModel and nn.Transformer; ALBERT-style shared layers give one entry per call."""
 
 import pytest
@@ -25,8 +25,8 @@ def bert_pair(tmp_path_factory):
     return make_bert_pair(tmp_path_factory.mktemp("bert"))
 
 
-def test_cosine_similarity_of_one_layer_matches_seed_001_demo_on_nn_multihead_attention():
-    """Seed 001: embed "the cat sat on mat", causal self-attention with E=64 and 4 heads, then
+def test_cosine_similarity_of_one_layer_matches_f_cosine_similarity_on_nn_multihead_attention():
+    """Embed "the cat sat on mat", causal self-attention with E=64 and 4 heads, then
     nn.functional.cosine_similarity(x[0], output[0], dim=-1)."""
     torch.manual_seed(0)
     embedding = nn.Embedding(5, 64)

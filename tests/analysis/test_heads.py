@@ -45,8 +45,8 @@ pytestmark = [
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
-    """One thread: on a shared 2-core machine two OpenMP threads can wait on each other and
-    make the training below ten times slower. Nothing here asserts a time."""
+    """One thread: on a machine with few cores, shared with other work, two OpenMP threads can
+    wait on each other and make the training below far slower. Nothing here asserts a time."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -1,6 +1,6 @@
-"""The seeds' plots: each figure's axes, titles and the DATA inside its artists, checked against
-numbers computed here independently (torch.softmax, numpy, math.erf, complex exponentials, the
-ALiBi paper's own slope rule), not against qkv's own code."""
+"""The classic figures (`qkv.analysis.plots`): each figure's axes, titles and the DATA inside
+its artists, checked against numbers computed here independently (torch.softmax, numpy,
+math.erf, complex exponentials, the ALiBi paper's own slope rule), not against qkv's own code."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def _numpy_softmax(scores: np.ndarray) -> np.ndarray:
     return shifted / shifted.sum(axis=-1, keepdims=True)
 
 
-# ---------------------------------------------------------------- heat maps (seed 001 lab)
+# ---------------------------------------------------------------------------------- heat maps
 
 
 def test_attention_heatmaps_show_each_heads_softmax(keep):
@@ -110,7 +110,7 @@ def test_bidirectional_vs_causal_against_masked_softmax(keep):
     assert np.all(images[2][future.numpy()] == 0.0)
 
 
-def test_bidirectional_vs_causal_single_head_uses_the_seed_titles(keep):
+def test_bidirectional_vs_causal_single_head_titles_its_two_panels(keep):
     q, k = torch.randn(4, 8), torch.randn(4, 8)
     fig = plots.bidirectional_vs_causal(q, k)
     keep(fig)
@@ -123,7 +123,7 @@ def test_bidirectional_vs_causal_single_head_uses_the_seed_titles(keep):
         plots.bidirectional_vs_causal(torch.ones(4, 8, dtype=torch.long), k)
 
 
-# ------------------------------------------------------------------ masks (seed 003 DL0040)
+# -------------------------------------------------------------------------------------- masks
 
 
 def test_mask_gallery_matches_hand_built_masks(keep):
@@ -149,10 +149,10 @@ def test_mask_gallery_matches_hand_built_masks(keep):
         plots.mask_gallery(seq_len=4, valid_length=5)
 
 
-# ------------------------------------------------------- softmax scaling (seeds 000, 004, 001)
+# ---------------------------------------------------------------------------- softmax scaling
 
 
-def test_softmax_scaling_bars_are_softmax_of_the_seed_scores(keep):
+def test_softmax_scaling_bars_are_softmax_of_the_drawn_scores(keep):
     d_k_values, seq_len, seed = (4, 64), 10, 3
     fig = plots.softmax_scaling(d_k_values=d_k_values, seq_len=seq_len, seed=seed)
     keep(fig)
@@ -174,7 +174,7 @@ def test_softmax_scaling_bars_are_softmax_of_the_seed_scores(keep):
         assert f"d_k = {d_k}" in unscaled_ax.get_title()
         assert f"variance {variance:.1f}" in unscaled_ax.get_title()
         assert scaled_ax.get_ylabel() == "attention weight"
-    # Unscaled is sharper (the seed's point): its largest weight beats the scaled one.
+    # Unscaled is sharper (the figure's point): its largest weight beats the scaled one.
     assert unscaled.max() > scaled.max()
 
 
@@ -189,8 +189,8 @@ def test_softmax_saturation_curve_and_jacobian(keep):
     lines = _lines_by_label(ax)
     largest = lines["softmax(2a)"]
     np.testing.assert_array_equal(largest.get_xdata(), a_values)
-    seed_formula = np.exp(2 * a_values) / (2 * np.exp(a_values) + np.exp(2 * a_values))
-    np.testing.assert_allclose(largest.get_ydata(), seed_formula, rtol=1e-12)
+    largest_softmax = np.exp(2 * a_values) / (2 * np.exp(a_values) + np.exp(2 * a_values))
+    np.testing.assert_allclose(largest.get_ydata(), largest_softmax, rtol=1e-12)
     jacobian_diagonal = [
         torch.autograd.functional.jacobian(
             lambda z: torch.softmax(z, dim=0), torch.tensor([a, a, 2 * a], dtype=torch.float64)
@@ -247,8 +247,8 @@ def test_scaling_comparison_matches_a_direct_computation(keep):
     )
 
 
-def test_scaling_comparison_agrees_with_the_exercise_statistically(keep):
-    """Seed 001 exercise: std ~ 1 with sqrt(d_k); none saturates, 1/d_k goes uniform."""
+def test_scaling_comparison_agrees_with_the_predicted_std_and_entropy(keep):
+    """std ~ 1 with sqrt(d_k); none saturates, 1/d_k goes uniform."""
     fig = plots.scaling_comparison(d_k_values=(4, 64, 256), seq_len=16, num_queries=256)
     keep(fig)
     std_lines, entropy_lines = _lines_by_label(fig.axes[0]), _lines_by_label(fig.axes[1])
@@ -261,7 +261,7 @@ def test_scaling_comparison_agrees_with_the_exercise_statistically(keep):
     assert linear > 0.99 * math.log(16)
 
 
-# --------------------------------------------------------------- positions (seeds 003, 002)
+# ---------------------------------------------------------------------------------- positions
 
 
 def test_rope_vs_sinusoidal_decay_against_complex_exponentials(keep):
@@ -351,7 +351,7 @@ def test_alibi_biases_bidirectional_has_no_blank_cells(keep):
     np.testing.assert_allclose(image, -0.0625 * np.abs(np.subtract.outer(range(4), range(4))))
 
 
-# ------------------------------------------------------------- activations (seed 003 DL0038)
+# -------------------------------------------------------------------------------- activations
 
 
 def test_gelu_vs_relu_curves_and_derivatives(keep):
@@ -366,7 +366,7 @@ def test_gelu_vs_relu_curves_and_derivatives(keep):
     assert set(values) == set(derivatives) == {"GELU", "GELU (tanh approximation)", "ReLU"}
 
     def gelu(t):
-        return t * 0.5 * (1.0 + math.erf(t / math.sqrt(2.0)))  # seed 003: x Phi(x)
+        return t * 0.5 * (1.0 + math.erf(t / math.sqrt(2.0)))  # x Phi(x) (Hendrycks & Gimpel 2016)
 
     def gelu_tanh(t):
         return 0.5 * t * (1.0 + math.tanh(math.sqrt(2.0 / math.pi) * (t + 0.044715 * t**3)))

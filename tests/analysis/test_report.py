@@ -30,7 +30,7 @@ pytest.importorskip("matplotlib")
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "the", "food", "was", "great", "but", "service"]
 WORDS += ["terrible", "."]
 TEXT = "the food was great but the service was terrible ."
-SEED_FIGURES = [
+CLASSIC_FIGURES = [
     "bidirectional_vs_causal",
     "mask_gallery",
     "softmax_scaling",
@@ -39,7 +39,7 @@ SEED_FIGURES = [
     "rope_vs_sinusoidal_decay",
     "alibi_biases",
     "gelu_vs_relu",
-]  # fmt: skip  (the issue's list of the seeds' plots)
+]  # fmt: skip  (the figures of the "figures" section, in page order)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 VOID_TAGS = {"meta", "link", "img", "br", "hr", "input", "col", "area", "base", "wbr", "source"}
 
@@ -143,10 +143,10 @@ def test_the_page_is_one_self_contained_file(page):
 def test_the_page_parses_balanced_with_every_section_and_its_contents_entry(page):
     parsed = _parse(page)
     assert parsed.problems == [] and parsed.stack == []
-    expected = ["Model", "Attention maps", "Attention viewer", "Cost", "Seed plots"]
+    expected = ["Model", "Attention maps", "Attention viewer", "Cost", "Classic figures"]
     assert parsed.headings == ["Contents", *expected]  # --no-complexity: no Complexity
     anchors = [link[1:] for link in parsed.links if link.startswith("#")]
-    assert anchors == ["model", "attention", "viewer", "cost", "seeds"]
+    assert anchors == ["model", "attention", "viewer", "cost", "figures"]
     assert set(anchors) <= set(parsed.ids)
 
 
@@ -154,7 +154,7 @@ def test_one_embedded_png_per_plot_asked_for(page):
     figures = re.findall(r'<figure id="([^"]+)"><img alt="[^"]*" src="data:image/png;base64,'
                          r'([A-Za-z0-9+/=]+)"', page)  # fmt: skip
     expected = ["fig-attention-layers.0.self", "fig-attention-layers.1.self"]  # layers 0, -1
-    expected += [f"fig-seeds-{name}" for name in SEED_FIGURES]
+    expected += [f"fig-figures-{name}" for name in CLASSIC_FIGURES]
     assert [figure_id for figure_id, _ in figures] == expected
     assert page.count("<img") == len(expected)
     assert all(base64.b64decode(data).startswith(PNG_MAGIC) for _, data in figures)
@@ -193,7 +193,7 @@ def test_complexity_section_at_the_models_shape(hf_bert):
     parsed = _parse(page)
     assert parsed.problems == [] and parsed.headings == ["Contents", "Complexity"]
     rows = re.findall(r"<tr><td>(\w+)</td><td>(\d+)</td>.*<td>([\d.]+)</td></tr>", page)
-    # seed 001's formula, computed here: B * H * L * L * 4 bytes for 4 heads, fp32, in MB
+    # the score formula, computed here: B * H * L * L * 4 bytes for 4 heads, fp32, in MB
     assert rows == [
         (backend, str(length), f"{4 * length * length * 4 / 1e6:.2f}")
         for backend in ("naive", "sdpa", "tiled")

@@ -120,7 +120,7 @@ def test_weights_are_the_softmax_sdpa_multiplies_v_by():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("backend", ["reference", "sdpa", "tiled"])
 def test_low_precision_error_is_at_most_twice_pytorchs(dtype, backend):
-    # DESIGN section 4: compare with fp64 and allow twice the error PyTorch makes itself.
+    # The low-precision rule: compare with fp64 and allow twice the error PyTorch makes itself.
     torch.manual_seed(2)
     q, k, v = (torch.randn(2, 4, 33, 16, dtype=torch.float64) for _ in range(3))
     mask = qkv.masks.combine(qkv.masks.causal(33), qkv.masks.padding(torch.tensor([33, 20]), 33))

@@ -22,7 +22,7 @@ def test_dropout_zeroes_weights_with_probability_p_and_keeps_row_sums_at_one_on_
     # the keep probability is a multiple of 2^-16, the scale its inverse; qkv.attention.dropout)
     expected = (clean / (1 - p)).expand_as(dropped)[survivors]
     torch.testing.assert_close(dropped[survivors], expected, rtol=2**-16, atol=0)
-    row_sums = dropped.sum(-1)  # not 1 per draw (seed 002 Q10), 1 in expectation
+    row_sums = dropped.sum(-1)  # not 1 per draw, 1 in expectation
     assert (row_sums - 1).abs().max() > 0.05
     assert abs(row_sums.mean().item() - 1) < 0.01
 

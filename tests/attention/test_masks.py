@@ -13,7 +13,7 @@ lengths = st.integers(min_value=1, max_value=12)
 
 @given(L=lengths)
 def test_causal_square_is_the_lower_triangle(L):
-    # Seed 002 section 4.2: torch.tril(torch.ones(L, L, dtype=torch.bool)).
+    # The textbook causal mask: torch.tril(torch.ones(L, L, dtype=torch.bool)).
     assert torch.equal(masks.causal(L), torch.tril(torch.ones(L, L, dtype=torch.bool)))
 
 

@@ -1,6 +1,6 @@
 """One bf16/fp16 query on the CPU (a decoding step) runs through SDPA in fp32, where PyTorch's
 CPU kernel is several times faster: the output must come back in the input dtype, at most twice
-as far from the fp64 result as PyTorch's own low-precision call (DESIGN.md section 4), with
+as far from the fp64 result as PyTorch's own low-precision call (qkv's low-precision rule), with
 causal, windows, GQA and fully masked rows handled as everywhere else."""
 
 import pytest

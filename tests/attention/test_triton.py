@@ -96,7 +96,7 @@ def test_what_the_kernels_cannot_serve_is_refused_by_name():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_output_and_gradients_err_at_most_twice_what_sdpa_does(dtype):
-    # DESIGN section 4: compare with fp64 and allow twice the error PyTorch makes itself.
+    # The low-precision rule: compare with fp64 and allow twice the error PyTorch makes itself.
     options = {"causal": True, "window": 12}
     exact_inputs = [t.detach().double().requires_grad_() for t in _inputs(L_q=33, L_k=40)]
     grad = torch.randn(2, 4, 33, 32, dtype=torch.float64, device=DEVICE)

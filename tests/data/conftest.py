@@ -1,5 +1,5 @@
 """Fixtures shared by the data tests: the pydoc corpus, the MiniLM tokenizer and pairs built
-from them are made once per session (together about two seconds)."""
+from them are made once per test run."""
 
 import pytest
 

@@ -1,5 +1,5 @@
-"""BERT's masking, tested statistically (Devlin et al. 2019, section 3.1; seed 000, "Pre-training
-Tasks": 15% of the tokens selected, of those 80% [MASK], 10% random, 10% unchanged), with
+"""BERT's masking, tested statistically (Devlin et al. 2019, section 3.1, "Pre-training
+BERT": 15% of the tokens selected, of those 80% [MASK], 10% random, 10% unchanged), with
 tolerances from the binomial sample size: |observed - p| <= 5 sqrt(p (1 - p) / n). The outside
 references: the paper's numbers, and transformers' DataCollatorForLanguageModeling, whose
 statistics on the same batches must agree with ours within the same kind of tolerance."""

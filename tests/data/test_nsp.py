@@ -1,4 +1,4 @@
-"""Next-sentence pairs (Devlin et al. 2019, section 3.1 and appendix A.2; seed 000): half IsNext
+"""Next-sentence pairs (Devlin et al. 2019, section 3.1 and appendix A.2): half IsNext
 (B really follows A in the same document, checked against the text), half NotNext (B from another
 document); [CLS] A [SEP] B [SEP] with segment ids 0/1 as transformers' BERT tokenizer builds them
 from the same two texts; never longer than max_length."""

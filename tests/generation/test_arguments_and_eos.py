@@ -1,5 +1,5 @@
 """Bad arguments fail before any decoding, naming the argument, what was seen and what was
-expected (DESIGN.md section 3); rows that reach EOS are padded with it and decoding stops once
+expected; rows that reach EOS are padded with it and decoding stops once
 every row has."""
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Incremental decoding, beam search and greedy decoding of the encoder-decoder `Transformer`.
 
 What each test compares against, never the cached path itself:
-- cached step logits: the teacher-forced `decode` of the whole prefix (seed 004: at inference the
-  decoder sees the prefix, one token more each step), and forward-hook call counts;
+- cached step logits: the teacher-forced `decode` of the whole prefix (at inference the decoder
+  is auto-regressive, Vaswani et al. 2017, s3: it sees the prefix, one token more each step), and
+  forward-hook call counts;
 - beam search: EXHAUSTIVE search over every target up to the length cap on a 5-token vocabulary,
   each scored by teacher-forced full forward passes with the length penalty written out here;
 - greedy decoding: the argmax of teacher-forced logits at every position;

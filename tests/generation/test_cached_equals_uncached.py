@@ -1,6 +1,6 @@
-"""Cached decoding gives the tokens and logits of recomputing the whole prefix every step
-(DESIGN.md section 4): the reference is the model run without any cache on the full left-padded
-sequence, with the positions every row's real tokens would have alone."""
+"""Cached decoding gives the tokens and logits of recomputing the whole prefix every step:
+the reference is the model run without any cache on the full left-padded sequence, with the
+positions every row's real tokens would have alone."""
 
 import pytest
 import torch

@@ -1,8 +1,8 @@
-"""KV cache memory against the formula of seed 002 section 6.1 / Q21:
+"""KV cache memory against its formula (Pope et al. 2022, on the costs of inference):
 
     bytes per sample = L_ctx * layers * 2 (K and V) * H_kv * head_dim * bytes per element
 
-and against the seed's figures for Llama-2-70B: about 1.25 GB per sample with GQA (H_kv = 8),
+and against the figures for Llama-2-70B: about 1.25 GB per sample with GQA (H_kv = 8),
 10 GB with plain multi-head attention (4096 tokens, 80 layers, fp16). Large caches are built on
 the "meta" device: shapes and dtypes, no memory.
 """
@@ -24,7 +24,7 @@ BYTES_PER_ELEMENT = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("num_kv_heads", [8, 2, 1], ids=["MHA", "GQA", "MQA"])
-def test_bytes_per_sample_is_the_seed_formula(num_kv_heads, dtype):
+def test_bytes_per_sample_is_context_layers_2_kv_heads_head_dim_bytes(num_kv_heads, dtype):
     context, layers, head_dim, batch = 24, 3, 16, 2
     cache = StaticKVCache(
         num_layers=layers, batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -36,7 +36,7 @@ def test_bytes_per_sample_is_the_seed_formula(num_kv_heads, dtype):
 
 
 @pytest.mark.parametrize(("num_kv_heads", "gibibytes"), [(8, 1.25), (64, 10)], ids=["GQA", "MHA"])
-def test_llama_2_70b_cache_is_the_seed_figure(num_kv_heads, gibibytes):
+def test_llama_2_70b_cache_is_1_25_gib_with_gqa_and_10_gib_with_mha(num_kv_heads, gibibytes):
     """Built by `make_cache` (what `generate` uses) from the llama-2-70b preset, on meta."""
     config = GPTConfig.from_name("llama-2-70b", num_kv_heads=num_kv_heads)
     with torch.device("meta"):

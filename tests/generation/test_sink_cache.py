@@ -1,4 +1,4 @@
-"""StreamingLLM decoding (Xiao et al. 2024; seed 002 section 8.1): attention sinks + a window.
+"""StreamingLLM decoding (Xiao et al. 2024): attention sinks + a window.
 
 The policy: keep the first `num_sinks` tokens and the last `window` ones, and give the kept
 tokens the positions 0 .. n - 1 in that order. The reference is the model run without a cache

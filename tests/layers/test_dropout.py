@@ -1,6 +1,6 @@
 """Dropout in the layers: off in eval mode, on in train mode, and statistically right.
 
-Attention dropout acts on the weights after the softmax (seed 002 Q10): each weight is zeroed
+Attention dropout acts on the weights after the softmax: each weight is zeroed
 with probability p and the survivors are scaled by 1 / (1 - p), so a row sums to 1 only in
 expectation. The checks are statistical, with a fixed seed and bounds of several sigma.
 """

@@ -58,7 +58,7 @@ def test_gelu_is_x_times_gaussian_cdf():
     with torch.no_grad():
         ffn.up_proj.weight.copy_(torch.eye(E))
         ffn.down_proj.weight.copy_(torch.eye(E))
-    phi = 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))  # seed 003 DL0038
+    phi = 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))  # Hendrycks & Gimpel 2016
     torch.testing.assert_close(ffn(x), x * phi, atol=1e-12, rtol=1e-12)
 
 

@@ -1,4 +1,4 @@
-"""ALBERT-style cross-layer sharing (seed 003 DL0039): one block applied num_layers times."""
+"""ALBERT-style cross-layer sharing (Lan et al. 2020): one block applied num_layers times."""
 
 import pytest
 import torch

@@ -3,7 +3,7 @@ and F.cross_entropy.
 
 The stacks are proved against `nn.Transformer` with its weights copied; the parts it does not
 have (embeddings scaled by sqrt(E), sinusoidal positions, output projection, teacher forcing and
-the loss) against the formulas of the paper and seed 004, computed directly in the test.
+the loss) against the formulas of the paper, computed directly in the test.
 """
 
 import math
@@ -217,7 +217,7 @@ def test_decoder_is_causal_and_autoregressive_decoding_matches_teacher_forcing()
         changed = tgt_ids.clone()
         changed[:, 4] = (changed[:, 4] + 1) % V_TGT
         after = model.decode(changed, memory, memory_mask=src_real)
-        # seed 004: at inference the decoder sees the prefix only, one token more each step.
+        # At inference the decoder sees the prefix only, one token more each step.
         steps = [
             model.decode(tgt_ids[:, : i + 1], memory, memory_mask=src_real)[:, -1]
             for i in range(tgt_ids.shape[1])

@@ -1,5 +1,5 @@
 """GPTConfig presets against the published models (parameter counts of transformers' own
-classes, built on the meta device, and the numbers the papers and seed 002 give)."""
+classes, built on the meta device, and the numbers the papers give)."""
 
 from __future__ import annotations
 
@@ -84,8 +84,8 @@ def test_gpt2_preset_on_cpu_has_the_tied_count():
     assert _count(model) == 124_439_808
 
 
-def test_llama_2_70b_kv_cache_matches_seed_002():
-    """Seed 002 section 6.1: Llama-2-70B (GQA, H_kv = 8), 4096 tokens, 80 layers, fp16: about
+def test_llama_2_70b_kv_cache_is_1_25_gib_where_mha_would_need_10():
+    """Llama-2-70B (GQA, H_kv = 8), 4096 tokens, 80 layers, fp16: about
     1.25 GB per sample, where plain MHA would need 10 GB."""
     config = GPTConfig.from_name("llama-2-70b")
     assert (config.num_layers, config.num_heads, config.num_kv_heads) == (80, 64, 8)

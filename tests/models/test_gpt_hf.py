@@ -211,7 +211,7 @@ def test_left_padding_with_position_ids(name, tmp_path):
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
 def test_bf16_autocast_error_is_within_twice_that_of_transformers(name, tmp_path):
-    """DESIGN.md 4: in low precision, at most twice the error of the reference implementation
+    """The low-precision rule: at most twice the error of the reference implementation
     at the same precision, both measured against the fp32 logits."""
     reference = _reference(name)
     reference.save_pretrained(tmp_path)

@@ -110,7 +110,7 @@ def test_the_module_rotates_exactly_as_apply_rope_and_hugging_face(layout, dtype
 
 
 def test_bf16_error_at_most_twice_hugging_face():
-    """DESIGN.md tolerance rule: in bf16, at most twice the error of the reference library."""
+    """The low-precision rule: in bf16, at most twice the error of the reference library."""
     torch.manual_seed(3)
     B, H, L, D = 2, 4, 64, 64
     q = torch.randn(B, H, L, D)
@@ -238,7 +238,7 @@ def rotated_score(query_position, key_position, layout):
     layout=st.sampled_from(["half", "interleaved"]),
 )
 def test_score_depends_only_on_relative_position(query_position, key_position, shift, layout):
-    """Seed 002 Q24: q_m . k_n after RoPE depends only on m - n."""
+    """Su et al. 2021: q_m . k_n after RoPE depends only on m - n."""
     score = rotated_score(query_position, key_position, layout)
     shifted = rotated_score(query_position + shift, key_position + shift, layout)
     assert shifted == pytest.approx(score, rel=1e-9, abs=1e-9)

@@ -1,7 +1,8 @@
 """Looking inside: sanity checks (`qkv check`), exact attention maps from any backend, the cost
 planner (`qkv cost`), head importance and pruning (Michel et al. 2019), the complexity benchmark
 (`qkv bench complexity`), the attention viewer (`qkv viz`) and the report (`qkv report`). The
-seeds' plots are in `qkv.analysis.plots` (imported on its own: it needs matplotlib)."""
+classic figures (softmax saturation, sqrt(d_k) scaling, positional encodings, masks, GELU) are in
+`qkv.analysis.plots` (imported on its own: it needs matplotlib)."""
 
 from qkv.analysis.attention_maps import (
     AttentionMap,

@@ -10,7 +10,8 @@ ALiBi bias) and recomputes only the selected heads and query rows against all ke
 
 with the masking of `qkv.attention_weights` (the tiled kernel's), so memory is linear in what is
 selected: B x heads x rows x L_k weights, never L_q x L_k unless every row is asked for. These
-are the pre-dropout weights (seed 002 section 2: softmax(QK^T / sqrt(d_k)) before dropout).
+are the pre-dropout weights: softmax(QK^T / sqrt(d_k)) (Vaswani et al. 2017, s3.2.1), before
+any attention dropout.
 
     with record_attention(model, layers=[0, 5], heads=[3], rows=[-1]) as recording:
         model(input_ids)

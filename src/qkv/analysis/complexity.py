@@ -1,11 +1,11 @@
 """Time and memory of attention against the sequence length L: the O(L^2) problem, measured.
 
-Seed 001 section 2.4.2 ("Complexity Analysis: The O(n^2) Problem") times multi-head attention
-at L = 64 .. 2048, each L double the last, and prints `seq_len, time (ms), mem (MB), ratio`:
-"Each doubling of sequence length increases computation time by roughly 4x", and the memory of
-the (n, n) attention matrix, `seq_len * seq_len * n_heads * 4` bytes, grows the same way. Its
-memory column is that formula; here the peak is measured (`qkv.analysis.memory.peak_bytes`)
-and the formula is printed beside it. Three backends do the same work side by side:
+The classic doubling benchmark times multi-head attention at L = 64 .. 2048, each L double the
+last, and prints `seq_len, time (ms), mem (MB), ratio`: each doubling of the sequence length
+multiplies the time by about 4, and the memory of the (L, L) attention matrix,
+`seq_len * seq_len * n_heads * 4` bytes in fp32, grows the same way. Where such a table gives
+that formula as its memory, here the peak is measured (`qkv.analysis.memory.peak_bytes`) and
+the formula is printed beside it. Three backends do the same work side by side:
 
     naive   `qkv.attention(backend="reference")`: eager math, materialises the (B, H, L, L) scores
     sdpa    `qkv.attention(backend="sdpa")`: PyTorch's fused `F.scaled_dot_product_attention`
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 # Our names for the benchmark's candidates -> the `qkv.attention` backend that runs each.
 BACKENDS = {"naive": "reference", "sdpa": "sdpa", "tiled": "tiled"}
-DEFAULT_LENGTHS = (256, 512, 1024, 2048)  # a few seconds per backend on 2 CPU cores
+DEFAULT_LENGTHS = (256, 512, 1024, 2048)  # small enough for a CPU
 DEFAULT_MAX_MEMORY = 4 * 2**30
 # Live (B, H, L, L) score-sized tensors at the reference backend's peak, counted in fp32 (it
 # computes scores and softmax in fp32 whatever the input dtype): scores, their masked copy (when
@@ -50,7 +50,7 @@ class ComplexityPoint:
     """One backend at one length: median seconds per call, peak bytes, ratios to the previous L.
 
     `skipped` says why a point was not measured (its predicted memory exceeds the budget); then
-    `seconds` and `peak_bytes` are None. `score_bytes` is seed 001's formula, B * H * L^2 * bytes.
+    `seconds` and `peak_bytes` are None. `score_bytes` is the textbook formula, B * H * L^2 * bytes.
     """
 
     backend: str
@@ -130,7 +130,7 @@ def fit_exponent(lengths: Sequence[float], values: Sequence[float]) -> float:
 
 
 def score_bytes(*, batch: int, heads: int, length: int, dtype: torch.dtype) -> int:
-    """Bytes of one (B, H, L, L) score matrix: seed 001's `seq_len * seq_len * n_heads * 4`."""
+    """Bytes of one (B, H, L, L) score matrix: `seq_len * seq_len * n_heads * 4` in fp32."""
     return batch * heads * length * length * dtype.itemsize
 
 
@@ -312,7 +312,7 @@ def measure_complexity(
     fit_from: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> ComplexityResult:
-    """Seed 001's doubling benchmark for naive, SDPA and tiled attention, with fitted exponents.
+    """The doubling benchmark for naive, SDPA and tiled attention, with fitted exponents.
 
     Self-attention on random (B, H, L, D) inputs at each L; per backend and L, the median of
     `repeats` timed samples (after a warm-up) and the peak bytes allocated beyond the inputs.

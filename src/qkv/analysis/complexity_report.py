@@ -1,4 +1,4 @@
-"""`qkv bench complexity`'s outputs: seed 001's table (L, time, ratio, memory) and the log-log
+"""`qkv bench complexity`'s outputs: the doubling table (L, time, ratio, memory) and the log-log
 plot of time and memory against L, from a `ComplexityResult` (`qkv.analysis.complexity`)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def _ratio(value: float | None) -> str:
 
 
 def format_table(result: ComplexityResult) -> str:
-    """Seed 001's table (L, time, ratio, memory) per backend, plus memory's ratio, the L x L
+    """The doubling table (L, time, ratio, memory) per backend, plus memory's ratio, the L x L
     score formula beside the measured peak, and the fitted exponents."""
     lines = [_describe(result.settings)]
     header = (
@@ -41,7 +41,7 @@ def format_table(result: ComplexityResult) -> str:
                 start + f"{p.seconds * 1e3:>10.2f} {_ratio(p.time_ratio):>7} "
                 f"{p.peak_bytes / 1e6:>10.2f} {_ratio(p.memory_ratio):>7} {formula}"
             )
-    lines.append("mem: measured peak beyond the inputs; L*L: seed 001's formula B*H*L*L*bytes")
+    lines.append("mem: measured peak beyond the inputs; L*L: the formula B*H*L*L*bytes")
     lines.append(
         f"fitted cost ~ L^p over L >= {result.fit_from} (smaller L is dominated by fixed "
         f"overhead; each doubling multiplies the cost by 2^p):"

@@ -4,20 +4,20 @@ For a preset, a config or a checkpoint folder, `cost_report` gives, from formula
 weights are built):
 
 - parameters: exact, every embedding table, projection, bias and norm, tied heads counted once;
-- FLOPs (seed 002 section 3.3; 2 FLOPs per multiply-add, matrix products only): forward per
+- FLOPs (2 FLOPs per multiply-add, matrix products only; Kaplan et al. 2020, s2.1): forward per
   sequence and per token, one decoding step with a KV cache, training ~ 3 x forward (the
   backward pass costs two products per forward product: one for the input gradient, one for the
   weight gradient). One MHA layer costs 8 B L E^2 + 4 B L^2 E;
 - score-matrix memory: the L x L matrix a non-fused attention materialises, per head and per
-  layer (all H heads, the whole batch) at 8K, 32K and 128K tokens (seed 001, exercise on memory
-  at 8K/32K/128K: 32 heads x 8192^2 x 2 bytes = 4.29 GB for one layer in fp16);
-- KV-cache bytes per sample (seed 002 section 6.1):
+  layer (all H heads, the whole batch) at 8K, 32K and 128K tokens (32 heads x 8192^2 x 2 bytes
+  = 4.29 GB for one layer in fp16);
+- KV-cache bytes per sample (Pope et al. 2022, Efficiently Scaling Transformer Inference):
 
       L_ctx * layers * 2 (K and V) * H_kv * head_dim * bytes per element,
 
   for the model's own key/value heads and for MHA (H_kv = H), GQA and MQA (H_kv = 1) at the same
   size: Llama-2-70B at 4096 tokens in fp16 needs 1.25 GiB per sample with its 8 K/V heads and
-  10 GiB with 64 (seed 002: "about 1.25 GB / sample ... vanilla MHA would reach 10 GB").
+  10 GiB with 64, as plain MHA would (GQA: Ainslie et al. 2023; MQA: Shazeer 2019).
 
 Sizes are the arithmetic of `qkv.analysis.cost_layout`; the presets and checkpoint reading are
 in `qkv.analysis.cost_sources`, the text tables in `qkv.analysis.cost_format`.
@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 _DTYPE_ALIASES = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
-SCORE_LENGTHS = (8192, 32768, 131072)  # 8K, 32K, 128K: seed 001's memory exercise
+SCORE_LENGTHS = (8192, 32768, 131072)  # 8K, 32K, 128K: long contexts, where L^2 hurts
 TRAINING_FLOPS_FACTOR = 3  # forward + backward (input and weight gradients: 2 x forward)
 
 
@@ -130,16 +130,16 @@ def bytes_per_element(dtype: str) -> tuple[str, int]:
 def kv_cache_bytes_per_sample(
     *, context: int, num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: int
 ) -> int:
-    """L_ctx * layers * 2 (K and V) * H_kv * head_dim * bytes per element (seed 002 section
-    6.1): what `qkv.layers.StaticKVCache` allocates for one row of the batch."""
+    """L_ctx * layers * 2 (K and V) * H_kv * head_dim * bytes per element (Pope et al. 2022):
+    what `qkv.layers.StaticKVCache` allocates for one row of the batch."""
     return context * num_layers * 2 * num_kv_heads * head_dim * bytes_per_element
 
 
 def score_matrix_bytes(
     *, length: int, num_heads: int, batch: int, bytes_per_element: int
 ) -> ScoreMatrixMemory:
-    """The (B, H, L, L) score matrix of one layer, and one head's (L, L) share of it (seed 001,
-    section 2.4.2: "the score matrix QK^T has shape (n, n)")."""
+    """The (B, H, L, L) score matrix of one layer, and one head's (L, L) share of it (the score
+    matrix QK^T of Vaswani et al. 2017, s3.2.1, has shape (L, L) per head)."""
     per_head = length * length * bytes_per_element
     return ScoreMatrixMemory(
         length=length, per_head_bytes=per_head, per_layer_bytes=per_head * num_heads * batch

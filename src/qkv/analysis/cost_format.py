@@ -1,7 +1,7 @@
 """`CostReport`s as text tables: one column per model, or one row per preset.
 
 Bytes are shown in binary units (KiB, MiB, GiB, TiB: powers of 1024), so Llama-2-70B's cache
-reads "1.25 GiB", as in seed 002; counts and FLOPs in decimal units (M, B; GFLOP, TFLOP).
+reads "1.25 GiB"; counts and FLOPs in decimal units (M, B; GFLOP, TFLOP).
 """
 
 from __future__ import annotations

@@ -6,13 +6,13 @@ an output head. Every count below is a formula of that layout, never a measureme
 check the formulas against instantiated qkv models (parameters), `FlopCounterMode` (FLOPs) and
 the KV caches' own sizes.
 
-Conventions (seed 002 section 3.3):
+Conventions (the usual ones of FLOP counts, e.g. Kaplan et al. 2020, s2.1):
 - A multiply-add is 2 FLOPs: (L x E) @ (E x E) costs 2 L E^2. Only the matrix products are
-  counted (projections, Q K^T, weights @ V, FFN, output head), as the seed and `FlopCounterMode`
-  do; norms, softmax, activations, biases and embedding lookups add O(L E), not O(L E^2).
-- The score matrix is counted dense, L_q x L_k, even under a causal mask: the seed's
+  counted (projections, Q K^T, weights @ V, FFN, output head), as `FlopCounterMode` does;
+  norms, softmax, activations, biases and embedding lookups add O(L E), not O(L E^2).
+- The score matrix is counted dense, L_q x L_k, even under a causal mask: the textbook
   4 B L^2 E term, and what a backend that materialises the scores computes.
-- One MHA layer then costs 8 B L E^2 + 4 B L^2 E (seed 002: "Total ~ 8BLD^2 + 4BL^2D").
+- One MHA layer then costs 8 B L E^2 (the four projections) + 4 B L^2 E (Q K^T, weights @ V).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class AttentionLayout:
 @dataclass(frozen=True)
 class FFNLayout:
     """The feed-forward sub-layer: up and down projections (2 matrices), or SwiGLU's gate, up
-    and down (3 matrices; seed 003 DL0045)."""
+    and down (3 matrices; Shazeer 2020, GLU variants)."""
 
     embed_dim: int
     hidden_dim: int

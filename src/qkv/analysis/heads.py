@@ -1,5 +1,5 @@
 """Which heads matter: head importance and pruning (Michel et al. 2019), and how much attention
-changes its input (seed 001's cosine-similarity demo).
+changes its input (the cosine similarity of its input and output at each position).
 
 Michel, Levy and Neubig, "Are Sixteen Heads Really Better than One?" (NeurIPS 2019) put a gate
 xi_h in front of every head's contribution to the output projection,
@@ -13,9 +13,9 @@ the effect of removing it, after Molchanov et al. 2017):
     I_h = E_x | dL(x) / d xi_h |,
 
 normalised by the L2 norm over the heads of each layer. Pruning removes heads in increasing
-order of I_h (section 4.2, Figure 3). Seed 001's exercise on 11 near-identical heads answers
-"prune heads (Voita's 'head importance' score)"; Voita et al. 2019 rank heads by relevance and
-confidence, this module by Michel et al.'s gradient, the score transformers' bertology uses.
+order of I_h (section 4.2, Figure 3): near-identical heads are the first to go. Voita et al.
+2019 rank heads by relevance and confidence, this module by Michel et al.'s gradient, the score
+transformers' bertology uses.
 
 The gates need no change to `MultiHeadAttention`: `out_proj` receives the concatenated heads
 (B, L, H * D) with each head's D values contiguous, and a forward pre-hook scales each slice.
@@ -321,9 +321,9 @@ def position_cosine_similarity(
 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """Cosine similarity between the input and the output of attention, at every position.
 
-    Seed 001, "Putting It All Together": `cosine_similarity(x[0], output[0], dim=-1)`, "the low
-    cosine similarity between input and output confirms that attention is doing substantial
-    work". module: a `MultiHeadAttention`, called as module(inputs, **forward_kwargs) with inputs
+    `cosine_similarity(x[0], output[0], dim=-1)`: a low similarity between input and output
+    says that attention does substantial work, a high one that its output stays close to its
+    input. module: a `MultiHeadAttention`, called as module(inputs, **forward_kwargs) with inputs
     x (B, L, E) -> (B, L). Or a model, called as model(inputs, **forward_kwargs) (e.g. input_ids
     and attention_mask=...) -> {name: (B, L_q)} for each attention module, between the x it
     reads its queries from and its output (before the residual). A module that runs several

@@ -7,6 +7,7 @@ is the largest running sum of those, in time order.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -22,6 +23,7 @@ def peak_bytes(fn: Callable[[], object], device: str | torch.device = "cpu") -> 
         fn()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - before
+    _quiet_kineto()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = sorted(
@@ -33,3 +35,11 @@ def peak_bytes(fn: Callable[[], object], device: str | torch.device = "cpu") -> 
         current += event.nbytes()
         peak = max(peak, current)
     return peak
+
+
+def _quiet_kineto() -> None:
+    """Kineto, the profiler's back end, writes "USDT: ... profiler_start" and "profiler_stop"
+    to stderr around every profile. It reads its log level from KINETO_LOG_LEVEL once, when the
+    profiler first starts; 6 is above its highest level (USDT, 5), so it writes nothing. A level
+    set by the user is kept."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")

@@ -1,4 +1,5 @@
-"""The seeds' plots, as matplotlib figures (matplotlib is optional: `pip install matplotlib`).
+"""The classic figures of attention, as matplotlib figures (matplotlib is optional:
+`pip install matplotlib`).
 
 Every function returns a `matplotlib.figure.Figure` built without pyplot, so nothing is shown,
 no backend is chosen and no global state is touched; write it with `save_figure`:
@@ -7,12 +8,13 @@ no backend is chosen and no global state is touched; write it with `save_figure`
     fig = plots.softmax_saturation()
     plots.save_figure(fig, "saturation.svg")
 
-- Attention weights: `attention_heatmaps` (per head, side by side; seed 001 lab),
-  `bidirectional_vs_causal` (seed 001 lab, Step 2), `mask_gallery` (seed 003 DL0040).
-- Why sqrt(d_k): `softmax_scaling` (seed 000 Q3), `softmax_saturation` ([a, a, 2a], seed 004),
-  `scaling_comparison` (d_k vs sqrt(d_k) vs none, seed 001 exercises).
-- Positions: `rope_vs_sinusoidal_decay` (seed 003 DL0052), `alibi_biases` (seed 002 section 8).
-- Activations: `gelu_vs_relu` (seed 003 DL0038).
+- Attention weights: `attention_heatmaps` (per head, side by side; Clark et al. 2019),
+  `bidirectional_vs_causal` (BERT's vs GPT's attention), `mask_gallery` (padding, causal and
+  structured masks).
+- Why sqrt(d_k) (Vaswani et al. 2017, s3.2.1): `softmax_scaling`, `softmax_saturation`
+  ([a, a, 2a]), `scaling_comparison` (d_k vs sqrt(d_k) vs none).
+- Positions: `rope_vs_sinusoidal_decay` (Su et al. 2021), `alibi_biases` (Press et al. 2022).
+- Activations: `gelu_vs_relu` (Hendrycks & Gimpel 2016).
 """
 
 from __future__ import annotations

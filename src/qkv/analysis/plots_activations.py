@@ -1,5 +1,5 @@
-"""The feed-forward activations, GELU vs ReLU, and their derivatives (seed 003 DL0038; seed 000,
-"Sources of Non-linearity": BERT's GELU, "a smoother alternative to ReLU")."""
+"""The feed-forward activations, GELU vs ReLU, and their derivatives (Hendrycks & Gimpel 2016;
+BERT's GELU, Devlin et al. 2019, is a smoother alternative to ReLU)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ _CURVES = (
 
 def gelu_vs_relu(x: Sequence[float] | np.ndarray | torch.Tensor | None = None) -> Figure:
     """GELU(x) = x Phi(x) = x (1 + erf(x / sqrt 2)) / 2 against ReLU(x) = max(0, x), and their
-    derivatives (seed 003 DL0038: "The figure below demonstrates the difference between ReLU
-    and GELU"; "GELU is preferred for smoother gradient flow").
+    derivatives (Hendrycks & Gimpel 2016): ReLU's derivative jumps from 0 to 1 at x = 0 and is
+    exactly 0 for every negative input; GELU's is smooth, and not 0 for small negative ones.
 
     x: a 1-D array of inputs; default `np.linspace(-4, 4, 401)`. The functions are the ones
     `qkv.layers.FeedForward` uses; derivatives come from autograd (ReLU's is 0 at x = 0, as

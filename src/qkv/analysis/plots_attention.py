@@ -1,5 +1,5 @@
-"""Attention weights and masks as heat maps (seed 001 lab, Step 2 and its stretch goal; seed 003
-DL0040). Every figure shows keys along x and queries along y, one row per query's distribution.
+"""Attention weights and masks as heat maps: per head, bidirectional vs causal, and the mask
+types. Every figure shows keys along x and queries along y, one row per query's distribution.
 """
 
 from __future__ import annotations
@@ -34,9 +34,8 @@ def attention_heatmaps(
     cmap: str = "Blues",
     max_columns: int = 4,
 ) -> Figure:
-    """Per-head attention heat maps side by side (seed 001 lab, stretch goal: "Visualize how
-    each of the 4 attention heads attends to different parts of a sentence by plotting all head
-    heatmaps side by side").
+    """Per-head attention heat maps side by side: how each head attends to different parts of
+    a sentence (Clark et al. 2019, what does BERT look at).
 
     weights: (L_q, L_k), (H, L_q, L_k) or (1, H, L_q, L_k), e.g. the weights of
     `qkv.attention(..., return_weights=True)`. tokens label the keys (and the queries too when
@@ -82,18 +81,17 @@ def bidirectional_vs_causal(
     scale: float | None = None,
     annotate: bool = False,
 ) -> Figure:
-    """Bidirectional vs causal attention weights of the same queries and keys (seed 001 lab,
-    Step 2: "Bidirectional Attention" next to "Causal Attention (Masked)"; seed 001: "This is
-    the key difference between GPT (causal) and BERT (bidirectional) architectures").
+    """Bidirectional vs causal attention weights of the same queries and keys: the key
+    difference between BERT (bidirectional, Devlin et al. 2019) and GPT (causal).
 
     q: (L_q, D), (H, L_q, D) or (1, H, L_q, D); k likewise with L_k. The weights come from
     `qkv.attention(q, k, v, causal=..., scale=scale, return_weights=True)` (they do not depend
     on v). Returns a figure with 2 rows of H image axes (row 0 bidirectional in blue, row 1
-    causal in orange, as in the seed) and one colorbar axes.
+    causal in orange) and one colorbar axes.
     """
-    q4, k4 = _as_batch_of_heads("q", q), _as_batch_of_heads("k", k)  # (1, H, L, D) each
-    _, weights_bidirectional = qkv.attention(q4, k4, k4, scale=scale, return_weights=True)
-    _, weights_causal = qkv.attention(q4, k4, k4, causal=True, scale=scale, return_weights=True)
+    qh, kh = _as_batch_of_heads("q", q), _as_batch_of_heads("k", k)  # (1, H, L, D) each
+    _, weights_bidirectional = qkv.attention(qh, kh, kh, scale=scale, return_weights=True)
+    _, weights_causal = qkv.attention(qh, kh, kh, causal=True, scale=scale, return_weights=True)
     H, L_q, L_k = weights_causal.shape[1:]
     key_labels = check_labels("tokens", tokens, L_k)
     query_labels = key_labels if L_q == L_k else None
@@ -124,9 +122,9 @@ def bidirectional_vs_causal(
 def mask_gallery(
     *, seq_len: int = 8, valid_length: int = 5, window: int | tuple[int, int] = (1, 1)
 ) -> Figure:
-    """The mask types side by side (seed 003 DL0040: "three side-by-side heatmaps: a padding
-    mask ..., a causal mask ..., and a structured mask that enforces local neighborhood
-    constraint"), plus padding combined with causal, the mask of a padded decoder batch.
+    """The mask types side by side: a padding mask, a causal mask and a structured mask that
+    keeps each query to a local neighbourhood, plus padding combined with causal, the mask of a
+    padded decoder batch.
 
     Built with `qkv.masks`: `padding(tensor([valid_length]), seq_len)` (keys at or beyond
     valid_length blocked), `causal(seq_len)`, `sliding_window(seq_len, seq_len, window)` (the

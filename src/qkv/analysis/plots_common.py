@@ -52,10 +52,10 @@ def draw_heatmap(
     vmin: float | None = None,
     vmax: float | None = None,
 ):
-    """Draw a (L_q, L_k) matrix as an image: keys along x, queries along y (seed 001, Step 2).
+    """Draw a (L_q, L_k) matrix as an image: keys along x, queries along y.
 
     Returns the `AxesImage`, whose `get_array()` is `matrix`. With `annotate`, each cell also
-    shows its value, as the seed's heat maps do.
+    shows its value (readable for a few tokens).
     """
     image = ax.imshow(matrix, cmap=cmap, vmin=vmin, vmax=vmax)
     ax.set_title(title)

@@ -1,5 +1,5 @@
 """Position information, drawn: RoPE's decay with relative distance against sinusoidal encodings
-(seed 003 DL0052), and ALiBi's per-head linear biases (seed 002 section 8 and Q24).
+(Su et al. 2021), and ALiBi's per-head linear biases (Press et al. 2022).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ def rope_vs_sinusoidal_decay(
     base: float = 10000.0,
     seed: int = 0,
 ) -> Figure:
-    """RoPE's long-term decay with relative distance, against sinusoidal encodings (seed 003
-    DL0052: "RoPE makes attention decay smoothly with relative distance, while standard
-    sinusoidal PE reflects absolute position similarity").
+    """RoPE's long-term decay with relative distance, against sinusoidal encodings (Su et al.
+    2021): RoPE makes attention decay smoothly with relative distance, while the similarity of
+    sinusoidal encodings (Vaswani et al. 2017, s3.5) reflects absolute positions.
 
     Returns a figure with 5 axes:
     0. Against relative distance r = 0 .. max_distance, each divided by its value at r = 0:
@@ -79,8 +79,8 @@ def rope_vs_sinusoidal_decay(
 def alibi_biases(
     *, num_heads: int = 8, seq_len: int = 8, causal: bool = True, max_columns: int = 4
 ) -> Figure:
-    """The ALiBi bias of every head (Press et al. 2022, section 3; seed 002 section 8:
-    "score_ij - m * |i - j|", and Q24: "add a distance bias -m |i - j| to scores").
+    """The ALiBi bias of every head (Press et al. 2022, section 3): each score becomes
+    score_ij - m * |i - j|, a distance penalty with one slope m per head.
 
     From `qkv.positional.alibi_bias(num_heads, seq_len, seq_len)` and `alibi_slopes`. Returns
     a figure with num_heads image axes, one per head and titled with its slope m (each image

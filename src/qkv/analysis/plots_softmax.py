@@ -1,10 +1,10 @@
-"""Why attention divides by sqrt(d_k): the softmax figures of the seeds.
+"""Why attention divides by sqrt(d_k) (Vaswani et al. 2017, s3.2.1 and its footnote 4): the
+classic softmax figures.
 
-- `softmax_scaling`: seed 000, Practical & Coding Questions, Q3 ("visualize the effect of
-  scaling on the softmax output distribution").
-- `softmax_saturation`: seed 004, "Practical Consequence: The Softmax Gradient Problem" (the
-  largest element of softmax([a, a, 2a]) saturates to 1) and the softmax Jacobian derived there.
-- `scaling_comparison`: seed 001, Exercises (scaling by d_k vs sqrt(d_k) vs not at all).
+- `softmax_scaling`: the effect of scaling on the softmax output distribution.
+- `softmax_saturation`: the classic figure of softmax saturation (the largest element of
+  softmax([a, a, 2a]) saturates to 1) and the diagonal of the softmax Jacobian, which vanishes.
+- `scaling_comparison`: scaling by d_k vs sqrt(d_k) vs not at all.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ __all__ = ["scaling_comparison", "softmax_saturation", "softmax_scaling"]
 def softmax_scaling(
     *, d_k_values: Sequence[int] = (64, 256), seq_len: int = 20, seed: int = 0
 ) -> Figure:
-    """Softmax of unscaled vs scaled scores, one row per d_k (seed 000, Q3: "the softmax output
-    becomes 'harder' (closer to one-hot) as the variance of the scores increases, and ...
-    scaling brings it back to a 'softer' distribution").
+    """Softmax of unscaled vs scaled scores, one row per d_k: the softmax output becomes
+    harder (closer to one-hot) as the variance of the scores grows, and scaling brings it back
+    to a softer distribution.
 
-    As in the seed, the unscaled scores of row r are z_r * sqrt(d_k), which have the variance
+    The unscaled scores of row r are z_r * sqrt(d_k), which have the variance
     d_k of a dot product of unit-variance q and k, and the scaled scores are those divided by
     sqrt(d_k), i.e. z_r. Here z = torch.randn(len(d_k_values), seq_len, dtype=float64) drawn
     from `torch.Generator().manual_seed(seed)`. Returns a figure with a (len(d_k_values), 2)
@@ -69,14 +69,13 @@ def softmax_scaling(
 def softmax_saturation(
     a_values: Sequence[float] | np.ndarray | torch.Tensor | None = None,
 ) -> Figure:
-    """softmax([a, a, 2a]) for the largest element, and its gradient, as a grows (seed 004:
-    "the output of softmax for the largest element in a vector [a, a, 2a] quickly saturates to
-    1 as the magnitude a increases").
+    """softmax([a, a, 2a]) for the largest element, and its gradient, as a grows: the output
+    for the largest element quickly saturates to 1 as the magnitude a increases.
 
-    a_values: a 1-D array of magnitudes; default `np.linspace(0, 15, 100)` as in the seed.
+    a_values: a 1-D array of magnitudes; default `np.linspace(0, 15, 100)`.
     Returns a figure with one axes and two lines: "softmax(2a)", y_3 = e^{2a} / (2 e^a + e^{2a}),
-    and "dy_3/dx_3 = y_3 (1 - y_3)", the diagonal entry of the softmax Jacobian (seed 004,
-    interview question on the softmax gradient: case i = j), which falls to 0 as y_3 -> 1.
+    and "dy_3/dx_3 = y_3 (1 - y_3)", the diagonal entry of the softmax Jacobian
+    (dy_i/dx_j for i = j), which falls to 0 as y_3 -> 1.
     """
     a = np.linspace(0.0, 15.0, 100) if a_values is None else to_numpy("a_values", a_values)
     if a.ndim != 1 or a.size == 0 or not np.isfinite(a).all():
@@ -104,7 +103,7 @@ _SCALINGS = (
     ("1/sqrt(d_k)", lambda d_k: 1.0 / math.sqrt(d_k)),
     ("1/d_k", lambda d_k: 1.0 / d_k),
 )
-# The exercise's predicted standard deviation of the scores, q . k having variance d_k.
+# The predicted standard deviation of the scores, q . k having variance d_k.
 _PREDICTED_STD = {"none": math.sqrt, "1/sqrt(d_k)": lambda d_k: 1.0, "1/d_k": lambda d_k: d_k**-0.5}
 
 
@@ -115,9 +114,9 @@ def scaling_comparison(
     num_queries: int = 256,
     seed: int = 0,
 ) -> Figure:
-    """Scores scaled by 1 vs 1/sqrt(d_k) vs 1/d_k, as d_k grows (seed 001, Exercises: "(a) With
-    linear scaling ... The softmax is nearly uniform ... (b) No scaling: std = 8. The softmax
-    saturates to nearly one-hot ... sqrt(d_k) gives std ~ 1, which is the sweet spot").
+    """Scores scaled by 1 vs 1/sqrt(d_k) vs 1/d_k, as d_k grows: scaling by 1/d_k shrinks the
+    scores until the softmax is nearly uniform; no scaling gives std sqrt(d_k) (8 at d_k = 64)
+    and a softmax saturated to nearly one-hot; 1/sqrt(d_k) keeps std ~ 1, the sweet spot.
 
     For each d_k in order, q (num_queries, d_k) then k (seq_len, d_k) are drawn with unit
     variance (torch.randn, float64, from `torch.Generator().manual_seed(seed)`), and the weights

@@ -4,16 +4,17 @@ Sections (`SECTIONS`, in page order):
 
 - model: the class, its config and its parameter count.
 - attention: heat maps of chosen layers, one panel per head, of the model's attention over a
-  text (seed 001 lab, stretch goal: "plotting all head heatmaps side by side"), with the exact
+  text, all heads of a layer side by side (Clark et al. 2019), with the exact
   weights behind them as JSON (`<script type="application/json" id="qkv-attention-data">`).
 - viewer: the interactive head view of `qkv viz` (every layer and head) in an iframe.
-- heads (on request): seed 001's input/output cosine similarity of each attention module and,
+- heads (on request): the input/output cosine similarity of each attention module and,
   for a GPT, head importance on the text (Michel et al. 2019; `qkv.analysis.heads`).
 - cost: `qkv cost` for the model's own config: parameters, FLOPs, score-matrix and KV-cache
-  memory (seed 002 sections 3.3 and 6.1).
-- complexity: seed 001's doubling benchmark (section 2.4.2, "The O(n^2) Problem") at the model's
+  memory (Kaplan et al. 2020 for FLOPs, Pope et al. 2022 for the KV cache).
+- complexity: the doubling benchmark of the O(L^2) problem (`qkv bench complexity`) at the model's
   own heads and head size, small (one repeat, L = 128 .. 1024): a glimpse, not a measurement.
-- seeds: the model-independent figures of the seeds (`qkv.analysis.plots`).
+- figures: the classic, model-independent figures of the papers (`qkv.analysis.plots`):
+  softmax saturation and sqrt(d_k) scaling, masks, positional encodings, GELU vs ReLU.
 
 The page loads nothing: figures are PNG data: URIs, tables are HTML tables, the CSS is inline,
 and the viewer travels in the iframe's srcdoc. It can be mailed as one file and opened offline.
@@ -34,40 +35,40 @@ from qkv.analysis.attention_maps import AttentionMap, record_attention
 from qkv.analysis.report_html import figure, json_script, page, section, table
 from qkv.analysis.viz import attention_view_html
 
-__all__ = ["COMPLEXITY_LENGTHS", "DEFAULT_SECTIONS", "SECTIONS", "SEED_PLOTS", "build_report"]
+__all__ = ["CLASSIC_FIGURES", "COMPLEXITY_LENGTHS", "DEFAULT_SECTIONS", "SECTIONS", "build_report"]
 
 logger = logging.getLogger(__name__)
 
 SECTIONS = {  # name -> heading, in page order
     "model": "Model", "attention": "Attention maps", "viewer": "Attention viewer", "heads": "Heads",
-    "cost": "Cost", "complexity": "Complexity", "seeds": "Seed plots",
+    "cost": "Cost", "complexity": "Complexity", "figures": "Classic figures",
 }  # fmt: skip
 DEFAULT_SECTIONS = tuple(name for name in SECTIONS if name != "heads")  # heads: on request
 COMPLEXITY_LENGTHS = (128, 256, 512, 1024)
 VIEWER_HEIGHT, VIEWER_ROW_HEIGHT = 160, 22  # pixels: controls, then one row per token
-SEED_TOKENS = ("The", "cat", "sat", "down")  # seed 001 lab, Step 2
+EXAMPLE_TOKENS = ("The", "cat", "sat", "down")  # a short sentence, readable cell by cell
 
 
-def _seed_attention():
-    """The seed 001 lab's Step 2 inputs: random Q and K for 4 tokens, d_k = 8, seed 0."""
+def _example_attention():
+    """Random Q and K for the 4 example tokens, d_k = 8, seed 0."""
     generator = torch.Generator().manual_seed(0)
-    q, k = torch.randn(2, len(SEED_TOKENS), 8, generator=generator, dtype=torch.float64)
-    return {"q": q, "k": k, "tokens": list(SEED_TOKENS), "annotate": True}
+    q, k = torch.randn(2, len(EXAMPLE_TOKENS), 8, generator=generator, dtype=torch.float64)
+    return {"q": q, "k": k, "tokens": list(EXAMPLE_TOKENS), "annotate": True}
 
 
 # name -> (caption, arguments); each is `qkv.analysis.plots.<name>(**arguments())`.
-SEED_PLOTS: dict[str, tuple[str, Callable[[], dict]]] = {
+CLASSIC_FIGURES: dict[str, tuple[str, Callable[[], dict]]] = {
     "bidirectional_vs_causal": (
-        "Bidirectional vs causal attention of the same queries and keys (seed 001 lab, Step 2)",
-        _seed_attention,
+        "Bidirectional (BERT) vs causal (GPT) attention of the same queries and keys",
+        _example_attention,
     ),
-    "mask_gallery": ("Padding, causal and structured masks (seed 003 DL0040)", dict),
-    "softmax_scaling": ("Softmax of unscaled vs scaled scores (seed 000, Q3)", dict),
-    "softmax_saturation": ("softmax([a, a, 2a]) saturates, its gradient vanishes (seed 004)", dict),
-    "scaling_comparison": ("Scaling by d_k vs sqrt(d_k) vs none (seed 001, exercises)", dict),
-    "rope_vs_sinusoidal_decay": ("RoPE's decay vs sinusoidal encodings (seed 003 DL0052)", dict),
-    "alibi_biases": ("ALiBi's per-head linear biases (seed 002 section 8)", dict),
-    "gelu_vs_relu": ("GELU vs ReLU and their derivatives (seed 003 DL0038)", dict),
+    "mask_gallery": ("Padding, causal and structured masks", dict),
+    "softmax_scaling": ("Softmax of unscaled vs scaled scores (Vaswani et al. 2017, s3.2.1)", dict),
+    "softmax_saturation": ("softmax([a, a, 2a]) saturates, its gradient vanishes", dict),
+    "scaling_comparison": ("Scaling by d_k vs sqrt(d_k) vs none", dict),
+    "rope_vs_sinusoidal_decay": ("RoPE's decay vs sinusoidal encodings (Su et al. 2021)", dict),
+    "alibi_biases": ("ALiBi's per-head linear biases (Press et al. 2022)", dict),
+    "gelu_vs_relu": ("GELU vs ReLU and their derivatives (Hendrycks & Gimpel 2016)", dict),
 }
 
 
@@ -108,7 +109,7 @@ def build_report(
         "heads": lambda: _heads_section(model, recorded),
         "cost": lambda: _cost_section(model, model_name),
         "complexity": lambda: _complexity_section(model, complexity_lengths),
-        "seeds": lambda: _seeds_section(plots),
+        "figures": lambda: _figures_section(plots),
     }
     bodies = []
     for name in wanted:
@@ -188,7 +189,7 @@ def _attention_section(plots, recorded: _TextRun, *, layers, heads) -> str:
         raise ValueError(f"heads: expected head indices in [0, {num_heads}), got {heads!r}")
     parts = [
         f"<p>Tokens: <code>{html.escape(' '.join(recorded.tokens))}</code>. Each panel is one "
-        "head: row i is query token i's softmax over the keys (seed 001 lab, Step 2).</p>"
+        "head: row i is query token i's softmax over the keys.</p>"
     ]
     data = {"tokens": recorded.tokens, "maps": []}
     for attention in chosen:
@@ -222,7 +223,7 @@ def _viewer_section(recorded: _TextRun, *, title: str) -> str:
 
 
 def _heads_section(model: nn.Module, recorded: _TextRun) -> str:
-    """Seed 001's input/output cosine similarity per attention module, and, for a model that
+    """The input/output cosine similarity per attention module, and, for a model that
     predicts the next token, head importance on the text (Michel et al. 2019, section 4.1)."""
     from qkv.analysis.heads import head_importance, position_cosine_similarity
     from qkv.models import GPT
@@ -234,8 +235,8 @@ def _heads_section(model: nn.Module, recorded: _TextRun) -> str:
             for name, v in similarity.items()]  # fmt: skip
     parts = [
         "<p>Cosine similarity between each attention module's input and output, per position "
-        "(seed 001, \u201cPutting It All Together\u201d: low means attention does substantial "
-        "work).</p>",
+        "(low means attention does substantial work, high that its output stays close to its "
+        "input).</p>",
         table(rows, header=("attention", "mean", "min", "max"), row_headers=False),
     ]
     if not isinstance(model, GPT) or recorded.input_ids.shape[1] < 2:
@@ -308,8 +309,8 @@ def _cost_section(model: nn.Module, model_name: str) -> str:
         f"{report.batch}, {report.dtype} (as <code>qkv cost</code>; formulas only).</p>\n"
         + table(rows, header=("", report.name))
         + '\n<p class="note">FLOPs: 2 per multiply-add, matrix products only, dense L x L '
-        "scores; training ~ 3 x forward (seed 002 section 3.3). Scores: one head of one sample; "
-        "one layer = all H heads x batch. KV cache: seed 002 section 6.1.</p>"
+        "scores; training ~ 3 x forward (Kaplan et al. 2020). Scores: one head of one sample; "
+        "one layer = all H heads x batch. KV cache: Pope et al. 2022.</p>"
     )
 
 
@@ -343,18 +344,21 @@ def _complexity_section(model: nn.Module, lengths: Sequence[int]) -> str:
     return (
         f"<p>Self-attention at this model's shape ({report.num_heads} heads of {report.head_dim})"
         f", one repeat: a glimpse, not a measurement (<code>qkv bench complexity</code> measures)."
-        f" Seed 001: each doubling of L costs about 4x for O(L^2).</p>\n"
+        f" Each doubling of L costs about 4x for O(L^2).</p>\n"
         + table(rows[1:], header=rows[0], row_headers=False)
         + f"\n<p>Fitted over L &gt;= {result.fit_from}: {html.escape(fits)}.</p>\n"
         + plot
     )
 
 
-def _seeds_section(plots) -> str:
-    parts = ["<p>Figures the seed documents draw; they do not depend on the model.</p>"]
-    for name, (caption, arguments) in SEED_PLOTS.items():
+def _figures_section(plots) -> str:
+    parts = [
+        "<p>The classic figures of the papers: softmax saturation and the sqrt(d_k) scaling, "
+        "masks, positional encodings, GELU vs ReLU. They do not depend on the model.</p>"
+    ]
+    for name, (caption, arguments) in CLASSIC_FIGURES.items():
         fig = getattr(plots, name)(**arguments())
-        parts.append(figure(fig, figure_id=f"fig-seeds-{name}", caption=caption))
+        parts.append(figure(fig, figure_id=f"fig-figures-{name}", caption=caption))
     return "\n".join(parts)
 
 

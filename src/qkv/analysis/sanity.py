@@ -1,4 +1,4 @@
-"""The sanity checks of seed 002 appendix A, (a) to (i), and more, each against PyTorch.
+"""Sanity checks of an attention implementation, (a) to (i) and more, each against PyTorch.
 
 Every check measures something (a difference to PyTorch, a leaked weight, a deviation from a
 formula) and compares it with a tolerance, so the table `qkv check` prints shows numbers, not
@@ -71,7 +71,7 @@ def _within(value: float, tolerance: float, name: str) -> tuple[str, bool]:
     return f"{name}={value:.2e} (tol {tolerance:.0e})", value <= tolerance
 
 
-# Seed 002 appendix A: B=2, L=5, E=16, H=4; cross-attention with L_q=7 over L_k=5.
+# Small shapes: B=2, L=5, E=16, H=4; cross-attention with L_q=7 over L_k=5.
 B, L, E, H = 2, 5, 16, 4
 
 

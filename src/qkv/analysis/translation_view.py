@@ -1,7 +1,7 @@
 """Where the decoder looks while it translates: cross-attention of one translated sentence.
 
-Seed 004, "Encoder-Decoder Attention (Cross-Attention)": the decoder's queries attend over the
-encoder's output, so while it writes each target token the weights show which source tokens it
+In encoder-decoder attention (Vaswani et al. 2017, s3.2.3) the decoder's queries attend over
+the encoder's output, so while it writes each target token the weights show which source tokens it
 reads. For German -> English numbers the picture is not a diagonal: writing "twelve" in
 "three hundred and twelve" reads "zwölf" at the end of "dreihundertzwölf", and "twenty" in
 "twenty-one" reads "zwanzig" after "einund".

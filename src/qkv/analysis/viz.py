@@ -4,12 +4,12 @@ The page is bertviz's head view (Vig 2019, "A Multiscale Visualization of Attent
 Transformer Model"): query tokens on the left, key tokens on the right, a line from query i to
 key j whose opacity is the weight p_ij, one colour per head, with selectors for the layer, the
 head ("all heads" overlays them) and the attention stack (encoder self-attention, decoder
-self-attention, decoder cross-attention for a translation pair: seed 002 section 4.1). Hovering a
-token keeps only its row (or column). The CSS, the script and the weights (as JSON) are inline:
-the page loads nothing, so it works offline and can be mailed as one file.
+self-attention, decoder cross-attention for a translation pair, Vaswani et al. 2017, s3.2.3).
+Hovering a token keeps only its row (or column). The CSS, the script and the weights (as JSON)
+are inline: the page loads nothing, so it works offline and can be mailed as one file.
 
 The weights come from `qkv.analysis.record_attention`, exact from whatever backend the model
-runs (seed 001 draws the same per-head maps as heat maps).
+runs (`qkv.analysis.plots.attention_heatmaps` draws the same per-head maps as heat maps).
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def attention(
     return_weights: bool = False,
     backend: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Scaled dot-product attention, softmax(Q K^T * scale + bias) V (seed 002 section 2).
+    """Scaled dot-product attention, softmax(Q K^T * scale + bias) V (Vaswani et al. 2017, s3.2.1).
 
     Args:
         q: (B, H, L_q, D). k: (B, H_kv, L_k, D). v: (B, H_kv, L_k, D_v). H % H_kv == 0: H_kv < H

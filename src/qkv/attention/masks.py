@@ -5,8 +5,8 @@ A floating-point mask is an additive bias on the scores (0 = keep, -inf = blocke
 because `(B, L_q, L_k)` would silently broadcast B against the head axis.
 
 PyTorch uses both polarities: `F.scaled_dot_product_attention` takes True = attend, while
-`nn.MultiheadAttention`'s `attn_mask` and `key_padding_mask` take True = blocked (seed 002
-section 2.3 and Q15). The converters at the bottom of this file cross that border explicitly.
+`nn.MultiheadAttention`'s `attn_mask` and `key_padding_mask` take True = blocked. The converters at
+the bottom of this file cross that border explicitly.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _positions(
 
 
 def causal(L_q: int, L_k: int | None = None, *, device=None) -> torch.Tensor:
-    """The look-ahead mask (seed 004; seed 002 section 4.2): query i may attend keys j <= i.
+    """The look-ahead mask (Vaswani et al. 2017, s3.2.3): query i may attend keys j <= i.
 
     For L_q != L_k the mask is aligned bottom-right, as FlashAttention >= 2.1 does: the last
     query sees every key, query i sees keys j <= i + (L_k - L_q). With L_q > L_k the first
@@ -78,7 +78,7 @@ def sliding_window(
 
 
 def padding(lengths: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
-    """Key padding mask from sequence lengths (seed 002 section 4.3): True on real tokens.
+    """Key padding mask from sequence lengths: True on real tokens.
 
     lengths: (B,) integer tensor. Returns bool (B, 1, 1, max_len), ready to broadcast over heads
     and queries, so it can be passed to `qkv.attention` or `combine`d with `causal` directly.

@@ -1,11 +1,11 @@
 """Backend `reference`: attention as the formula reads, in eager PyTorch.
 
-    Attention(Q, K, V) = softmax(Q K^T * scale + bias) V        (seed 002 section 2; seed 004)
+    Attention(Q, K, V) = softmax(Q K^T * scale + bias) V        (Vaswani et al. 2017, s3.2.1)
 
 The one backend that returns the attention weights. Scores and softmax statistics are computed in
-fp32 (fp64 stays fp64) whatever the input dtype, so fp16 scores cannot overflow (seed 002 Q20).
+fp32 (fp64 stays fp64) whatever the input dtype, so fp16 scores cannot overflow.
 Masked scores are -inf, never a finite sentinel. A query row with no visible key gets weights 0
-and output 0, with finite gradients (seed 002 section 2.3, the NaN guard).
+and output 0, with finite gradients (a NaN guard: softmax of an all -inf row is 0/0).
 """
 
 from __future__ import annotations
@@ -78,9 +78,9 @@ def _grouped_weighted_sum(
 def _softmax_without_nan(scores: torch.Tensor) -> torch.Tensor:
     """Softmax over keys; a row whose scores are all -inf gets weights 0 instead of NaN.
 
-    Such a row is temporarily filled with zeros so softmax stays finite (and so does its
-    gradient), then its weights are zeroed: seed 002 section 2.3, done for any source of -inf
-    (bool masks, additive masks, biases).
+    Such a row is temporarily filled with zeros so softmax stays finite (and so does its gradient),
+    then its weights are zeroed. This is done for any source of -inf (bool masks, additive masks,
+    biases).
     """
     empty_row = scores.amax(dim=-1, keepdim=True) == float("-inf")  # (B, H, L_q, 1)
     weights = torch.softmax(scores.masked_fill(empty_row, 0.0), dim=-1)

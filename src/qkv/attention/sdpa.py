@@ -119,10 +119,10 @@ def _cast_back(output: torch.Tensor, request: AttentionRequest) -> torch.Tensor:
 def _compute_dtype(request: AttentionRequest) -> torch.dtype:
     """fp32 for one bf16/fp16 query on the CPU (a decoding step), else q's own dtype.
 
-    PyTorch's CPU kernel serves a single low-precision query slowly: ~1 us per key (567 us for
-    512 keys, 8 heads of 64, torch 2.13 on the 2-core dev VM) against ~0.1 us per key in fp32.
-    The fp32 call, three small casts included, is 1.5x faster at 32 keys and 7x at 512, and
-    its softmax statistics are fp32 either way. Larger L_q keeps the kernel's own dtype.
+    PyTorch's CPU kernel serves a single low-precision query several times slower per key than
+    an fp32 one, so the fp32 call, three small casts included, is faster, increasingly so as the
+    key length grows (see benchmarks/decode.py), and its softmax statistics are fp32 either way.
+    Larger L_q keeps the kernel's own dtype.
     """
     low_precision = request.q.dtype in (torch.bfloat16, torch.float16)
     if low_precision and request.query_len == 1 and request.q.device.type == "cpu":

@@ -2,9 +2,9 @@
 
 A document is a list of sentences: BERT's next-sentence prediction pairs a sentence with the one
 that follows it in the same document, or with one from another document (Devlin et al. 2019,
-section 3.1; seed 000, "Pre-training Tasks": "is B the actual sentence that follows A in the
-original text or a random sentence"). GPT reads the same text as one stream of tokens, for which
-the raw texts (`pydoc_texts`, `text_file_texts`) keep every character.
+section 3.1: is B the sentence that follows A in the original text, or a random one?). GPT
+reads the same text as one stream of tokens, for which the raw texts (`pydoc_texts`,
+`text_file_texts`) keep every character.
 
 The built-in corpus is `pydoc_data.topics.topics`, about 465 KB of English in 79 topics (the text
 `help("while")` shows); one topic is one document, in sorted topic order. Nothing is downloaded.

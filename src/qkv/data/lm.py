@@ -1,6 +1,6 @@
 """Causal language modelling data: the corpus as one token stream, cut into equal blocks.
 
-GPT learns to predict every next token from the ones before it (seed 002 section 4.2: position
+GPT learns to predict every next token from the ones before it (causal attention: position
 i sees only positions j <= i). The documents are tokenised, each followed by the end-of-text
 token (GPT-2's <|endoftext|>, so the model learns where a text stops and does not read one
 document as the continuation of another), concatenated, and cut into blocks of block_size

@@ -1,9 +1,9 @@
 """BERT's masked-language-model corruption and the batches for `BertForPreTraining`.
 
-Seed 000, "Pre-training Tasks": "BERT randomly masks ~15% of the input tokens ... Of the 15%
-chosen: 80% are replaced with a [MASK] token, 10% are replaced with a random token, 10% are left
-unchanged" (Devlin et al. 2019, section 3.1 "Task #1: Masked LM" and appendix A.1). The model
-predicts the original token at every selected position, and only there (labels -100 elsewhere).
+About 15% of the input tokens are selected at random; of those, 80% become [MASK], 10% a random
+token and 10% stay unchanged (Devlin et al. 2019, section 3.1 "Task #1: Masked LM" and appendix
+A.1). The model predicts the original token at every selected position, and only there (labels -100
+elsewhere).
 
 Masking happens per batch, when the batch is built (`PretrainingCollator`), not once when the
 data is made: each epoch sees the same pairs masked differently (the reference duplicated the

@@ -1,11 +1,10 @@
 """Sentence pairs for BERT's next-sentence prediction: [CLS] A [SEP] B [SEP].
 
-Seed 000, "Pre-training Tasks": "The model is given two sentences, A and B, and must predict
-whether B is the actual sentence that follows A in the original text or a random sentence", and
-"Input Representation and the [CLS] Token": the pair is "[CLS] A [SEP] B [SEP]". Devlin et al.
-2019, section 3.1 "Task #2" and appendix A.2: 50% of the time B follows A (IsNext), 50% it is
-taken from elsewhere in the corpus (NotNext); A and B are "sentences" in the sense of spans of
-text, packed up to the sequence length. Token type (segment) ids are 0 on [CLS] A [SEP] and 1 on
+Given two sentences A and B, written as one input [CLS] A [SEP] B [SEP], the model predicts
+whether B follows A in the original text or is a random sentence. Devlin et al. 2019, section
+3.1 "Task #2" and appendix A.2: 50% of the time B follows A (IsNext), 50% it is taken from
+elsewhere in the corpus (NotNext); A and B are "sentences" in the sense of spans of text, packed
+up to the sequence length. Token type (segment) ids are 0 on [CLS] A [SEP] and 1 on
 B [SEP]. The label follows `BertForPreTraining`: 0 = B follows A, 1 = B is random.
 
 The spans are built as in BERT's create_pretraining_data.py (`create_instances_from_document`):

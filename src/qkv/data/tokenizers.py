@@ -1,12 +1,12 @@
 """Tokenizers for pre-training, built with Hugging Face's `tokenizers` library.
 
 - BERT: WordPiece (Devlin et al. 2019, section 3: "WordPiece embeddings with a 30,000 token
-  vocabulary"; seed 000, "Input Representation and the [CLS] Token"). Either the real MiniLM
-  vocabulary (`minilm_wordpiece`, the tokenizer.json that ships with all-MiniLM-L6-v2) or one
-  trained on the corpus (`train_wordpiece`), with BERT's normalisation (clean up, lower-case,
-  strip accents, split Chinese characters), BERT's pre-tokenisation (white space and
-  punctuation) and the specials [PAD] [UNK] [CLS] [SEP] [MASK]. Encoding a pair gives
-  [CLS] A [SEP] B [SEP] with type ids 0 ... 0 1 ... 1, as BERT's tokenizer does.
+  vocabulary"). Either the real MiniLM vocabulary (`minilm_wordpiece`, the tokenizer.json that
+  ships with all-MiniLM-L6-v2) or one trained on the corpus (`train_wordpiece`), with BERT's
+  normalisation (clean up, lower-case, strip accents, split Chinese characters), BERT's
+  pre-tokenisation (white space and punctuation) and the specials [PAD] [UNK] [CLS] [SEP]
+  [MASK]. Encoding a pair gives [CLS] A [SEP] B [SEP] with type ids 0 ... 0 1 ... 1, as BERT's
+  tokenizer does.
 - GPT: byte-level BPE (`train_bpe`), the scheme of GPT-2 (Radford et al. 2019, section 2.2):
   every byte is in the base alphabet, so any text encodes without an unknown token and decodes
   back exactly; documents are separated by the special <|endoftext|>.

@@ -4,7 +4,7 @@
 units before the tens ("einundzwanzig" = one-and-twenty), English puts the tens first and
 separates the thousands ("twenty-one", "twelve thousand, three hundred and forty-five"). So a
 model cannot copy word by word: cross-attention must learn a real alignment with reordering
-(seed 004, "Encoder-Decoder Attention (Cross-Attention)").
+(Vaswani et al. 2017, s3.2.3: encoder-decoder attention).
 
 Numbers are drawn without replacement from 0 .. max_number with equal weight for each
 magnitude (1 digit, 2 digits, ...), not uniformly: a uniform draw from 0 .. 999999 is 99.9% six-
@@ -143,7 +143,7 @@ class TranslationDataset:
     """Pairs encoded once; `collate(indices)` pads a batch for `qkv.models.Transformer`.
 
     Each target ends in [EOS]; the decoder's input is the labels shifted right behind [BOS],
-    which the model builds itself from `labels` (teacher forcing, seed 004).
+    which the model builds itself from `labels` (teacher forcing).
     """
 
     def __init__(self, pairs: list[Pair], tokenizer, *, max_length: int = 64) -> None:

@@ -1,10 +1,10 @@
-"""Beam search and greedy decoding for the encoder-decoder `Transformer` (seed 004).
+"""Beam search and greedy decoding for the encoder-decoder `Transformer`.
 
-Seed 004, "Data Flow: Training vs. Inference": at inference the encoder runs once and the decoder
-produces the target one token at a time, each step feeding back what it chose. Both searches
-here keep a `DecoderCache`, so a step feeds only the newest token: the target's self-attention
-keys/values are cached, and each layer's cross-attention keys/values are projected from the
-memory once per source sentence (on the first step) and then shared by every beam.
+At inference the encoder runs once and the decoder produces the target one token at a time, each
+step feeding back what it chose. Both searches here keep a `DecoderCache`, so a step feeds only the
+newest token: the target's self-attention keys/values are cached, and each layer's cross-attention
+keys/values are projected from the memory once per source sentence (on the first step) and then
+shared by every beam.
 
 Beam search (Vaswani et al. 2017 section 6.1 decode with 4 beams and GNMT's length penalty,
 alpha = 0.6) keeps the `num_beams` best unfinished prefixes per sentence. Each step adds every

@@ -1,8 +1,7 @@
 """`qkv.generate`: autoregressive decoding for decoder-only models with a KV cache.
 
-Seed 002 section 6.1 / Q21 and seed 004 ("autoregressive inference"): one prefill pass over the
-prompt fills every layer's cache, then each step feeds only the newest token, whose query
-attends over the cache: O(t) per step instead of O(t^2).
+One prefill pass over the prompt fills every layer's cache, then each step feeds only the newest
+token, whose query attends over the cache: O(t) per step instead of O(t^2).
 
 Batches of prompts of different lengths are left-padded: the pad tokens are masked out as keys
 and every row's position ids count only its real tokens, so row b's tokens get the same
@@ -14,8 +13,8 @@ casts and cache writes between the matrix products fuse into a few kernels, whic
 most of a step's time outside the products themselves. Compiling costs tens of seconds once per
 model (its later calls, and later `packed_linears` blocks, reuse the graphs), and needs what
 torch.compile's inductor needs on the CPU: a C++ compiler. Inside `qkv.layers.packed_linears`
-the products of one row compile to streaming reductions too (see qkv.layers.packed): on the dev
-VM that is 3.0-4.0x transformers' tokens/s (benchmarks/decode.py).
+the products of one row compile to streaming reductions too (see qkv.layers.packed), for several
+times transformers' tokens/s on the CPU (benchmarks/decode.py).
 
 Three entry points, one loop: `decode_steps` yields a `DecodeStep` (tokens, the logits they were
 chosen from, the cache) per step; `stream` yields only the tokens; `generate` returns the whole
@@ -212,7 +211,7 @@ def make_cache(
     """The KV cache `generate` decodes `model` with: `max_length` slots per row, or a
     StreamingLLM cache of num_sinks + window slots when `sinks=(num_sinks, window)`.
 
-    Sized by the model's key/value heads H_kv, not its query heads (seed 002 section 6.2);
+    Sized by the model's key/value heads H_kv, not its query heads (GQA/MQA shrink it);
     dtype and device default to those of the model's parameters.
     """
     config = model.config

@@ -1,17 +1,16 @@
-"""Multi-head attention as a module: projections around `qkv.attention` (seed 002 sections 3-4).
+"""Multi-head attention as a module: projections around `qkv.attention`.
 
     MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_o,
-    head_h = Attention(Q W_q^(h), K W_k^(h), V W_v^(h))                 (Vaswani et al. 2017)
+    head_h = Attention(Q W_q^(h), K W_k^(h), V W_v^(h))         (Vaswani et al. 2017, s3.2.2)
 
 The H per-head projections are stored as one matrix each (`q_proj`: E -> H * D), and the heads
-are split by a reshape (seed 002 section 3.1). Keys and values may have fewer heads than the
-queries: H_kv = H is MHA, 1 < H_kv < H grouped-query attention (GQA, Ainslie et al. 2023),
-H_kv = 1 multi-query attention (MQA, Shazeer 2019); seed 002 section 6.2. The attention itself is
-`qkv.attention`, never re-implemented here: masks, causal alignment, windows, backends and the
-NaN guard for fully masked rows all come from there.
+are split by a reshape. Keys and values may have fewer heads than the queries: H_kv = H is MHA,
+1 < H_kv < H grouped-query attention (GQA, Ainslie et al. 2023), H_kv = 1 multi-query attention
+(MQA, Shazeer 2019). The attention itself is `qkv.attention`, never re-implemented here: masks,
+causal alignment, windows, backends and the NaN guard for fully masked rows all come from there.
 
 Self-attention reads queries, keys and values from `x`; cross-attention reads keys and values
-from a `context` (the encoder's memory in a decoder, seed 002 section 4.1).
+from a `context` (the encoder's memory in a decoder; Vaswani et al. 2017, s3.2.3).
 """
 
 from __future__ import annotations
@@ -178,11 +177,10 @@ class MultiHeadAttention(nn.Module):
     def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
         """The same attention as PyTorch's `nn.MultiheadAttention`, with its weights copied.
 
-        `in_proj_weight` (3E, E) is split in Q, K, V order (seed 002 Q14), or the separate
-        `q/k/v_proj_weight` are taken when kdim/vdim differ from E; biases, out_proj and the
-        dropout probability follow. The result is batch-first whatever `module.batch_first`
-        says (the weights do not depend on it). add_bias_kv, add_zero_attn and kdim != vdim
-        raise ValueError: qkv does not model them.
+        `in_proj_weight` (3E, E) is split in Q, K, V order, or the separate `q/k/v_proj_weight` are
+        taken when kdim/vdim differ from E; biases, out_proj and the dropout probability follow. The
+        result is batch-first whatever `module.batch_first` says (the weights do not depend on it).
+        add_bias_kv, add_zero_attn and kdim != vdim raise ValueError: qkv does not model them.
         """
         layer = cls(**torch_interop.mha_config_from_torch(module))
         torch_interop.load_mha_from_torch(layer, module)

@@ -1,15 +1,14 @@
-"""Transformer encoder and decoder blocks: sub-layers wrapped in "Add & Norm" (seed 004).
+"""Transformer encoder and decoder blocks: sub-layers wrapped in "Add & Norm".
 
 Every sub-layer (self-attention, cross-attention, feed-forward) sits inside a residual connection
-with a LayerNorm, in one of two arrangements (seed 002 Q18):
+with a LayerNorm, in one of two arrangements (compared by Xiong et al. 2020):
 
-    post-norm  x = norm(x + dropout(sublayer(x)))     Vaswani et al. 2017, "Add & Norm"
+    post-norm  x = norm(x + dropout(sublayer(x)))     Vaswani et al. 2017, s3.1, "Add & Norm"
     pre-norm   x = x + dropout(sublayer(norm(x)))     Xiong et al. 2020; GPT-2, Llama
 
-A block picks one of the two functions below once, at construction, instead of branching in
-every forward. The encoder block has self-attention then FFN; the decoder block has masked
-(causal) self-attention, cross-attention to the encoder's memory, then FFN (seed 004, "The
-Encoder Stack" and "The Decoder Stack").
+A block picks one of the two functions below once, at construction, instead of branching in every
+forward. The encoder block has self-attention then FFN; the decoder block has masked (causal)
+self-attention, cross-attention to the encoder's memory, then FFN (Vaswani et al. 2017, s3.1).
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ Sublayer = Callable[[torch.Tensor], torch.Tensor]
 
 
 def post_norm(x: torch.Tensor, sublayer: Sublayer, norm: nn.Module, dropout: nn.Module):
-    """Add & Norm, as in Vaswani et al. 2017 (seed 004): norm(x + dropout(sublayer(x)))."""
+    """Add & Norm, as in Vaswani et al. 2017, s3.1: norm(x + dropout(sublayer(x)))."""
     return norm(x + dropout(sublayer(x)))
 
 
@@ -45,7 +44,7 @@ def pre_norm(x: torch.Tensor, sublayer: Sublayer, norm: nn.Module, dropout: nn.M
 
 
 class EncoderBlock(nn.Module):
-    """Self-attention then feed-forward, each wrapped in Add & Norm (seed 004).
+    """Self-attention then feed-forward, each wrapped in Add & Norm.
 
     Submodules: self_attn, ffn, norm1, norm2, and `dropout` on each sub-layer's output. The
     attention weights and the FFN's hidden layer use the same p by default, as in
@@ -163,10 +162,10 @@ class DecoderBlock(nn.Module):
         mask: a qkv mask over x's own keys (e.g. target padding); memory_mask: over the memory's
         keys, (B, 1, 1, L_mem) from `qkv.masks.padding`, or (L, L_mem). Returns (B, L, E).
 
-        Incremental decoding (seed 004, "autoregressive inference"): with `self_cache` x holds
-        only the new tokens, whose keys and values join the cached ones (mask then covers every
-        cached key, causal aligns the new queries bottom-right); with `cross_cache` the memory's
-        keys and values are projected on the first call and reused after.
+        Incremental (autoregressive) decoding: with `self_cache` x holds only the new tokens, whose
+        keys and values join the cached ones (mask then covers every cached key, causal aligns the
+        new queries bottom-right); with `cross_cache` the memory's keys and values are projected on
+        the first call and reused after.
         """
         _check_caches(self_cache, cross_cache)
         x = self.residual(

@@ -1,10 +1,10 @@
 """The position-wise feed-forward network: the second sub-layer of every Transformer block.
 
-    FFN(x) = W_2 sigma(x W_1 + b_1) + b_2          (Vaswani et al. 2017; seed 004; seed 003 DL0045)
+    FFN(x) = W_2 sigma(x W_1 + b_1) + b_2          (Vaswani et al. 2017, s3.3)
 
-The same two linear maps act on every position independently; the hidden width (typically
-4 * E) is where the block's non-linear capacity lives. sigma is ReLU in the original paper and
-GELU in BERT and GPT (seed 003 DL0038). `SwiGLU` is the gated variant of Llama (Shazeer 2020).
+The same two linear maps act on every position independently; the hidden width (typically 4 * E) is
+where the block's non-linear capacity lives. sigma is ReLU in the original paper and GELU
+(Hendrycks & Gimpel 2016) in BERT and GPT. `SwiGLU` is the gated variant of Llama (Shazeer 2020).
 """
 
 from __future__ import annotations

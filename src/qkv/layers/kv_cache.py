@@ -1,8 +1,8 @@
 """KV caches: what autoregressive decoding keeps so each step costs O(t), not O(t^2).
 
-Seed 002 section 6.1 and Q21: at step t only the new token's q, k, v are computed; k and v are
-written into the cache and the new query attends over everything cached. The cache is sized by
-the key/value heads, so GQA/MQA shrink it by H / H_kv (seed 002 section 6.2):
+At step t only the new token's q, k, v are computed; k and v are written into the cache and the new
+query attends over everything cached. The cache is sized by the key/value heads, so GQA/MQA shrink
+it by H / H_kv (Shazeer 2019; Ainslie et al. 2023):
 
     bytes per sample = L_ctx * layers * 2 (K and V) * H_kv * head_dim * bytes per element
 
@@ -10,7 +10,7 @@ A cache takes each layer's new q, k, v *before* RoPE and returns what attention 
 the two policies below can differ in where positions come from:
 - `StaticKVCache`: preallocated, written at explicit slots; keys are rotated at their absolute
   positions once, when written.
-- `SinkKVCache` (StreamingLLM, Xiao et al. 2024; seed 002 section 8.1): keeps the first
+- `SinkKVCache` (attention sinks: StreamingLLM, Xiao et al. 2024): keeps the first
   `num_sinks` tokens and a window of the most recent ones, stores keys *before* RoPE and rotates
   them by their position inside the cache at every step, so a model generates far past its
   cache size with constant memory and positions that never exceed what it was trained on.
@@ -53,7 +53,7 @@ class _KVStorage:
 
     @property
     def bytes_per_sample(self) -> int:
-        """L_ctx * layers * 2 * H_kv * head_dim * bytes per element (seed 002 section 6.1)."""
+        """L_ctx * layers * 2 * H_kv * head_dim * bytes per element."""
         return self.nbytes // self.batch_size
 
     def layer(self, index: int) -> LayerCache:

@@ -1,9 +1,9 @@
 """The "Norm" of "Add & Norm": LayerNorm (Ba et al. 2016) and RMSNorm (Zhang & Sennrich 2019).
 
 Both normalise each position over its features, independently of the batch and of the sequence
-length, which is why Transformers prefer them to BatchNorm (seed 004, "The Add & Norm
-Component" and question 6). The statistics are computed in fp32 whatever the input dtype, as
-`F.layer_norm` and Llama's RMSNorm do, so bf16/fp16 activations do not lose the mean.
+length, which is why Transformers prefer them to BatchNorm. The statistics are computed in fp32
+whatever the input dtype, as `F.layer_norm` and Llama's RMSNorm do, so bf16/fp16 activations do
+not lose the mean.
 """
 
 from __future__ import annotations

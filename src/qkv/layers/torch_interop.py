@@ -1,10 +1,10 @@
 """Crossing the border to PyTorch's own modules: weights in, weights out, never guessed.
 
-`nn.MultiheadAttention` stores Q, K and V in one `in_proj_weight` of shape (3E, E), stacked in
-the order Q, K, V along dim 0 (seed 002 Q14), unless kdim/vdim differ from E, in which case it
-keeps three separate `q_proj_weight`, `k_proj_weight`, `v_proj_weight`. qkv keeps the three
-projections as separate `nn.Linear`s (`q_proj`, `k_proj`, `v_proj`) so that GQA/MQA, where K and
-V are narrower than Q, read the same way as MHA.
+`nn.MultiheadAttention` stores Q, K and V in one `in_proj_weight` of shape (3E, E), stacked in the
+order Q, K, V along dim 0, unless kdim/vdim differ from E, in which case it keeps three separate
+`q_proj_weight`, `k_proj_weight`, `v_proj_weight`. qkv keeps the three projections as separate
+`nn.Linear`s (`q_proj`, `k_proj`, `v_proj`) so that GQA/MQA, where K and V are narrower than Q, read
+the same way as MHA.
 
 These functions work on any module with qkv's parameter names; the layers' `from_torch` and
 `to_torch` methods call them.

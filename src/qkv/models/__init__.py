@@ -3,7 +3,7 @@
 - `Transformer` (+ `TransformerConfig`): the encoder-decoder of "Attention Is All You Need".
 - `BertModel`, `BertForPreTraining`, `BertForSequenceClassification` (+ `BertConfig`).
 - `GPT` (+ `GPTConfig`): decoder-only, one code path for the GPT-2, Llama, Mistral and MQA presets.
-- Long texts (seed 000): `chunk_texts` into overlapping windows, `embed_long` / `classify_long`.
+- Long texts: `chunk_texts` into overlapping windows, `embed_long` / `classify_long`.
 
 One calling convention: `model(input_ids, attention_mask=None, ...)`, the mask (B, L) with
 1/True on real tokens; a small dataclass comes back (`qkv.models.outputs`).

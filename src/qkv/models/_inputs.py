@@ -1,6 +1,6 @@
 """Checks of the inputs the encoder-decoder takes: ids and (B, L) attention masks.
 
-Errors name the argument, the value seen and the value expected (DESIGN section 3).
+Errors name the argument, the value seen and the value expected.
 """
 
 from __future__ import annotations

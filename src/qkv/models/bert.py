@@ -1,4 +1,4 @@
-"""BERT: a bidirectional Transformer encoder (Devlin et al. 2019; seed 000, "BERT").
+"""BERT: a bidirectional Transformer encoder (Devlin et al. 2019).
 
     input_ids, token_type_ids                                                     (B, L)
     -> token + learned position + segment embeddings, LayerNorm, dropout          (B, L, E)
@@ -6,11 +6,10 @@
     -> last_hidden_state, and pooler_output = tanh(W h_[CLS] + b)                 (B, E)
 
 BERT keeps only the Transformer's encoder stack, so every token attends to its left and right
-context at once (seed 000, "Why Encoder-Only?"). Each input starts with [CLS]; its final hidden
-state, passed through the pooler, is the sequence summary that classification heads read (seed
-000, "Input Representation and the [CLS] Token"). The FFN uses the exact (erf) GELU (seed 000,
-"Sources of Non-linearity"; seed 003 DL0038). `share_layers=True` applies one block num_layers
-times, ALBERT's cross-layer sharing (Lan et al. 2019; seed 003 DL0039, "Layer Weight Sharing").
+context at once. Each input starts with [CLS]; its final hidden state, passed through the
+pooler, is the sequence summary that classification heads read (Devlin et al. 2019, section 3).
+The FFN uses the exact (erf) GELU (Hendrycks & Gimpel 2016). `share_layers=True` applies one
+block num_layers times, ALBERT's cross-layer parameter sharing (Lan et al. 2019).
 
 The pre-training and classification heads live in `qkv.models.bert_heads`; checkpoint names
 (`word_embeddings`, `attention.self.query`, ...) only in `qkv.models.checkpoints.bert`.

@@ -1,14 +1,14 @@
-"""BERT with heads: pre-training (MLM + NSP) and sequence classification (seed 000, "BERT").
+"""BERT with heads: pre-training (MLM + NSP) and sequence classification.
 
-Pre-training (Devlin et al. 2019, section 3.1; seed 000, "Pre-training Tasks"):
+Pre-training (Devlin et al. 2019, section 3.1):
 - Masked language model: about 15% of the tokens are selected and must be predicted from both
   sides. The head is dense -> GELU -> LayerNorm -> a decoder whose weight IS the input token
-  embedding matrix (weight tying, seed 003 DL0039: z = E h, E in R^{V x d}), plus its own bias.
+  embedding matrix (weight tying, Press & Wolf 2017: z = E h, E in R^{V x d}), plus its own bias.
 - Next sentence prediction: from the pooled [CLS] state, is sentence B the one that follows A
   (label 0) or a random one (label 1)?
 
-Classification (seed 000, "Input Representation and the [CLS] Token"): dropout and a linear
-layer on the pooled [CLS] state.
+Classification (Devlin et al. 2019, section 4.1): dropout and a linear layer on the pooled [CLS]
+state.
 """
 
 from __future__ import annotations

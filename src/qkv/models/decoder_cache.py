@@ -1,11 +1,11 @@
-"""`DecoderCache`: what the encoder-decoder keeps between decoding steps (seed 004).
+"""`DecoderCache`: what the encoder-decoder keeps between decoding steps.
 
-Seed 004, "Data Flow: Training vs. Inference": at inference the encoder runs once and the decoder
-generates one token per step. Two kinds of keys and values make each step cheap:
+At inference the encoder runs once and the decoder generates one token per step. Two kinds of keys
+and values make each step cheap:
 
 - self-attention: the target's keys and values grow by one token per step. They are written into
   a `StaticKVCache` (one slot per target position), so the new token's query attends over them
-  without recomputing the prefix: O(t) per step instead of O(t^2) (seed 002 section 6.1).
+  without recomputing the prefix: O(t) per step instead of O(t^2).
 - cross-attention: the keys and values are projections of the encoder's memory, which never
   changes while decoding. Each layer's `CrossAttentionCache` computes them on the first step and
   reuses them on every later one (and for every beam).

@@ -1,16 +1,16 @@
-"""The encoder-decoder Transformer of Vaswani et al. 2017 ("Attention Is All You Need"; seed 004).
+"""The encoder-decoder Transformer of Vaswani et al. 2017 ("Attention Is All You Need").
 
     source ids -> embedding * sqrt(E) + PE -> dropout -> N x EncoderBlock -> LayerNorm = memory
     target ids -> embedding * sqrt(E) + PE -> dropout -> N x DecoderBlock(memory) -> LayerNorm
               -> output projection -> logits over the target vocabulary
 
-Training uses teacher forcing (seed 004, "Data Flow: Training vs. Inference"): the whole
-ground-truth target, shifted one position to the right behind a start token (`shift_right`), is
-fed to the decoder at once, and the look-ahead (causal) mask keeps position i from seeing the
-tokens after it, so all positions train in parallel. Inference is autoregressive: `encode` once,
-then call `decode` on the growing prefix, one token more each step. With a `DecoderCache`
-(`decode(..., cache=)`) each step feeds only the newest token: the self-attention keys/values of
-the prefix are cached, and the memory's cross-attention projections are computed once.
+Training uses teacher forcing: the whole ground-truth target, shifted one position to the right
+behind a start token (`shift_right`), is fed to the decoder at once, and the look-ahead (causal)
+mask keeps position i from seeing the tokens after it, so all positions train in parallel. Inference
+is autoregressive: `encode` once, then call `decode` on the growing prefix, one token more each
+step. With a `DecoderCache` (`decode(..., cache=)`) each step feeds only the newest token: the
+self-attention keys/values of the prefix are cached, and the memory's cross-attention projections
+are computed once.
 
 The blocks are `qkv.layers.EncoderBlock` / `DecoderBlock` (post-norm "Add & Norm" as in the
 paper, or pre-norm with `norm_first`); `from_torch` builds the same stacks from an
@@ -49,9 +49,9 @@ __all__ = [
 def shift_right(labels: torch.Tensor, *, bos_token_id: int, pad_token_id: int) -> torch.Tensor:
     """Teacher forcing's decoder input: the labels moved one step right behind `bos_token_id`.
 
-    labels (B, L) -> (B, L): [bos, y_0, ..., y_{L-2}]; the label -100 (ignored by the loss)
-    becomes `pad_token_id`, since it is no token. Seed 004: "Decoder Input: <SOS> How are you?"
-    for "Target Output: How are you? <EOS>".
+    labels (B, L) -> (B, L): [bos, y_0, ..., y_{L-2}]; the label -100 (ignored by the loss) becomes
+    `pad_token_id`, since it is no token. For the target "a b c <eos>" the decoder input is
+    "<bos> a b c".
     """
     check_ids("labels", labels, allow_ignored=True)
     shifted = labels.new_empty(labels.shape)  # (B, L)
@@ -138,12 +138,12 @@ class DecoderStack(nn.Module):
 
 
 class Transformer(nn.Module):
-    """The encoder-decoder Transformer (Vaswani et al. 2017; seed 004), built from a config.
+    """The encoder-decoder Transformer (Vaswani et al. 2017), built from a config.
 
     Submodules: source_embedding and target_embedding (nn.Embedding; one module when
     `share_embeddings`), positions (sinusoidal), embedding_dropout, encoder (`EncoderStack`),
     decoder (`DecoderStack`) and lm_head (E -> V_tgt, no bias; its weight IS the target
-    embedding's when `tie_output`, seed 003 DL0039).
+    embedding's when `tie_output`, Press & Wolf 2017).
 
     Embeddings are multiplied by sqrt(E) before the positions are added (section 3.4): they are
     initialised with std E^-1/2, as fairseq does for tied embeddings, so the scaled embedding has
@@ -205,7 +205,7 @@ class Transformer(nn.Module):
         memory_mask: the source's (B, L_src) attention mask; decoder_attention_mask: (B, L_tgt).
         Both 1/True on real tokens. The look-ahead mask is always applied.
 
-        cache (seed 004, autoregressive inference): a `DecoderCache` (`new_decoder_cache`);
+        cache (autoregressive inference): a `DecoderCache` (`new_decoder_cache`);
         decoder_input_ids then holds only the tokens after the `cache.length` already decoded,
         at positions cache.length onwards, and decoder_attention_mask, if given, covers all of
         them: (B, cache.length + L_tgt). The logits equal those of the full prefix's decode.

@@ -29,14 +29,14 @@ class TransformerConfig:
     num_encoder_layers / num_decoder_layers: N of each stack (6 in the paper).
     dropout: P_drop, on the embeddings + positions, on every sub-layer's output, on the attention
         weights and inside the FFN (as `nn.Transformer`).
-    max_positions: rows of the precomputed sinusoid table; longer inputs still work, their
-        encodings are computed on the fly (seed 004: sinusoids "handle sequences longer than
-        those seen during training").
+    max_positions: rows of the precomputed sinusoid table; longer inputs still work, their encodings
+        are computed on the fly (sinusoids are defined for any position; Vaswani et al. 2017,
+        section 3.5).
     pad_token_id: padding in both vocabularies; bos_token_id: the decoder's start token
         (`shift_right`); eos_token_id: the end of a target sentence.
     share_embeddings: ONE matrix for the source embedding, the target embedding and the output
-        projection (Vaswani et al. 2017 section 3.4; seed 003 DL0039); needs one vocabulary
-        (src_vocab_size == tgt_vocab_size) and implies tie_output.
+        projection (Vaswani et al. 2017 section 3.4); needs one vocabulary (src_vocab_size ==
+        tgt_vocab_size) and implies tie_output.
     tie_output: the target embedding is the output projection's weight (Press & Wolf 2017).
     label_smoothing: eps_ls of the training loss (section 5.4).
     norm_first: pre-norm blocks (Xiong et al. 2020) instead of the paper's post-norm.

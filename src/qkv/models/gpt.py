@@ -6,12 +6,12 @@
     logits = lm_head(final_norm(x_N))                          lm_head = token_embedding^T if tied
 
 Causal self-attention is what makes it a language model: position i sees only positions j <= i
-(seed 002 section 4.2), so logits[:, i] predict token i + 1 and the loss compares them with the
+(the look-ahead mask), so logits[:, i] predict token i + 1 and the loss compares them with the
 labels shifted by one. Which norm, which FFN and which position encoding a block uses is the
 config's choice, made once by the factory functions below; the forward pass never asks which
-family it runs (DESIGN.md section 3). Keys and values may have fewer heads than queries (GQA,
-MQA; seed 002 section 6.2), and the output head may share the token embedding matrix (weight
-tying, seed 003 DL0039).
+family it runs. Keys and values may have fewer heads than queries (GQA, Ainslie et al. 2023;
+MQA, Shazeer 2019), and the output head may share the token embedding matrix (weight tying,
+Press & Wolf 2017).
 
 KV cache seam: a block's attention is `self_attn(h, mask=..., causal=True, window=...,
 positions=...)`. Decoding with a cache (a later addition) feeds the new tokens with their
@@ -152,7 +152,7 @@ class GPT(HuggingFaceIO, nn.Module):
         self.lm_head = nn.Linear(config.embed_dim, config.vocab_size, bias=False)
         self.reset_parameters()
         if config.tie_embeddings:
-            self.lm_head.weight = self.token_embedding.weight  # one (V, E) matrix, seed 003 DL0039
+            self.lm_head.weight = self.token_embedding.weight  # one (V, E) matrix (weight tying)
 
     def reset_parameters(self) -> None:
         """GPT-2's initialisation (Radford et al. 2019, section 2.3): N(0, 0.02^2) weights,

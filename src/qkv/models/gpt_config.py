@@ -1,15 +1,14 @@
 """`GPTConfig`: one frozen dataclass for every decoder-only model (GPT-2, Llama, Mistral).
 
 A decoder-only language model is a stack of pre-norm blocks (causal self-attention, then a
-feed-forward network) between a token embedding and a vocabulary projection (seed 002 section
-4.1: "every GPT layer" is self-attention; seed 003 DL0039 for the tied output projection). The
-families differ only in components, and the config names them:
+feed-forward network) between a token embedding and a vocabulary projection, optionally tied to the
+embedding (Press & Wolf 2017). The families differ only in components, and the config names them:
 
     component       GPT-2 (Radford et al. 2019)     Llama 2 (Touvron et al. 2023) / Mistral
-    position        "learned" (added to embeddings)  "rope" (rotates q and k; seed 003 DL0052)
+    position        "learned" (added to embeddings)  "rope" (rotates q and k; Su et al. 2021)
     norm            "layernorm" (with bias)          "rmsnorm"
-    ffn             "gelu_tanh" (4 * E)              "swiglu" (gated, ~8/3 * E; seed 003 DL0045)
-    K/V heads       = num_heads (MHA)                fewer for GQA (70B, Mistral; seed 002 6.2)
+    ffn             "gelu_tanh" (4 * E)              "swiglu" (gated, ~8/3 * E; Shazeer 2020)
+    K/V heads       = num_heads (MHA)                fewer for GQA (70B, Mistral)
     output head     tied to the embedding            separate lm_head
     sliding_window  None                             4096 in Mistral 7B
 

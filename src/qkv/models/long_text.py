@@ -1,12 +1,12 @@
 """Texts longer than BERT's window: sliding-window chunks with a stride, aggregated per text.
 
-BERT has a fixed maximum sequence length; seed 000 ("Handling Long Texts") lists the two
-simple strategies implemented here:
-- Truncation: "simply cutting off the text at the maximum length. This is simple but loses
-  information." (`truncate_ids`; `aggregation="first"` below gives the same result.)
-- Sliding window: "splitting the long text into overlapping chunks, each of which fits into
-  the model. The outputs for each chunk can then be aggregated (e.g., by averaging or
-  max-pooling)." (`chunk_ids`, then `embed_long` / `classify_long`.)
+BERT has a fixed maximum sequence length; two simple strategies for longer texts are
+implemented here:
+- Truncation: keep the first max_length tokens and drop the rest, simple but lossy
+  (`truncate_ids`; `aggregation="first"` below gives the same result).
+- Sliding window: split the text into overlapping chunks that each fit the model, run every
+  chunk, and aggregate the chunks' outputs per text, e.g. by their mean or maximum
+  (`chunk_ids`, then `embed_long` / `classify_long`).
 
 A window is [CLS] + at most max_length - 2 content tokens + [SEP]. `stride` is what Hugging
 Face tokenizers call it (`return_overflowing_tokens=True`): the number of tokens shared by two
@@ -95,8 +95,7 @@ def truncate_ids(
     """Plain truncation, the baseline: [CLS] + the first max_length - 2 tokens + [SEP].
 
     token_ids: one text's ids without special tokens. Equals a tokenizer's
-    `truncation=True, max_length=max_length` (seed 000, "Handling Long Texts": this "loses
-    information").
+    `truncation=True, max_length=max_length`; whatever follows the window is lost.
     """
     _check_lengths(max_length, 0)
     return [cls_id, *list(token_ids)[: max_length - 2], sep_id]

@@ -1,4 +1,4 @@
-"""Positional information for attention (seed 002 section 8: RoPE / ALiBi / absolute).
+"""Positional information for attention: RoPE, ALiBi and absolute encodings.
 
 - Absolute, added to the token embeddings: `sinusoidal_table` / `SinusoidalPositionalEncoding`
   (Vaswani et al. 2017) and `LearnedPositionalEmbedding` (BERT, GPT-2).

@@ -1,5 +1,5 @@
 """Argument checks shared by the positional modules: each error names the argument, the value
-seen and the value expected (DESIGN.md section 3)."""
+seen and the value expected."""
 
 from __future__ import annotations
 
@@ -54,5 +54,5 @@ def check_floating_dtype(name: str, dtype: object) -> torch.dtype:
 
 def angle_dtype(dtype: torch.dtype) -> torch.dtype:
     """Angles are computed in float32, or float64 when float64 output is asked for: position
-    times frequency loses too many digits in half precision (seed 002 section 8)."""
+    times frequency loses too many digits in half precision."""
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -1,10 +1,9 @@
-"""ALiBi, attention with linear biases (Press et al. 2022, "Train Short, Test Long", section 3;
-seed 002 section 8 and Q24).
+"""ALiBi, attention with linear biases (Press et al. 2022, "Train Short, Test Long", section 3).
 
-ALiBi adds no position vectors at all. Each head h subtracts slope_h times the query-key
-distance from its attention scores, score_ij - m_h * |i - j| (seed 002 section 8), so attention
-fades linearly with distance, at a rate that differs per head; the bias is defined for any
-length, which is what lets a model trained on short inputs run on long ones.
+ALiBi adds no position vectors at all. Each head h subtracts slope_h times the query-key distance
+from its attention scores, score_ij - m_h * |i - j|, so attention fades linearly with distance, at a
+rate that differs per head; the bias is defined for any length, which is what lets a model trained
+on short inputs run on long ones.
 
 The slopes are a geometric sequence, 2^(-8/n), 2^(-16/n), ..., 2^(-8) for n heads (8 heads:
 1/2, 1/4, ..., 1/256). For a head count that is not a power of two the paper takes the slopes

@@ -1,9 +1,9 @@
-"""Learned absolute position embeddings (BERT, GPT-2; seed 002 section 8, "Learned absolute").
+"""Learned absolute position embeddings (BERT, Devlin et al. 2019; GPT-2, Radford et al. 2019).
 
 Position p gets row p of a trained table that is added to the token embeddings. The table has
-a fixed number of rows, which is a hard limit on the sequence length (seed 002 section 8:
-"Poor [extrapolation] (the table is fixed-size, a hard limit)"), so a position outside it is an
-error here rather than an index that wraps around or reads garbage.
+a fixed number of rows, which is a hard limit on the sequence length (a trained table cannot
+extrapolate to rows it never had), so a position outside it is an error here rather than an
+index that wraps around or reads garbage.
 """
 
 from __future__ import annotations

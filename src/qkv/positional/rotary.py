@@ -1,21 +1,20 @@
-"""Rotary position embeddings, RoPE (Su et al. 2021, RoFormer, section 3.4; seed 003 DL0052;
-seed 002 section 8 and Q24).
+"""Rotary position embeddings, RoPE (Su et al. 2021, RoFormer, section 3.4).
 
 RoPE splits each query/key head vector into D/2 pairs of coordinates and rotates pair i of the
-vector at position m by the angle m * theta_i, theta_i = base^(-2i/D) (seed 003):
+vector at position m by the angle m * theta_i, theta_i = base^(-2i/D) (Su et al. 2021):
 
     f(x, m) = [[cos m.theta, -sin m.theta], [sin m.theta, cos m.theta]] @ [x_1, x_2]
 
 A rotation by m.theta followed by the transposed rotation by n.theta is a rotation by
-(m - n).theta, so q_m . k_n depends on the positions only through m - n (seed 002 Q24).
+(m - n).theta, so q_m . k_n depends on the positions only through m - n.
 
 Which coordinates form a pair is a layout choice that checkpoints disagree on:
 
 - "half": pair i is (i, i + D/2) and the rotation is x * cos + rotate_half(x) * sin. Hugging
   Face's Llama (`rotate_half`, `apply_rotary_pos_emb`), GPT-NeoX.
 - "interleaved": pair i is (2i, 2i + 1), i.e. complex multiplication of consecutive pairs by
-  e^{i m theta} (seed 002 section 8: "q_m -> q_m e^{i m theta}"). The RoFormer paper's
-  equation (34) and Meta's original Llama code (`view_as_complex`).
+  e^{i m theta} (q_m -> q_m e^{i m theta}). The RoFormer paper's equation (34) and Meta's
+  original Llama code (`view_as_complex`).
 
 The two differ only by a permutation of each head's coordinates, which can be folded into the
 q/k projection weights once (`interleaved_to_half_split`, as Hugging Face's Llama conversion
@@ -102,7 +101,7 @@ def apply_rope(
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to queries and keys (RoFormer section 3.4; seed 003 DL0052).
+    """Applies RoPE to queries and keys (RoFormer, Su et al. 2021, section 3.4).
 
     No parameters and no buffers: cos/sin are computed from the positions (in float32, or
     float64 for float64 inputs), so casting the module cannot degrade them. The last call's

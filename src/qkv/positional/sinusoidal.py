@@ -1,5 +1,4 @@
-"""Sinusoidal absolute positional encodings (Vaswani et al. 2017, section 3.5; seed 004,
-"Positional Encoding: Injecting Sequence Order"; seed 002 section 8, "Sinusoidal absolute").
+"""Sinusoidal absolute positional encodings (Vaswani et al. 2017, section 3.5).
 
     PE[pos, 2i]     = sin(pos / base^(2i / dim))
     PE[pos, 2i + 1] = cos(pos / base^(2i / dim))
@@ -52,11 +51,11 @@ def sinusoidal_table(
 class SinusoidalPositionalEncoding(nn.Module):
     """Looks up the sinusoidal encoding of integer positions (Vaswani et al. 2017, section 3.5).
 
-    The first `max_positions` rows are precomputed in a non-persistent buffer `table` (it is
-    not saved in state dicts: it is a function of `dim` and `base`, not learned). Positions at
-    or beyond `max_positions` are computed on the fly rather than refused, because sinusoids
-    are defined for any position (seed 002 section 8: the encoding extrapolates, even if a
-    model trained on shorter inputs may not). Negative positions raise ValueError.
+    The first `max_positions` rows are precomputed in a non-persistent buffer `table` (it is not
+    saved in state dicts: it is a function of `dim` and `base`, not learned). Positions at or beyond
+    `max_positions` are computed on the fly rather than refused, because sinusoids are defined for
+    any position (the encoding extrapolates, even if a model trained on shorter inputs may not).
+    Negative positions raise ValueError.
 
     forward(positions): integer tensor of any shape -> (*positions.shape, dim), in the dtype of
     the table (float32 unless the module was cast). Add it to the token embeddings.

@@ -1,7 +1,7 @@
 """Learning-rate schedules: linear warm-up, then linear (or cosine) decay to zero.
 
-Seed 000, BERT pre-training: "learning rate warm-up over the first 10,000 steps, then linear
-decay" (Devlin et al. 2019, appendix A.2). Warm-up matters most for post-norm Transformers,
+BERT's pre-training warms the learning rate up over the first 10,000 steps, then decays it
+linearly (Devlin et al. 2019, appendix A.2). Warm-up matters most for post-norm Transformers,
 whose early gradients are large near the output (Xiong et al. 2020); the decay anneals the
 noise of the last steps. The multiplier scales the optimizer's base learning rate:
 

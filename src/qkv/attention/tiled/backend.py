@@ -15,8 +15,8 @@ from qkv.attention.tiled.function import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, flash
 name = "tiled"
 summary = "FlashAttention in PyTorch: online softmax over tiles, O(L) memory, skips hidden tiles"
 
-# Measured with benchmarks/flash.py on the 2-core dev VM (fp32, causal): tiled costs ~1.5-1.9x
-# SDPA's time per computed score, and below 2048^2 scores SDPA with a dense mask is faster.
+# On the CPU (benchmarks/flash.py, fp32, causal) tiled costs more than SDPA per computed score,
+# and below 2048^2 scores SDPA with a dense mask is faster.
 MIN_SCORES_FOR_WINDOW = 2048 * 2048
 MAX_VISIBLE_FRACTION = 0.6  # the window must hide at least 40% of the scores
 

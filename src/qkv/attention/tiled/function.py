@@ -65,7 +65,7 @@ def flash_attention(
             served without repeating K/V).
         causal, window, scale, dropout_p: as in `qkv.attention` (bottom-right alignment).
         sinks: the first `sinks` keys stay visible to every query that may see them causally
-            (StreamingLLM, Xiao et al. 2024; seed 002 section 8.1), on top of the window.
+            (attention sinks: StreamingLLM, Xiao et al. 2024), on top of the window.
         bias: additive scores, 2-D or 4-D broadcastable to (B, H, L_q, L_k); gets a gradient.
         score_mod: f(score, batch, head, q_idx, k_idx) -> score, applied elementwise after the
             bias with broadcastable index tensors, e.g. ALiBi as

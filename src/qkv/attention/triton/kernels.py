@@ -1,7 +1,7 @@
 """FlashAttention-2 as Triton kernels: forward, and backward from the saved log-sum-exp.
 
 Layer 1 of 3 (kernels -> `function.py`, the autograd.Function -> `backend.py`, qkv.attention's
-backend `triton`). Dao 2023, Algorithms 1 and 2; seed 002 section 7.
+backend `triton`). Dao 2023, Algorithms 1 and 2.
 
 Each program of the forward owns BLOCK_M queries of one (batch, query head) and streams the
 keys and values of that head's K/V head (GQA/MQA: head // group, never a copy) through SRAM,
