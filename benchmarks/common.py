@@ -1,4 +1,4 @@
-"""Timing helpers shared by the scripts in `benchmarks/` (DESIGN.md section 5).
+"""Timing helpers shared by the scripts in `benchmarks/`, and the record of the machine.
 
 The rules these helpers enforce:
 - candidates are timed in the same process, interleaved round by round (and in a rotating order
@@ -9,7 +9,9 @@ The rules these helpers enforce:
   `min_sample_s` (timer resolution and synchronize overhead stay negligible);
 - the figure reported is the median over samples, with the min and interquartile range beside it;
 - throughput is reported against a measured hardware proxy (the matmul rate of the same dtype),
-  never against an absolute time, since the machines are shared.
+  never against an absolute time, since the machines are shared;
+- every result file records the machine and the command that produced it (`machine_info`):
+  CPU model, the ISA flags that decide which kernels run, threads, torch and Python versions.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -68,8 +71,8 @@ class Timing:
         """Interquartile range (0 with fewer than 4 samples): the noise to read a ratio against."""
         if len(self.samples) < 4:
             return 0.0
-        q1, _, q3 = statistics.quantiles(self.samples, n=4)
-        return q3 - q1
+        lower, _, upper = statistics.quantiles(self.samples, n=4)
+        return upper - lower
 
     def as_dict(self) -> dict:
         return {
@@ -152,15 +155,107 @@ def matmul_rate(dtype: torch.dtype, device: str, *, n: int = 2048, repeats: int 
     return {"peak": flops / timing.min, "median": flops / timing.median}
 
 
-def cpu_model() -> str:
-    """The CPU's model name, as lscpu shows it ('model name' in /proc/cpuinfo)."""
+# The CPU features that decide which kernels PyTorch runs (MKL, oneDNN, inductor's C++): x86
+# names as in /proc/cpuinfo's "flags", ARM names as in its "Features" (asimd is NEON on aarch64).
+ISA_FLAGS = (
+    "fma",
+    "f16c",
+    "avx2",
+    "avx512f",
+    "avx512bw",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "neon",
+    "asimd",
+    "asimdhp",
+    "sve",
+    "sve2",
+    "bf16",
+    "i8mm",
+)
+# macOS on Apple silicon: sysctl names of the same features
+_DARWIN_ARM_FLAGS = {
+    "hw.optional.neon": "neon",
+    "hw.optional.arm.FEAT_FP16": "asimdhp",
+    "hw.optional.arm.FEAT_BF16": "bf16",
+    "hw.optional.arm.FEAT_I8MM": "i8mm",
+}
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first value of each key of /proc/cpuinfo (Linux), keys lowercased; {} elsewhere."""
+    found: dict[str, str] = {}
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return found
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            found.setdefault(key.strip().lower(), value.strip())
+    return found
+
+
+def _sysctl(*names: str) -> str | None:
+    """`sysctl -n NAME...` (macOS, BSD), or None where there is none or it fails."""
+    try:
+        out = subprocess.run(
+            ["sysctl", "-n", *names], capture_output=True, text=True, check=True, timeout=5
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def cpu_model() -> str:
+    """The CPU's model name, as lscpu shows it ('model name' in /proc/cpuinfo on Linux; the
+    brand string on macOS; else what the platform module knows)."""
+    info = _cpuinfo()
+    for key in ("model name", "hardware", "processor", "cpu model"):
+        value = info.get(key, "")
+        if value and not value.isdigit():  # "processor : 0" on x86 is a CPU index
+            return value
+    if platform.system() == "Darwin":
+        brand = _sysctl("machdep.cpu.brand_string")
+        if brand:
+            return brand
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def isa_flags() -> list[str] | None:
+    """Those of ISA_FLAGS this CPU has, in ISA_FLAGS' order; None where they cannot be read
+    (then a reader must not take a flag's absence for the CPU's lack of it)."""
+    info = _cpuinfo()
+    line = info.get("flags") or info.get("features")
+    if line is not None:
+        present = set(line.lower().split())
+    elif platform.system() == "Darwin":
+        if platform.machine() == "arm64":
+            present = {
+                flag
+                for name, flag in _DARWIN_ARM_FLAGS.items()
+                if (_sysctl(name) or "0").strip() == "1"
+            }
+        else:
+            features = _sysctl("machdep.cpu.features", "machdep.cpu.leaf7_features")
+            if features is None:
+                return None
+            present = set(features.lower().replace(".", "_").split())
+    else:
+        return None
+    return [flag for flag in ISA_FLAGS if flag in present]
+
+
+def torch_cpu_capability() -> str | None:
+    """The CPU kernel level PyTorch dispatches to ("AVX2", "AVX512", "DEFAULT", ...)."""
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def git_commit() -> str | None:
@@ -186,11 +281,19 @@ def load_average() -> list[float] | None:
 
 
 def machine_info(device: str) -> dict:
-    """Where the numbers came from: enough to tell whether two result files are comparable."""
+    """Where the numbers came from: enough to tell whether two result files are comparable, and
+    to run the same command again. Every benchmark script writes it as its JSON's "machine".
+
+    The CPU is recorded by its model, the ISA flags that decide which kernels run (`isa_flags`,
+    None where they cannot be read; `isa_flags_checked` lists the flags looked for, so that an
+    absent one is absent from the CPU) and PyTorch's own dispatch level; the threads are
+    torch.get_num_threads(); the command is the interpreter's name and sys.argv.
+    """
     dev = torch.device(device)
     info = {
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "argv": list(sys.argv),
         "git_commit": git_commit(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -198,6 +301,10 @@ def machine_info(device: str) -> dict:
         "device": device,
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model(),
         "cpu_model": cpu_model(),
+        "isa_flags": isa_flags(),
+        "isa_flags_checked": list(ISA_FLAGS),
+        "torch_cpu_capability": torch_cpu_capability(),
+        "arch": platform.machine(),
         "cpu_count": os.cpu_count(),
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "torch_threads": torch.get_num_threads(),
@@ -206,6 +313,7 @@ def machine_info(device: str) -> dict:
     }
     if dev.type == "cuda":
         info["cuda"] = torch.version.cuda
+        info["cuda_capability"] = ".".join(map(str, torch.cuda.get_device_capability(dev)))
         info["allow_tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
     return info
 

@@ -39,22 +39,23 @@ embedding table only the looked-up row) and the K/V cache up to that step; the a
 The read bandwidth is measured here: the fastest of the .sum() calls over a 1 GiB fp32 tensor,
 timed before the models and again inside every timing round (interleaved with the decoding, so
 limit and figures come from the same machine state); a copy_ of it, read + write, is reported
-beside it. The fastest probe of the whole run gives the limit of the strict "%lim" figure. The
-dev VM's read bandwidth swings between two states within seconds (a 256 MB .sum() read ~31 or
-~50 GB/s, alternating every 10-20 s, the same tensor or a fresh one), so a single fast probe
-can set the limit for decoding calls that ran in the slow state; "%lim paired" divides each
-round's tokens/s by the limit from that round's own probe instead, and takes the median over
-rounds (as the "paired" ratio to transformers does). Also reported, as diagnostics: the "matvec
-floor", tokens/s if a step did nothing but the model's own matrix-vector products (F.linear
-over every projection and the lm_head, one token) with PyTorch's kernels here, and the "packed
-matvec floor", the same for the packed (and fused) products a packed step calls. The second
-bounds what eager decoding built on these kernels can reach: on the 2-core dev VM they stream
-cold weights at ~20 GB/s, about a third of the read peak that a .sum() reaches, so its fraction
-of the limit sits near 35%. The compiled path is not bound by it: at one row its products are
-inductor's own streaming reductions (qkv.layers.packed), which read weights about as fast as a
-.sum(). Last, the "weights .sum() floor": one .sum() per weight tensor a step reads, nothing
-else, i.e. how fast this machine reads these tensors one call at a time (the 1 GiB probe
-streams one large tensor).
+beside it. The fastest probe of the whole run gives the limit of the strict "%lim" figure. On a
+shared machine the read bandwidth can swing between states within seconds (on an AMD EPYC with
+2 threads, a 256 MB .sum() reads ~31 or ~50 GB/s, alternating every 10-20 s, the same tensor or
+a fresh one), so a single fast probe can set the limit for decoding calls that ran in the slow
+state; "%lim paired" divides each round's tokens/s by the limit from that round's own probe
+instead, and takes the median over rounds (as the "paired" ratio to transformers does). Also
+reported, as diagnostics: the "matvec floor", tokens/s if a step did nothing but the model's
+own matrix-vector products (F.linear over every projection and the lm_head, one token) with
+PyTorch's kernels here, and the "packed matvec floor", the same for the packed (and fused)
+products a packed step calls. The second bounds what eager decoding built on these kernels can
+reach: on an AMD EPYC with 2 threads (results/decode.json) they stream cold weights at ~20
+GB/s, about a third of the read peak that a .sum() reaches, so its fraction of the limit sits
+near 35%. The compiled path is not bound by it: at one row its products are inductor's own
+streaming reductions (qkv.layers.packed), which read weights about as fast as a .sum(). Last,
+the "weights .sum() floor": one .sum() per weight tensor a step reads, nothing else, i.e. how
+fast this machine reads these tensors one call at a time (the 1 GiB probe streams one large
+tensor).
 """
 
 from __future__ import annotations
@@ -542,8 +543,8 @@ def main(argv=None) -> None:
         f"# limit = read peak / (weights + mean K/V bytes per token); targets: qkv/hf >= "
         f"{TARGET_RATIO}, qkv >= {TARGET_FRACTION:.0%} of the limit ('!' = missed by qkv's "
         f"fastest path); %lim paired = median over rounds of tokens/s over the limit from that "
-        f"round's probe (this VM's read bandwidth swings between ~31 and ~55 GB/s within "
-        f"seconds); packed matvec = the packed products of a packed step alone (the "
+        f"round's probe (for machines whose read bandwidth swings within seconds); packed "
+        f"matvec = the packed products of a packed step alone (the "
         f"fastest an eager packed step could be; compiled steps use other kernels); weights "
         f".sum() = one .sum() per weight tensor a step reads, nothing else"
     )

@@ -21,7 +21,7 @@ The fitted exponent of peak memory vs L (log-log least squares) should be ~1 for
 ~2 for naive. Throughput (GFLOP/s) counts useful FLOPs: forward 4 * B * H * L^2 * D, halved
 for causal; with the window, 4 * B * H * L * min(L, W) * D; forward + backward x 3.
 
-Targets (issue 3): tiled fwd <= 2x SDPA's time at L >= 2048 causal; tiled f+b peak memory
+Targets: tiled fwd <= 2x SDPA's time at L >= 2048 causal; tiled f+b peak memory
 exponent <= 1.1 and at 16k <= 1/8 of naive; window 1024 at 16k: tiled >= 3x faster than SDPA.
 """
 

@@ -17,7 +17,7 @@ FLOPs (FlashAttention-2 paper, section 4.1), useful work only:
 reported in TFLOP/s and as a fraction of the card's dense bf16 peak (--peak-tflops, default
 989 for an H100 SXM; an H200 has the same) and of a measured bf16 matmul.
 
-Targets (issue 4): forward + backward >= 0.9x SDPA flash's throughput at L >= 4k; forward
+Targets: forward + backward >= 0.9x SDPA flash's throughput at L >= 4k; forward
 >= 50% of the bf16 dense peak at L >= 4k, D = 128.
 """
 

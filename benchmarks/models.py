@@ -340,7 +340,7 @@ def main(argv=None) -> None:
     for name in args.models:
         pair = builders[name](*sizes[name], args.device)
         if pair is None:
-            skipped.append(f"{name}: qkv.models.bert.BertModel is not available yet")
+            skipped.append(f"{name}: qkv.models.bert.BertModel is not importable")
             continue
         for mode in args.modes:
             for dtype in args.dtypes:

@@ -1,0 +1,172 @@
+"""benchmarks/README.md is generated from the result files by benchmarks/make_readme.py.
+
+The generator reads tiny result files written here, and its page must show their figures and
+their machine, "not recorded" for what a file lacks, and a re-measured row in place of the
+first measurement. Last, the committed page must be what the committed result files give.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "make_readme.py"
+
+
+def load_generator():
+    """benchmarks/ is a folder of scripts, not a package: import the script by its path."""
+    spec = importlib.util.spec_from_file_location("benchmarks_make_readme", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+make_readme = load_generator()
+
+MACHINE = {
+    "command": "python benchmarks/attention.py --lengths 512 1024",
+    "cpu_model": "Example CPU 7000",
+    "isa_flags": ["avx2", "avx512f", "amx_bf16"],
+    "torch_cpu_capability": "AVX512",
+    "torch_threads": 3,
+    "cpu_count": 4,
+    "torch": "9.9.0+cpu",
+    "python": "3.99.1",
+    "device": "cpu",
+}
+
+
+def attention_row(L: int, qkv_ms: float, sdpa_ms: float) -> dict:
+    return {
+        "L": L,
+        "causal": False,
+        "dtype": "float32",
+        "max_abs_diff_vs_sdpa": {"qkv": 0.0, "naive": 3e-7},
+        "ms": {"qkv": qkv_ms, "sdpa": sdpa_ms, "naive": 3 * sdpa_ms},
+        "ratio_vs_sdpa": {"qkv": qkv_ms / sdpa_ms, "sdpa": 1.0, "naive": 3.0},
+        "paired_ratio_vs_sdpa": {"qkv": 1.0125, "sdpa": 1.0, "naive": 3.0},
+        "gflops": {"qkv": 123.45, "sdpa": 124.0, "naive": 41.0},
+        "fraction_of_matmul": {"qkv": 0.7261, "sdpa": 0.73, "naive": 0.24},
+    }
+
+
+def flash_row(L: int, tiled_fwd_s: float) -> dict:
+    peak = 50 * 2**20
+    by = {
+        "sdpa": {"fwd_s": 0.1, "fb_s": 0.3, "peak_fb_bytes": peak},
+        "tiled": {"fwd_s": tiled_fwd_s, "fb_s": 0.45, "peak_fb_bytes": peak},
+    }
+    return {"setting": "causal", "L": L, "dtype": "bfloat16", "by": by}
+
+
+@pytest.fixture
+def results(tmp_path: Path) -> Path:
+    folder = tmp_path / "results"
+    folder.mkdir()
+    attention = {
+        "mode": "forward",
+        "shape": {"B": 1, "H": 12, "D": 64},
+        "target_qkv_over_sdpa": 1.05,
+        "machine": MACHINE,
+        "matmul_gflops": {"float32": 170.0},
+        "rows": [attention_row(1024, 20.5, 20.0), attention_row(512, 6.0, 6.0)],
+    }
+    # a file from a run that recorded no machine at all
+    models = {
+        "rows": [
+            {
+                "model": "tiny-bert",
+                "batch": 2,
+                "length": 8,
+                "mode": "train",
+                "dtype": "fp32",
+                "tokens_per_s": {"qkv": 1234.4, "transformers": 1000.0},
+                "ratio": 1.2344,
+                "paired_ratio": 1.2,
+                "fraction_of_matmul": {"qkv": 0.5, "transformers": 0.4},
+                "max_abs_diff": 0.0,
+            }
+        ]
+    }
+    flash = {"machine": {**MACHINE, "command": "python benchmarks/flash.py"}}
+    flash["rows"] = [flash_row(2048, 0.4), flash_row(4096, 0.15)]
+    recheck = {"machine": {**MACHINE, "command": "python benchmarks/flash.py --lengths 2048"}}
+    recheck["rows"] = [flash_row(2048, 0.13)]
+    quick = {"machine": MACHINE, "rows": []}  # a smoke run: left out of the page
+    files = {
+        "attention": attention,
+        "models": models,
+        "flash": flash,
+        "flash_bf16_recheck": recheck,
+        "attention_quick": quick,
+    }
+    for stem, payload in files.items():
+        (folder / f"{stem}.json").write_text(json.dumps(payload))
+    return folder
+
+
+def test_the_page_shows_the_figures_and_the_machine_of_the_files(results):
+    page = make_readme.render(results)
+    # attention: the rows sorted by L, each figure as the file has it
+    assert "| 512 | no | fp32 | 6.00 | 6.00 | 18.00 | 1.000 (1.012) |" in page
+    row = "| 1024 | no | fp32 | 20.50 | 20.00 | 60.00 | 1.025 (1.012) | 3.00 | 123.5 | 73% |"
+    assert row in page
+    assert page.index("| 512 | no |") < page.index("| 1024 | no |")
+    assert "median **1.012**, worst **1.025** over 2 rows (target <= 1.05: met)" in page
+    # the machine and the command that produced the file
+    assert "| command | `python benchmarks/attention.py --lengths 512 1024` |" in page
+    assert "| CPU | Example CPU 7000 |" in page
+    assert "| ISA flags | avx2, avx512f, amx_bf16 |" in page
+    assert "| PyTorch CPU capability | AVX512 |" in page
+    assert "| threads (torch) | 3 (of 4 CPUs) |" in page
+    assert "| torch | 9.9.0+cpu |" in page
+    # models: a row and its ratio
+    assert "| tiny-bert | 2 x 8 | train | fp32 | 1,234 | 1,000 | - | 1.234 (1.200) |" in page
+    # no GPU file: said so, not left blank
+    assert "There is no `results/flash_gpu.json`" in page
+    # the smoke run is left out
+    assert "attention_quick" not in page
+
+
+def test_a_field_the_file_lacks_reads_not_recorded(results):
+    page = make_readme.render(results)
+    models = page[page.index("|  | `results/models.json` |") :]
+    machine = models[: models.index("\n\n")]
+    for field in ("command", "CPU", "ISA flags", "PyTorch CPU capability", "threads (torch)"):
+        assert f"| {field} | not recorded |" in machine, field
+    # an older file: a machine record without ISA flags
+    data = json.loads((results / "attention.json").read_text())
+    del data["machine"]["isa_flags"], data["machine"]["torch_cpu_capability"]
+    (results / "attention.json").write_text(json.dumps(data))
+    page = make_readme.render(results)
+    assert "| ISA flags | not recorded |" in page
+    assert "| CPU | Example CPU 7000 |" in page
+
+
+def test_a_row_measured_again_replaces_the_first_measurement_which_stays_listed(results):
+    page = make_readme.render(results)
+    flash = page[page.index("## Tiled FlashAttention") : page.index("## Triton kernels")]
+    shown, listed = flash.split("Rows measured again")
+    assert "| causal | 2048 | bf16 | 100.0 | 130.0 | - | 1.30 |" in shown
+    assert "`flash_bf16_recheck.json` |" in shown
+    assert "| causal | 2048 | bf16 | 100.0 | 400.0 | - | 4.00 |" in listed
+    assert "| causal | 4096 | bf16 | 100.0 | 150.0 |" in shown  # measured once: kept
+    assert "worst **1.50** (target <= 2: met)" in flash  # from the rows shown
+
+
+def test_check_mode_fails_when_the_page_differs_from_the_files(results, tmp_path, capsys):
+    out = tmp_path / "README.md"
+    assert make_readme.main(["--results", str(results), "--out", str(out)]) == 0
+    assert out.read_text() == make_readme.render(results)  # deterministic
+    assert make_readme.main(["--results", str(results), "--out", str(out), "--check"]) == 0
+    out.write_text(out.read_text().replace("20.50", "20.40"))
+    assert make_readme.main(["--results", str(results), "--out", str(out), "--check"]) == 1
+    assert "out of date" in capsys.readouterr().err
+
+
+def test_the_committed_page_is_what_the_committed_result_files_give():
+    assert make_readme.main(["--check"]) == 0, "run: python benchmarks/make_readme.py"
