@@ -5,6 +5,7 @@ calls one library function, prints. Modules are imported lazily inside each `run
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -27,15 +28,66 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qkv", description="Attention and the Transformer, proved against PyTorch."
     )
-    commands = parser.add_subparsers(dest="command", metavar="command", required=True)
+    parser.add_argument("--version", action=_Version, help="print the version of qkv and exit")
+    commands = parser.add_subparsers(dest="command", metavar="command")
     for command in _COMMANDS:
         command.add_parser(commands)
+    parser.set_defaults(run=lambda args: print_help(parser))
     return parser
+
+
+def print_help(parser: argparse.ArgumentParser) -> int:
+    """What a command run without its sub-command does: the full help, not a terse error."""
+    parser.print_help()
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        status = args.run(args)
+        sys.stdout.flush()  # a reader gone away shows here, not at exit, where it can't be caught
+    except BrokenPipeError:
+        return _reader_gone()
+    return status
+
+
+def version() -> str:
+    """The installed distribution's version, else the package's own."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as distribution_version
+
+    try:
+        return distribution_version("qkv")
+    except PackageNotFoundError:
+        from qkv import __version__
+
+        return __version__
+
+
+class _Version(argparse.Action):
+    """--version, looked up only when asked for (argparse's own takes the string up front)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"{parser.prog} {version()}")
+        parser.exit()
+
+
+def _reader_gone() -> int:
+    """`qkv cost --json | head -1`: the reader closed the pipe. Stop quietly, as Unix tools
+    do, with the status of a process killed by SIGPIPE (128 + 13). Python flushes stdout
+    again at exit and would print "Exception ignored ... BrokenPipeError", so stdout now
+    points at /dev/null."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # a stdout with no file descriptor (captured in tests)
+        pass
+    return 141
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""`qkv generate PATH --prompt TEXT ...` end to end, through `qkv.cli.main` and capsys.
+"""`qkv generate PATH PROMPT ...` (or `--prompt PROMPT`) end to end, through `qkv.cli.main` and
+capsys: the prompt, then its continuation on stdout; the tokens and their rate on stderr.
 
 The checkpoint is a transformers GPT-2 (or Llama) saved with save_pretrained, with a WordLevel
 `tokenizer.json` trained here with the `tokenizers` library; the printed text must be the
@@ -9,6 +10,7 @@ the whole id list, with a byte-level BPE whose tokens split multi-byte character
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -90,6 +92,17 @@ def _run(capsys, *arguments: str) -> tuple[int, str, str]:
     return status, captured.out, captured.err
 
 
+def _speed(err: str) -> int:
+    """The number of tokens of stderr's one line "N tokens in S s (R tokens/s)"."""
+    match = re.fullmatch(r"(\d+) tokens in (\d+\.\d\d) s \((\d+) tokens/s\)\n", err)
+    assert match, err
+    tokens, seconds, rate = int(match[1]), float(match[2]), int(match[3])
+    # the rate of the unrounded time: within what rounding S to 2 decimals leaves open
+    assert tokens / (seconds + 0.005) <= rate + 1
+    assert seconds <= 0.005 or rate <= tokens / (seconds - 0.005) + 1
+    return tokens
+
+
 @pytest.mark.parametrize("pack", ["--pack", "--no-pack", "--compile"])
 def test_prints_the_decoded_greedy_tokens_of_transformers(checkpoint, capsys, pack):
     """With oneDNN-packed linears (the default), without, and packed and compiled."""
@@ -99,9 +112,9 @@ def test_prints_the_decoded_greedy_tokens_of_transformers(checkpoint, capsys, pa
     status, out, err = _run(
         capsys, str(path), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS), pack
     )
-    assert (status, err) == (0, "")
+    assert (status, _speed(err)) == (0, NEW_TOKENS)
     assert len(expected.split()) == NEW_TOKENS
-    assert out == expected + "\n"
+    assert out == PROMPT + " " + expected + "\n"  # WordLevel's decode joins words with spaces
     if pack == "--compile":  # the flag reached generate: the model's forward was compiled
         assert counters["stats"]["unique_graphs"] > graphs_before
 
@@ -113,8 +126,8 @@ def test_qkv_own_checkpoint_prints_the_same(checkpoint, capsys, tmp_path):
     status, out, err = _run(
         capsys, str(tmp_path), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS)
     )
-    assert (status, err) == (0, "")
-    assert out == _transformers_text(reference, tokenizer) + "\n"
+    assert (status, _speed(err)) == (0, NEW_TOKENS)
+    assert out == PROMPT + " " + _transformers_text(reference, tokenizer) + "\n"
 
 
 def test_sampling_and_sinks_flags_reach_generate(tmp_path, capsys):
@@ -126,12 +139,12 @@ def test_sampling_and_sinks_flags_reach_generate(tmp_path, capsys):
     flags = ["--temperature", "0.8", "--top-k", "5", "--top-p", "0.9", "--seed", "3"]
     status, out, err = _run(capsys, str(tmp_path), "--prompt", PROMPT,
                             "--max-new-tokens", "70", "--sinks", "2", "10", *flags)  # fmt: skip
-    assert (status, err) == (0, "")
+    assert (status, _speed(err)) == (0, 70)
     model = qkv.models.GPT.from_pretrained(tmp_path)
     prompt = torch.tensor([tokenizer.encode(PROMPT).ids])
     tokens = generate(model, prompt, max_new_tokens=70, temperature=0.8, top_k=5, top_p=0.9,
                       seed=3, sinks=(2, 10))  # fmt: skip
-    assert out == tokenizer.decode(tokens[0, prompt.shape[1] :].tolist()) + "\n"
+    assert out == PROMPT + " " + tokenizer.decode(tokens[0, prompt.shape[1] :].tolist()) + "\n"
 
 
 def test_text_streams_as_the_tokens_come(checkpoint):
@@ -206,3 +219,62 @@ def test_a_prompt_with_no_tokens(checkpoint, capsys):
     path, _, _ = checkpoint
     status, _, err = _run(capsys, str(path), "--prompt", "   ")
     assert status == 1 and "prompt: '   ' encodes to no tokens" in err
+
+
+def test_the_prompt_as_a_positional_argument(checkpoint, capsys):
+    """`qkv generate PATH PROMPT` prints what `--prompt PROMPT` prints; both, if the same."""
+    path, reference, tokenizer = checkpoint
+    expected = PROMPT + " " + _transformers_text(reference, tokenizer) + "\n"
+    flags = ["--max-new-tokens", str(NEW_TOKENS), "--no-pack"]
+    status, out, err = _run(capsys, str(path), PROMPT, *flags)
+    assert (status, out, _speed(err)) == (0, expected, NEW_TOKENS)
+    status, out, _ = _run(capsys, str(path), PROMPT, "--prompt", PROMPT, *flags)
+    assert (status, out) == (0, expected)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ([], "PROMPT: missing; expected the text to continue, as PROMPT or --prompt"),
+        (
+            ["the cat", "--prompt", "a dog"],
+            "PROMPT: 'the cat' and --prompt 'a dog' differ; expected one",
+        ),
+    ],
+)
+def test_no_prompt_or_two_prompts(checkpoint, capsys, arguments, message):
+    path, _, _ = checkpoint
+    status, out, err = _run(capsys, str(path), *arguments)
+    assert (status, out, err) == (2, "", f"qkv generate: error: {message}\n")
+
+
+def test_a_continuation_that_starts_a_word_is_not_glued_to_the_prompt(tmp_path, capsys):
+    """A Llama-style (Metaspace) decoder drops the space of a text's first word: decoded
+    alone, the new tokens would start without their space; after the echoed prompt they
+    must read as `tokenizer.decode(prompt + new)` does. Every token here is a word with its
+    space ("\u2581cat"), so the continuation starts a word."""
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    trainer = trainers.WordLevelTrainer(special_tokens=["[UNK]"], show_progress=False)
+    tokenizer.train_from_iterator(SENTENCES, trainer)
+    _hf_model("llama", tokenizer.get_vocab_size()).save_pretrained(tmp_path)
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    status, out, err = _run(capsys, str(tmp_path), PROMPT, "--max-new-tokens", "8")
+    assert status == 0 and _speed(err) == 8
+    model = qkv.models.GPT.from_pretrained(tmp_path)
+    ids = tokenizer.encode(PROMPT).ids
+    tokens = generate(model, torch.tensor([ids]), max_new_tokens=8)[0].tolist()
+    whole, prompt_text = tokenizer.decode(tokens), tokenizer.decode(ids)
+    assert prompt_text == PROMPT and whole.startswith(PROMPT + " ")  # a new word comes first
+    assert not tokenizer.decode(tokens[len(ids) :]).startswith(" ")  # its space, lost alone
+    assert out == whole + "\n"
+
+
+def test_a_hub_name_says_that_nothing_is_downloaded(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no folder "gpt2" here
+    status, out, err = _run(capsys, "gpt2", PROMPT)
+    assert (status, out) == (1, "")
+    assert err.startswith('qkv generate: error: path: there is no folder "gpt2" here')
+    assert 'AutoModelForCausalLM.from_pretrained("gpt2").save_pretrained("gpt2-local")' in err
+    assert 'AutoTokenizer.from_pretrained("gpt2").save_pretrained("gpt2-local")' in err

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 # German numbers whose English word order differs, shown after training: the units come first
@@ -12,7 +11,6 @@ _SHOWCASE = ("dreihundertzwölf", "einundzwanzig", "siebentausendvierhundertneun
 
 
 def report(task, result, out_dir: Path, *, seconds: float) -> None:
-    print(file=sys.stderr)
     reporters = {"translate": _translate}
     summary = reporters.get(task.name, _generic)(task, result, out_dir)
     summary = {"task": task.name, "steps": result.step, "seconds": round(seconds, 1), **summary}

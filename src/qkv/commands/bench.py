@@ -5,37 +5,26 @@ from __future__ import annotations
 import argparse
 import sys
 
+from qkv.commands import _progress
+from qkv.commands._device import check_device
+
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
 
 
 def _complexity(args: argparse.Namespace) -> int:
-    """Run seed 001's doubling benchmark, print the table; optionally write JSON and a plot."""
+    """Run the doubling benchmark, print the table; optionally write JSON and a plot."""
     import json
 
     import torch
 
-    from qkv.analysis.complexity import measure_complexity
     from qkv.analysis.complexity_report import format_table, plot_complexity
 
     dtype = getattr(torch, _DTYPES[args.dtype])
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(max(1, min(torch.get_num_threads(), args.threads)))
     try:
-        result = measure_complexity(
-            lengths=args.lengths,
-            backends=args.backends,
-            batch=args.batch,
-            heads=args.heads,
-            head_dim=args.head_dim,
-            causal=args.causal,
-            backward=args.backward,
-            dtype=dtype,
-            device=device,
-            repeats=args.repeats,
-            max_memory=int(args.max_memory * 2**30),
-            fit_from=args.fit_from,
-            progress=lambda message: print(message, file=sys.stderr, flush=True),
-        )
+        check_device(device, allowed=("cpu", "cuda"))  # timing waits for CUDA only, not MPS
+        result = _measure(args, dtype, device)
         print(format_table(result))
         if args.json is not None:
             with open(args.json, "w", encoding="utf-8") as file:
@@ -50,11 +39,33 @@ def _complexity(args: argparse.Namespace) -> int:
     return 0
 
 
+def _measure(args: argparse.Namespace, dtype, device: str):
+    """measure_complexity with the flags, and a bar of the lengths measured."""
+    from qkv.analysis.complexity import measure_complexity
+
+    bar = _progress.progress(len(set(args.lengths)), desc="complexity", unit="length")
+    try:
+        return measure_complexity(
+            lengths=args.lengths, backends=args.backends, batch=args.batch, heads=args.heads,
+            head_dim=args.head_dim, causal=args.causal, backward=args.backward, dtype=dtype,
+            device=device, repeats=args.repeats, max_memory=int(args.max_memory * 2**30),
+            fit_from=args.fit_from, progress=lambda message: _one_length(bar, message),
+        )  # fmt: skip
+    finally:
+        bar.close()
+
+
+def _one_length(bar: _progress.Progress, message: str) -> None:
+    """A length measured: its timings stay as a line above the bar, which moves on."""
+    _progress.say(message)
+    bar.update(1)
+
+
 def _add_complexity(benches: argparse._SubParsersAction) -> None:
     complexity = benches.add_parser(
         "complexity",
-        help="time and memory vs L for naive, SDPA and tiled attention (seed 001's O(n^2) table)",
-        description="Seed 001 section 2.4.2's doubling benchmark: per backend and L, median time "
+        help="time and memory vs L for naive, SDPA and tiled attention (the O(L^2) table)",
+        description="The doubling benchmark of attention's cost: per backend and L, median time "
         "and measured peak memory, their ratio to the previous L, and the fitted exponent p of "
         "cost ~ L^p.",
     )
@@ -92,5 +103,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser(
         "bench", help="benchmarks: qkv bench complexity (time, memory vs L)"
     )
-    benches = bench.add_subparsers(dest="bench", metavar="benchmark", required=True)
+    benches = bench.add_subparsers(dest="bench", metavar="benchmark")
+    bench.set_defaults(run=lambda args: _print_help(bench))  # `qkv bench` alone
     _add_complexity(benches)
+
+
+def _print_help(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 0

@@ -1,4 +1,4 @@
-"""`qkv check`: the sanity checks of seed 002 appendix A and more, printed as a table."""
+"""`qkv check`: sanity checks of attention and the Transformer against PyTorch, as a table."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def _check(args: argparse.Namespace) -> int:
     torch.set_num_threads(max(1, min(torch.get_num_threads(), args.threads)))
     results = run_checks(seed=args.seed)
     width = max(len(r.description) for r in results)
-    print(f"qkv check: seed 002 appendix A (a)-(i) and more, against PyTorch {torch.__version__}")
+    print(f"qkv check: {len(results)} sanity checks, against PyTorch {torch.__version__}")
     print(f"{'':4} {'check':{width}}  {'':4}  measured")
     for r in results:
         print(
@@ -30,7 +30,7 @@ def _check(args: argparse.Namespace) -> int:
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     check = commands.add_parser(
-        "check", help="run the sanity checks of seed 002 (a)-(i) and more against PyTorch"
+        "check", help="run the sanity checks of attention and the Transformer against PyTorch"
     )
     check.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     check.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")

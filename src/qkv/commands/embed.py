@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
-from qkv.commands._progress import progress_bar
+from qkv.commands._progress import ProgressCallback
 
 
 def _embed(args: argparse.Namespace) -> int:
@@ -17,8 +18,10 @@ def _embed(args: argparse.Namespace) -> int:
         return 2
     try:
         texts = args.texts or read_lines(args.file)
-        progress = progress_bar if args.file is not None else None
-        vectors = embed(texts, model_path=args.model, batch_size=args.batch_size, progress=progress)
+        # a bar for --file inputs only: a few TEXT arguments take one batch
+        bar = ProgressCallback(desc="embedding", unit="text") if args.file is not None else None
+        with bar or contextlib.nullcontext():
+            vectors = embed(texts, model_path=args.model, batch_size=args.batch_size, progress=bar)
         if args.out is not None:
             write_embeddings(texts, vectors, args.out)
     except (ValueError, OSError, ImportError) as error:

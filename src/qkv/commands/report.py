@@ -1,5 +1,5 @@
 """`qkv report`: one self-contained HTML page with a model's attention maps, the attention
-viewer, its cost, a small complexity benchmark and the seeds' plots."""
+viewer, its cost, a small complexity benchmark and classic figures."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import argparse
 import sys
 from pathlib import Path
 
-# Seed 001's example of heads with different jobs: adjectives, their nouns and a contrast.
+from qkv.commands import _progress
+
+# An example of heads with different jobs: adjectives, their nouns and a contrast.
 DEFAULT_TEXT = "The food was great but the service was terrible."
 
 
@@ -18,14 +20,14 @@ def _report(args: argparse.Namespace) -> int:
         from qkv.analysis.viz import load_model_and_tokenizers
 
         model, tokenizer, _ = load_model_and_tokenizers(args.model)
-        page = build_report(
-            model,
-            tokenizer,
-            args.text,
-            model_name=args.model or "all-MiniLM-L6-v2",
-            sections=(*DEFAULT_SECTIONS, "heads") if args.heads else DEFAULT_SECTIONS,
-            complexity=not args.no_complexity,
-        )
+        sections = (*DEFAULT_SECTIONS, "heads") if args.heads else DEFAULT_SECTIONS
+        built = [s for s in sections if not (args.no_complexity and s == "complexity")]
+        # build_report logs each section as it begins it: one step of the bar each
+        with _progress.log_stages("qkv.analysis.report", len(built), desc="report", unit="section"):
+            page = build_report(
+                model, tokenizer, args.text, model_name=args.model or "all-MiniLM-L6-v2",
+                sections=sections, complexity=not args.no_complexity,
+            )  # fmt: skip
         Path(args.out).write_text(page, encoding="utf-8")
     except (ValueError, TypeError, OSError, ImportError) as error:
         print(f"qkv report: error: {error}", file=sys.stderr)
@@ -37,7 +39,7 @@ def _report(args: argparse.Namespace) -> int:
 def add_parser(commands: argparse._SubParsersAction) -> None:
     report = commands.add_parser(
         "report",
-        help="one offline HTML page: attention maps, viewer, cost, complexity, the seeds' plots",
+        help="one offline HTML page: attention maps, viewer, cost, complexity, classic figures",
     )
     report.add_argument(
         "--model",

@@ -16,7 +16,8 @@ import types
 import typing
 from pathlib import Path
 
-from qkv.commands import _train_report
+from qkv.commands import _progress, _train_report
+from qkv.commands._device import check_device
 
 _HELP = {
     "steps": "optimizer steps",
@@ -53,18 +54,14 @@ def _run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     task_class, options_class = _tasks()[args.task]
     try:
+        check_device(args.device)  # before the data: preparing it can take a minute
         config = TrainingConfig(**_fields(args, TrainingConfig))
         options = options_class(**_fields(args, options_class))
         print(f"qkv train {args.task}: preparing data ...", file=sys.stderr, flush=True)
         started = time.perf_counter()
-        task = task_class(options)
-        bar = _ProgressBar(config.steps, started)
-        result = train(
-            task, config, out_dir=args.out, resume=args.resume, on_log=bar.update,
-            device=args.device,
-        )  # fmt: skip
+        task, result = _prepare_and_train(task_class, options, config, args, train)
     except LossNotFiniteError as error:
-        print(f"\nqkv train: stopped: {error}", file=sys.stderr)
+        print(f"qkv train: stopped: {error}", file=sys.stderr)
         return 3
     except (ValueError, TypeError, OSError, ImportError) as error:
         print(f"qkv train: error: {error}", file=sys.stderr)
@@ -73,15 +70,34 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prepare_and_train(task_class: type, options, config, args: argparse.Namespace, train):
+    """The task (its data) and the training, with their progress on stderr: the tasks and the
+    loop log their stages (data, tokenizer, resume), shown as lines, then the bar of the steps."""
+    with _progress.log_lines("qkv", prefix="  "):
+        task = task_class(options)
+        bar = _TrainProgress(config.steps, config.log_every)
+        try:
+            result = train(
+                task, config, out_dir=args.out, resume=args.resume, on_log=bar.update,
+                device=args.device,
+            )  # fmt: skip
+        finally:  # the bar's last line comes before any error message
+            bar.close()
+    return task, result
+
+
 def _fields(args: argparse.Namespace, cls: type) -> dict:
     return {field.name: getattr(args, field.name) for field in dataclasses.fields(cls)}
 
 
-class _ProgressBar:
-    """One line on stderr redrawn from the training records; evaluations print their own."""
+class _TrainProgress:
+    """The bar of the steps, drawn from the training records (`train`'s on_log); evaluations
+    are lines of their own."""
 
-    def __init__(self, total: int, started: float, width: int = 24) -> None:
-        self.total, self.started, self.width = total, started, width
+    def __init__(self, total: int, log_every: int) -> None:
+        self.total, self.log_every = total, log_every
+        self.bar: _progress.Progress | None = None
+        self.started = time.perf_counter()
 
     def update(self, record: dict) -> None:
         step = record["step"]
@@ -89,17 +105,24 @@ class _ProgressBar:
             shown = "  ".join(
                 f"{k} {v:.4g}" for k, v in record.items() if k not in ("step", "kind")
             )
-            print(f"\n  eval at step {step}: {shown}", file=sys.stderr, flush=True)
+            _progress.say(f"  eval at step {step}: {shown}")
             return
-        filled = self.width * step // self.total
-        print(
-            f"\r[{'#' * filled}{'.' * (self.width - filled)}] step {step}/{self.total}  "
-            f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
-            f"{record['tokens_per_s']:,.0f} tok/s  {time.perf_counter() - self.started:.0f}s",
-            end="",
-            file=sys.stderr,
-            flush=True,
+        if self.bar is None:  # a resumed run's first record comes log_every steps after its start
+            initial = max(0, step - self.log_every) if self.log_every > 0 else 0
+            self.bar = _progress.progress(
+                self.total, desc="training", unit="step", initial=initial,
+                elapsed=time.perf_counter() - self.started,
+            )  # fmt: skip
+        self.bar.set_postfix_str(
+            f"loss {record['loss']:.4f}, lr {record['lr']:.2e}, "
+            f"{record['tokens_per_s']:,.0f} tok/s",
+            refresh=False,
         )
+        self.bar.update(step - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -108,7 +131,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     train = commands.add_parser(
         "train", help="train a preset (translate, bert, gpt) on embedded data, resumable"
     )
-    tasks = train.add_subparsers(dest="task", metavar="task", required=True)
+    tasks = train.add_subparsers(dest="task", metavar="task")
+    train.set_defaults(run=lambda args: _print_help(train))  # `qkv train` alone
     for name, (task_class, options_class) in _tasks().items():
         parser = tasks.add_parser(name, help=(options_class.__doc__ or "").splitlines()[0])
         parser.add_argument(
@@ -116,11 +140,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         )
         parser.add_argument("--resume", action="store_true", help="go on from --out's checkpoint")
         parser.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
-        parser.add_argument("--device", default="cpu", help="cpu or cuda (default %(default)s)")
+        parser.add_argument(
+            "--device", default="cpu", help="cpu, cuda, cuda:N or mps (default %(default)s)"
+        )
         defaults = getattr(task_class, "training_defaults", {})
         _add_dataclass_flags(parser.add_argument_group("training"), TrainingConfig, defaults)
         _add_dataclass_flags(parser.add_argument_group(f"{name} task"), options_class)
         parser.set_defaults(run=_run)
+
+
+def _print_help(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 0
 
 
 def _add_dataclass_flags(

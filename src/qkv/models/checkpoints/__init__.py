@@ -17,6 +17,8 @@ from torch import nn
 from qkv.models.checkpoints.core import (
     CheckpointError,
     KeyMap,
+    NotAFolderError,
+    check_local_folder,
     load_into,
     read_config,
     read_tensors,
@@ -36,6 +38,12 @@ class Architecture:
 
 
 ARCHITECTURES: dict[str, Architecture] = {}
+# transformers' class that saves a checkpoint of each qkv class (for the hint of a Hub name)
+_AUTO_CLASSES = {
+    "BertModel": "AutoModel",
+    "BertForPreTraining": "AutoModelForPreTraining",
+    "BertForSequenceClassification": "AutoModelForSequenceClassification",
+}
 
 
 def register(architecture: Architecture) -> None:
@@ -48,8 +56,12 @@ def from_pretrained(path: str | Path, *, expected: type[nn.Module] | None = None
     The architecture is config.json's `architectures` entry; with `expected` (a qkv class), a
     checkpoint of another architecture of that class is also accepted when its layout fits
     (BertModel from a BertForPreTraining checkpoint, the heads dropped).
+    A path with nothing there (a Hub name such as "gpt2": nothing is downloaded) raises
+    NotAFolderError, which says how to make the folder.
     """
     _register_families()
+    auto_class = _AUTO_CLASSES.get(getattr(expected, "__name__", ""), "AutoModelForCausalLM")
+    check_local_folder(path, auto_class=auto_class)
     config = read_config(path)
     names = config.get("architectures") or []
     candidates = [ARCHITECTURES[n] for n in names if n in ARCHITECTURES]
@@ -120,6 +132,8 @@ __all__ = [
     "HuggingFaceIO",
     "CheckpointError",
     "KeyMap",
+    "NotAFolderError",
+    "check_local_folder",
     "from_pretrained",
     "register",
     "save_pretrained",

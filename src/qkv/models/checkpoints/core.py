@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,15 @@ class CheckpointError(ValueError):
     """A checkpoint that does not fit the model: lists missing, unexpected, mis-shaped keys."""
 
 
+class NotAFolderError(CheckpointError, FileNotFoundError):
+    """A checkpoint path with nothing there, such as a Hugging Face Hub name ("gpt2"): qkv
+    reads local folders only. Both a CheckpointError (a ValueError) and a FileNotFoundError."""
+
+
+# A Hub repository id: "name" or "owner/name", letters, digits, '-', '_', '.'
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
 @dataclass(frozen=True)
 class KeyMap:
     """Renames between a checkpoint's keys and a qkv model's state_dict keys.
@@ -37,6 +47,32 @@ class KeyMap:
     to_qkv: Callable[[Tensors], Tensors]
     to_checkpoint: Callable[[Tensors], Tensors]
     ignore: tuple[str, ...] = field(default=())
+
+
+def check_local_folder(
+    path: str | Path, *, argument: str = "path", auto_class: str = "AutoModelForCausalLM"
+) -> Path:
+    """`path` as a Path when something is there; NotAFolderError otherwise, which for a name
+    shaped like a Hub id says that nothing is downloaded and how to make the folder (with
+    transformers' `auto_class`, on a machine with network)."""
+    directory = Path(path)
+    if directory.exists():
+        return directory
+    name = str(path)
+    if not _HUB_NAME.fullmatch(name):
+        raise NotAFolderError(
+            f"{argument}: {name} does not exist; expected a local checkpoint folder "
+            f"(config.json and model.safetensors)"
+        )
+    local = name.rsplit("/", 1)[-1] + "-local"
+    raise NotAFolderError(
+        f'{argument}: there is no folder "{name}" here. qkv reads checkpoints from local folders '
+        f"only and downloads nothing, so a Hugging Face Hub name is not enough. To make the "
+        f"folder, on a machine with network and transformers: "
+        f'`{auto_class}.from_pretrained("{name}").save_pretrained("{local}")` (and, for its '
+        f'tokenizer.json, `AutoTokenizer.from_pretrained("{name}").save_pretrained("{local}")`); '
+        f'then pass "{local}" (copied here if it was made elsewhere)'
+    )
 
 
 def read_config(path: str | Path) -> dict:

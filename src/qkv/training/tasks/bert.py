@@ -1,11 +1,11 @@
 """The `bert` task: MLM + NSP pre-training on the documentation CPython ships.
 
-Seed 000, "Pre-training Tasks" (Devlin et al. 2019, section 3.1): the masked language model
-selects ~15% of the tokens, of which 80% become [MASK], 10% a random token and 10% stay, and
-predicts the original there; next-sentence prediction asks whether sentence B follows A (50%)
-or comes from elsewhere (50%). The text is `pydoc_data.topics` (or `--data FILE`), split by
-document into training and validation; the tokenizer is a WordPiece trained on the training
-documents (`tokenizer="trained"`) or MiniLM's 30,522-token vocabulary (`"minilm"`).
+Pre-training (Devlin et al. 2019, section 3.1): the masked language model selects ~15% of the
+tokens, of which 80% become [MASK], 10% a random token and 10% stay, and predicts the original
+there; next-sentence prediction asks whether sentence B follows A (50%) or comes from elsewhere
+(50%). The text is `pydoc_data.topics` (or `--data FILE`), split by document into training and
+validation; the tokenizer is a WordPiece trained on the training documents (`tokenizer="trained"`)
+or MiniLM's 30,522-token vocabulary (`"minilm"`).
 
 The [CLS] A [SEP] B [SEP] pairs are built once (`qkv.data.nsp`), dupe_factor times with seeds
 data_seed, data_seed + 1, ... (as the reference's create_pretraining_data.py does: the same text
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 from collections.abc import Sequence
@@ -54,6 +55,8 @@ from qkv.models import BertConfig, BertForPreTraining
 from qkv.training.tasks.gpt import check_validation_fraction, unigram_entropy
 
 __all__ = ["BertOptions", "BertTask"]
+
+logger = logging.getLogger(__name__)  # the stages of data preparation, at INFO
 
 TASK_FILE = "task.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -105,16 +108,25 @@ class BertTask:
             raise ValueError(f"tokenizer: expected one of {TOKENIZERS}, got {options.tokenizer!r}")
         check_validation_fraction(options.validation_fraction)
         self.options = options
+        logger.info("reading %s", options.data or "the documents of pydoc_data.topics")
         documents = _documents(options.data)
         train, valid = train_validation_split(
             documents, validation_fraction=options.validation_fraction, seed=options.data_seed
         )
         if options.tokenizer == "trained":
             texts = [" ".join(document) for document in train]
+            logger.info(
+                "training a WordPiece of %d tokens on %d documents", options.vocab_size,
+                len(train),
+            )  # fmt: skip
             self.tokenizer = train_wordpiece(texts, vocab_size=options.vocab_size)
         else:
             self.tokenizer = minilm_wordpiece()
         self.special = bert_special_ids(self.tokenizer)
+        logger.info(
+            "building sentence pairs: %d sets of %d documents, and validation's",
+            options.dupe_factor, len(train),
+        )  # fmt: skip
         self.train_pairs = _training_pairs(train, self.tokenizer, options)
         self.valid_pairs = _validation_pairs(valid, train, self.tokenizer, options)
         self.valid_batches = [

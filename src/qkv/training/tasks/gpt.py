@@ -1,12 +1,11 @@
 """The `gpt` task: causal language modelling on the documentation CPython ships.
 
-GPT learns to predict every next token from the ones before it (seed 002 section 4.2, "Causal
-Mask (Decoder / GPT)": position i sees only positions j <= i). The text is that of
-`pydoc_data.topics` (or the user's `--data FILE`), split by document into training and
-validation, tokenised with a byte-level BPE trained on the training documents (GPT-2's scheme,
-Radford et al. 2019 section 2.2), joined with <|endoftext|> and cut into blocks of block_size
-tokens (`qkv.data.lm`). The loss is the summed next-token cross-entropy; a block of T tokens
-gives T - 1 predictions.
+GPT learns to predict every next token from the ones before it (the causal mask: position i sees
+only positions j <= i). The text is that of `pydoc_data.topics` (or the user's `--data FILE`), split
+by document into training and validation, tokenised with a byte-level BPE trained on the training
+documents (GPT-2's scheme, Radford et al. 2019 section 2.2), joined with <|endoftext|> and cut into
+blocks of block_size tokens (`qkv.data.lm`). The loss is the summed next-token cross-entropy; a
+block of T tokens gives T - 1 predictions.
 
 The model is GPT-2 style by default (`family="gpt2"`: learned positions, LayerNorm, a GELU FFN,
 biases, output head tied to the token embedding, which halves the parameters of a small model
@@ -22,6 +21,7 @@ model folder holds qkv's checkpoint and the tokenizer.json that `load_for_genera
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from dataclasses import asdict, dataclass
@@ -42,6 +42,8 @@ from qkv.data import (
 from qkv.models import GPT, GPTConfig
 
 __all__ = ["GPTOptions", "GPTTask", "check_validation_fraction", "unigram_entropy"]
+
+logger = logging.getLogger(__name__)  # the stages of data preparation, at INFO
 
 TASK_FILE = "task.json"
 TOKENIZER_FILE = "tokenizer.json"  # the name `qkv generate` looks for
@@ -90,6 +92,7 @@ class GPTTask:
             raise ValueError(f"family: expected one of {sorted(FAMILIES)}, got {options.family!r}")
         check_validation_fraction(options.validation_fraction)
         self.options = options
+        logger.info("reading %s", options.data or "the texts of pydoc_data.topics")
         texts = pydoc_texts() if options.data is None else text_file_texts(options.data)
         train, valid = train_validation_split(
             texts, validation_fraction=options.validation_fraction, seed=options.data_seed
@@ -99,7 +102,12 @@ class GPTTask:
                 f"data: {len(texts)} document(s); expected at least 2 (blank lines separate "
                 f"documents), so that one can be held out for validation"
             )
+        logger.info(
+            "training a byte-level BPE of %d tokens on %d documents", options.vocab_size,
+            len(train),
+        )  # fmt: skip
         self.tokenizer = train_bpe(train, vocab_size=options.vocab_size)
+        logger.info("cutting %d documents into blocks of %d tokens", len(texts), options.block_size)
         self.train_blocks = causal_lm_blocks(train, self.tokenizer, block_size=options.block_size)
         self.valid_blocks = causal_lm_blocks(valid, self.tokenizer, block_size=options.block_size)
         self.unigram_entropy = unigram_entropy(self.train_blocks.blocks)

@@ -1,10 +1,10 @@
 """The `translate` task: train the encoder-decoder `Transformer` on German -> English numbers.
 
-Training is teacher forcing (seed 004, "Data Flow: Training vs. Inference"): the model sees the
-source and the target shifted right behind [BOS], and predicts every target token at once under
-the look-ahead mask; the loss is label-smoothed cross-entropy (Vaswani et al. 2017 section 5.4).
-Evaluation decodes greedily, one token at a time with the decoder cache, and counts exact
-matches: a translation is right only if every word, hyphen and comma is.
+Training is teacher forcing: the model sees the source and the target shifted right behind [BOS],
+and predicts every target token at once under the look-ahead mask; the loss is label-smoothed
+cross-entropy (Vaswani et al. 2017 section 5.4). Evaluation decodes greedily, one token at a time
+with the decoder cache, and counts exact matches: a translation is right only if every word, hyphen
+and comma is.
 
 The default model (E=128, 4 heads, 2 + 2 layers, FFN 512, about 0.95M parameters) is sized so
 that the README's command reaches >= 99% exact match on held-out numbers in a few minutes on 2
@@ -14,6 +14,7 @@ CPU cores.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,6 +35,8 @@ from qkv.models import Transformer, TransformerConfig
 from qkv.models.losses import IGNORE_INDEX
 
 __all__ = ["TranslateOptions", "TranslateTask", "load_translator", "translate"]
+
+logger = logging.getLogger(__name__)  # the stages of data preparation, at INFO
 
 TASK_FILE = "task.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -78,9 +81,15 @@ class TranslateTask:
     def __init__(self, options: TranslateOptions = TranslateOptions()) -> None:
         self.options = options
         self.pairs = _pairs(options)
+        logger.info(
+            "training a BPE tokenizer of %d tokens on %d pairs",
+            options.vocab_size, len(self.pairs.train),
+        )  # fmt: skip
         self.tokenizer = train_translation_tokenizer(
             self.pairs.train, vocab_size=options.vocab_size
         )
+        splits = (self.pairs.train, self.pairs.valid, self.pairs.test)
+        logger.info("encoding %d pairs", sum(len(split) for split in splits))
         encode = lambda pairs: TranslationDataset(  # noqa: E731
             pairs, self.tokenizer, max_length=options.max_length
         )
@@ -198,7 +207,12 @@ def load_translator(path: str | os.PathLike):
 
 def _pairs(options: TranslateOptions) -> TranslationPairs:
     if options.data is not None:
+        logger.info("reading pairs from %s", options.data)
         return read_pairs(options.data, seed=options.data_seed)
+    logger.info(
+        "generating %d number pairs (0 .. %d)",
+        options.num_train + options.num_valid + options.num_test, options.max_number,
+    )  # fmt: skip
     return number_pairs(
         max_number=options.max_number, num_train=options.num_train,
         num_valid=options.num_valid, num_test=options.num_test, seed=options.data_seed,
