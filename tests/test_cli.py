@@ -30,6 +30,8 @@ def test_check_passes_and_prints_every_row(capsys):
     for label in "abcdefghijklmnopqrs":
         assert f"({label})" in printed
     assert "FAIL" not in printed and "19/19 passed" in printed
+    # then what this machine supports, as qkv.capabilities answers it
+    assert "packed torch.bfloat16 linears: " in printed and "compiled decoding: " in printed
 
 
 def test_a_failing_check_makes_the_command_fail(capsys, monkeypatch):

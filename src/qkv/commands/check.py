@@ -1,4 +1,5 @@
-"""`qkv check`: sanity checks of attention and the Transformer against PyTorch, as a table."""
+"""`qkv check`: sanity checks of attention and the Transformer against PyTorch, as a table,
+then what this machine supports (`qkv.capabilities`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ def _check(args: argparse.Namespace) -> int:
     import torch
 
     from qkv.analysis import run_checks
+    from qkv.capabilities import describe
 
     torch.set_num_threads(max(1, min(torch.get_num_threads(), args.threads)))
     results = run_checks(seed=args.seed)
@@ -25,6 +27,9 @@ def _check(args: argparse.Namespace) -> int:
         f"{len(results) - len(failed)}/{len(results)} passed"
         + (f"; failed: {' '.join(failed)}" if failed else "")
     )
+    print("\nthis machine (the CPU fast paths each take only what it supports):")
+    for line in describe().splitlines():
+        print(f"  {line}")
     return 1 if failed else 0
 
 
