@@ -206,7 +206,7 @@ def test_a_hub_name_says_that_only_local_folders_are_read(tmp_path, monkeypatch,
     monkeypatch.chdir(tmp_path)  # no folder of that name here
     with pytest.raises(FileNotFoundError) as error:
         load(name)
-    assert isinstance(error.value, CheckpointError)  # a ValueError too, as before
+    assert isinstance(error.value, CheckpointError)  # and so a ValueError
     message = str(error.value)
     local = name.rsplit("/", 1)[-1] + "-local"
     assert message.startswith(f'path: there is no folder "{name}" here')

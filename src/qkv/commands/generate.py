@@ -130,7 +130,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--compile",
         action="store_true",
         help="decode with the model compiled by torch.compile (qkv.generate(compile=True)): "
-        "2-3x faster steps on the CPU with --pack, after 15-30 s of compiling; worth it for "
-        "long outputs (off by default)",
+        "faster steps on the CPU with --pack, after a one-time compilation of tens of seconds "
+        "(benchmarks/README.md has the figures); worth it for long outputs (off by default)",
     )
     generate.set_defaults(run=_generate)

@@ -21,7 +21,7 @@ class Dropout(nn.Dropout):
 
 
 def make_dropout(p: float) -> nn.Module:
-    """Dropout(p), or nn.Identity() when p == 0 (checked by nn.Dropout as before otherwise).
+    """Dropout(p), or nn.Identity() when p == 0 (p checked by nn.Dropout otherwise).
 
     Dropout with p = 0 is the identity in train and eval mode alike, yet a dropout module still
     costs a module call and a dispatch on every forward: a few microseconds, paid about 17
