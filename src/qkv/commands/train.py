@@ -48,26 +48,38 @@ def _tasks() -> dict[str, tuple[type, type]]:
 
 def _run(args: argparse.Namespace) -> int:
     import torch
+    from safetensors import SafetensorError
 
     from qkv.training import LossNotFiniteError, TrainingConfig, train
+    from qkv.training.distributed import OtherProcessFailedError
 
-    torch.set_num_threads(args.threads)
     task_class, options_class = _tasks()[args.task]
     try:
+        _check_threads(args.threads)
+        torch.set_num_threads(args.threads)
         check_device(args.device)  # before the data: preparing it can take a minute
         config = TrainingConfig(**_fields(args, TrainingConfig))
         options = options_class(**_fields(args, options_class))
         print(f"qkv train {args.task}: preparing data ...", file=sys.stderr, flush=True)
         started = time.perf_counter()
         task, result = _prepare_and_train(task_class, options, config, args, train)
+        seconds = time.perf_counter() - started
+        _train_report.report(task, result, Path(args.out), seconds=seconds)
     except LossNotFiniteError as error:
         print(f"qkv train: stopped: {error}", file=sys.stderr)
         return 3
-    except (ValueError, TypeError, OSError, ImportError) as error:
+    except (ValueError, TypeError, OSError, ImportError, SafetensorError) as error:
         print(f"qkv train: error: {error}", file=sys.stderr)
         return 1
-    _train_report.report(task, result, Path(args.out), seconds=time.perf_counter() - started)
+    except OtherProcessFailedError as error:  # with torchrun: rank 0 printed the reason
+        print(f"qkv train: error: {error}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _check_threads(threads: int) -> None:
+    if threads < 1:
+        raise ValueError(f"threads: expected an int >= 1, got {threads}")
 
 
 def _prepare_and_train(task_class: type, options, config, args: argparse.Namespace, train):

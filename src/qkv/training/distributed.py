@@ -16,7 +16,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Distributed", "all_reduce_sum", "setup_distributed", "shard"]
+__all__ = [
+    "Distributed",
+    "OtherProcessFailedError",
+    "all_reduce_sum",
+    "fail_together",
+    "setup_distributed",
+    "shard",
+]
 
 
 @dataclass(frozen=True)
@@ -79,3 +86,21 @@ def all_reduce_sum(values: torch.Tensor, context: Distributed) -> torch.Tensor:
         values = values.clone()
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
     return values
+
+
+class OtherProcessFailedError(RuntimeError):
+    """Raised on the processes that did not fail, when another one did (it shows its error)."""
+
+
+def fail_together(error: BaseException | None, context: Distributed, device: torch.device) -> None:
+    """Raise `error` here, and OtherProcessFailedError on every other process, so that none of them
+    waits forever at a collective for a process that has stopped. Every process must call it
+    (it is a collective, and so a barrier); with one process it just raises `error`, if any."""
+    if context.enabled:
+        failed = torch.zeros(context.world_size, device=device)
+        failed[context.rank] = float(error is not None)
+        ranks = all_reduce_sum(failed, context).nonzero().flatten().tolist()
+        if error is None and ranks:
+            raise OtherProcessFailedError(f"rank {ranks} stopped with an error (shown there)")
+    if error is not None:
+        raise error

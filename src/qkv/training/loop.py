@@ -11,14 +11,25 @@ WHOLE global batch, over all micro-batches and processes. So the gradient is the
 big batch on one process would give, whatever the accumulation and the number of processes
 (DDP averages gradients over processes; the loss is multiplied by world_size to undo that).
 
-After backward the step's loss is checked: NaN or inf stops the run with `LossNotFiniteError`
-before the optimizer touches the weights, so the last checkpoint stays the last good state.
-Then: gradient clipping, the AdamW step, the learning-rate schedule; every `checkpoint_every`
-steps an atomic checkpoint (`qkv.training.checkpoint`), which `resume=True` continues from.
+After backward the step's loss is checked, then the gradient's global norm (the one clipping
+computes, or computed for the check when clip_norm is None): NaN or inf stops the run with
+`LossNotFiniteError` (`GradientNotFiniteError` for a finite loss with a poisoned gradient)
+before the optimizer touches the weights. The run stops rather than skipping the step: a
+skipped step would make the run silently differ from the one its options describe, and hide an
+overflow that comes back. Then the AdamW step and the learning-rate schedule; every
+`checkpoint_every` steps, once the weights are checked finite too, an atomic checkpoint
+(`qkv.training.checkpoint`), which `resume=True` continues from. So the checkpoint on disk is
+always the last good state.
+
+One run per folder: `out_dir` is locked for the run (`qkv.training.runlock`; a second run is
+refused with the holder's pid), and the temporaries of checkpoints that killed runs were
+writing are deleted. With several processes, rank 0 alone locks and writes, and a failure there
+(a full disk) stops every process (`fail_together`) instead of leaving them waiting.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -35,15 +46,30 @@ from torch import nn
 
 from qkv.training.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from qkv.training.config import TrainingConfig
-from qkv.training.distributed import Distributed, all_reduce_sum, setup_distributed, shard
+from qkv.training.distributed import (
+    Distributed,
+    all_reduce_sum,
+    fail_together,
+    setup_distributed,
+    shard,
+)
+from qkv.training.metrics import METRICS_NAME, RunLogger
 from qkv.training.optim import build_optimizer
+from qkv.training.runlock import RunLock, remove_temporaries
 from qkv.training.schedule import build_scheduler
 
-__all__ = ["DataOrder", "Task", "LossNotFiniteError", "TrainingResult", "train"]
+__all__ = [
+    "DataOrder",
+    "GradientNotFiniteError",
+    "LossNotFiniteError",
+    "METRICS_NAME",
+    "Task",
+    "TrainingResult",
+    "train",
+]
 
 logger = logging.getLogger(__name__)
 
-METRICS_NAME = "metrics.jsonl"
 Batch = dict[str, torch.Tensor]
 
 
@@ -70,7 +96,13 @@ class Task(Protocol):
 
 
 class LossNotFiniteError(RuntimeError):
-    """The loss became NaN or inf; the weights of the failing step were not updated."""
+    """The loss (or the gradient, or the weights) became NaN or inf; the run stopped before the
+    failing step updated the weights, or before non-finite weights reached a checkpoint."""
+
+
+class GradientNotFiniteError(LossNotFiniteError):
+    """The loss was finite but its gradient was not; a LossNotFiniteError, so that one
+    `except` stops on both."""
 
 
 @dataclass(frozen=True)
@@ -119,10 +151,25 @@ def train(
     logs every `log_every` steps, evaluations). on_log(record) sees the same records as they
     come (the CLI draws its progress bar from them). resume: continue from out_dir's checkpoint
     when there is one (the config must be the one it was written with).
+
+    Raises LossNotFiniteError (GradientNotFiniteError) when training diverges,
+    RunFolderBusyError when another run holds out_dir, CheckpointError or MetricsFileError (both
+    ValueErrors) for a damaged checkpoint or metrics file on resume, and an OSError naming the
+    file when one cannot be written (a full disk).
     """
     out_dir = Path(out_dir)
     context = setup_distributed(device)
     device = context.device(device)
+    lock = _lock(out_dir, context, device)
+    try:
+        return _train(task, config, out_dir, resume, on_log, context, device)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _build(task: Task, config: TrainingConfig, device: torch.device) -> tuple:
+    """Model, optimizer and schedule, from config.seed."""
     torch.manual_seed(config.seed)
     model = task.build_model().to(device)
     optimizer = build_optimizer(
@@ -133,9 +180,22 @@ def train(
         optimizer, warmup_steps=config.warmup_steps, total_steps=config.steps,
         kind=config.schedule,
     )  # fmt: skip
+    return model, optimizer, scheduler
+
+
+def _train(
+    task: Task,
+    config: TrainingConfig,
+    out_dir: Path,
+    resume: bool,
+    on_log: Callable[[dict], None] | None,
+    context: Distributed,
+    device: torch.device,
+) -> TrainingResult:
+    model, optimizer, scheduler = _build(task, config, device)
     run_info = {"task": task.describe(), "training": config.to_json()}
     start, metrics = _maybe_resume(out_dir, resume, model, optimizer, scheduler, run_info)
-    log = _Logger(out_dir, context, on_log, truncate_after=start)
+    log = RunLogger(out_dir, context, on_log, keep_up_to=start)
     wrapped = context.wrap(model)
     order = DataOrder(len(task), seed=config.seed)
     step_timer = _Throughput()
@@ -143,30 +203,64 @@ def train(
     for step in range(start, config.steps):
         loss_terms, tokens = _train_step(task, wrapped, order, step, config, context)
         _check_finite(loss_terms, step, out_dir)
-        if config.clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm)
+        _clip_and_check_gradient(model, config.clip_norm, step, out_dir)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         done = step + 1
         step_timer.add(tokens)
+        records = []
         if _due(done, config.log_every, config.steps):
             lr = scheduler.get_last_lr()[0]
-            log.write({"step": done, "kind": "train", **loss_terms, "lr": lr, **step_timer.read()})
+            records.append({"step": done, "kind": "train", **loss_terms, "lr": lr,
+                            **step_timer.read()})  # fmt: skip
         if _due(done, config.eval_every, config.steps):
             metrics = _evaluate(task, model, context)
-            log.write({"step": done, "kind": "eval", **metrics})
-        if _due(done, config.checkpoint_every, config.steps) and context.is_main:
+            records.append({"step": done, "kind": "eval", **metrics})
+        save = None
+        if _due(done, config.checkpoint_every, config.steps):
+            _check_weights(model, done, out_dir)
             extra = {**run_info, "metrics": metrics}
-            save_checkpoint(
-                out_dir / CHECKPOINT_NAME, model=model, optimizer=optimizer,
+            save = functools.partial(
+                save_checkpoint, out_dir / CHECKPOINT_NAME, model=model, optimizer=optimizer,
                 scheduler=scheduler, step=done, extra=extra,
             )  # fmt: skip
-        context.barrier()
+        _write_on_main(log, records, save, context, device)
     model.eval()
     return TrainingResult(
         model=model, step=config.steps, metrics=metrics, resumed_from=start or None
     )
+
+
+def _lock(out_dir: Path, context: Distributed, device: torch.device) -> RunLock | None:
+    """Rank 0 locks the run folder (the other ranks of the run write nothing there) and deletes
+    the temporaries killed runs left; every rank stops if that fails."""
+    lock, failure = None, None
+    if context.is_main:
+        try:
+            lock = RunLock(out_dir)
+            remove_temporaries(out_dir)
+        except Exception as error:  # shared with the other ranks by fail_together
+            failure = error
+            if lock is not None:
+                lock.release()
+    fail_together(failure, context, device)
+    return lock
+
+
+def _write_on_main(log, records: list[dict], save, context: Distributed, device) -> None:
+    """Rank 0 writes the step's records, then its checkpoint; a failure there (a full disk)
+    stops every rank. Also the step's barrier."""
+    failure = None
+    if context.is_main:
+        try:
+            for record in records:
+                log.write(record)
+            if save is not None:
+                save()
+        except Exception as error:  # shared with the other ranks by fail_together
+            failure = error
+    fail_together(failure, context, device)
 
 
 def _train_step(
@@ -206,11 +300,43 @@ def _train_step(
 
 
 def _check_finite(loss_terms: dict[str, float], step: int, out_dir: Path) -> None:
+    """Stop before the optimizer step on a NaN or inf loss."""
     if not all(math.isfinite(value) for value in loss_terms.values()):
         raise LossNotFiniteError(
             f"step {step + 1}: the loss is {loss_terms['loss']} (not finite); the run stopped "
             f"before updating the weights, and {out_dir / CHECKPOINT_NAME} (if any) is the last "
             f"good state. Lower the learning rate, raise warmup_steps or set clip_norm."
+        )
+
+
+def _clip_and_check_gradient(
+    model: nn.Module, clip_norm: float | None, step: int, out_dir: Path
+) -> None:
+    """Clip the gradient's global L2 norm to clip_norm (if set); stop on a NaN or inf norm
+    before the optimizer step (clipping a NaN gradient leaves it NaN)."""
+    if clip_norm is not None:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+    else:
+        gradients = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(gradients)
+    value = float(norm)
+    if not math.isfinite(value):
+        raise GradientNotFiniteError(
+            f"step {step + 1}: the gradient's norm is {value} (not finite) while the loss is "
+            f"finite; the run stopped before updating the weights, and "
+            f"{out_dir / CHECKPOINT_NAME} (if any) is the last good state. Look for an op whose "
+            f"backward overflows or divides by zero (bf16, sqrt or log near 0, a custom kernel)"
+        )
+
+
+def _check_weights(model: nn.Module, done: int, out_dir: Path) -> None:
+    """Non-finite weights (an optimizer overflow) never overwrite the last good checkpoint."""
+    bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise LossNotFiniteError(
+            f"the weights after step {done} are not finite ({', '.join(bad[:5])}); they were not "
+            f"written, and {out_dir / CHECKPOINT_NAME} (if any) is the last good state. Lower "
+            f"the learning rate, raise warmup_steps or set clip_norm"
         )
 
 
@@ -271,43 +397,3 @@ class _Throughput:
         rate = self.tokens / max(now - self.start, 1e-9)
         self.tokens, self.start = 0, now
         return {"tokens_per_s": rate}
-
-
-class _Logger:
-    """Records to metrics.jsonl (main process), to TensorBoard where it is installed, and to
-    on_log. On resume, records after the checkpoint's step are dropped from the file: the
-    resumed run writes them again."""
-
-    def __init__(self, out_dir: Path, context: Distributed, on_log, *, truncate_after: int):
-        self.path, self.context, self.on_log = out_dir / METRICS_NAME, context, on_log
-        self.board = None
-        if context.is_main:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            kept = []
-            if truncate_after and self.path.is_file():
-                lines = self.path.read_text().splitlines()
-                kept = [line for line in lines if json.loads(line)["step"] <= truncate_after]
-            self.path.write_text("".join(line + "\n" for line in kept))
-            self.board = _tensorboard(out_dir / "tensorboard")
-
-    def write(self, record: dict) -> None:
-        if not self.context.is_main:
-            return
-        with open(self.path, "a") as file:
-            file.write(json.dumps(record) + "\n")
-        if self.board is not None:
-            for name, value in record.items():
-                if name not in ("step", "kind"):
-                    self.board.add_scalar(f"{record['kind']}/{name}", value, record["step"])
-            self.board.flush()
-        if self.on_log is not None:
-            self.on_log(record)
-
-
-def _tensorboard(folder: Path):
-    """A SummaryWriter when the tensorboard package is installed, else None."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return None
-    return SummaryWriter(str(folder))
