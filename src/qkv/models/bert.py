@@ -28,6 +28,7 @@ from qkv.layers._checks import check_positive_float, check_positive_int, check_p
 from qkv.layers._dropout import make_dropout
 from qkv.models.checkpoints import HuggingFaceIO
 from qkv.models.outputs import EncoderOutput
+from qkv.models.sizes import check_model_fits
 from qkv.positional import LearnedPositionalEmbedding
 
 __all__ = ["BertConfig", "BertEmbeddings", "BertModel", "init_bert_weights", "mean_pool"]
@@ -183,6 +184,7 @@ class BertModel(HuggingFaceIO, nn.Module):
         super().__init__()
         if not isinstance(config, BertConfig):
             raise TypeError(f"config: expected a BertConfig, got {type(config).__name__}")
+        check_model_fits(config)  # before allocating: sizes may come from a file
         self.config = config
         self.embeddings = BertEmbeddings(config)
         num_blocks = 1 if config.share_layers else config.num_layers

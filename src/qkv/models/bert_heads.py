@@ -28,6 +28,7 @@ from qkv.models.checkpoints import HuggingFaceIO
 from qkv.models.losses import cross_entropy
 from qkv.models.outputs import ClassificationOutput, PreTrainingOutput
 from qkv.models.serialization import register_model_class
+from qkv.models.sizes import LABEL_NAME_BYTES, SizePart, check_model_fits
 
 __all__ = ["BertForPreTraining", "BertForSequenceClassification", "MaskedLMHead"]
 
@@ -126,8 +127,18 @@ class BertForSequenceClassification(HuggingFaceIO, nn.Module):
         label_names: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
+        if not isinstance(config, BertConfig):
+            raise TypeError(f"config: expected a BertConfig, got {type(config).__name__}")
         self.config = config
         self.num_labels = check_positive_int("num_labels", num_labels)
+        # before the label names and the classifier are allocated: num_labels may come from a file
+        E = config.embed_dim
+        classifier = SizePart(
+            f"num_labels={num_labels} classifier (embed_dim={E})",
+            num_labels * (E + 1),
+            0 if label_names is not None else num_labels * LABEL_NAME_BYTES,
+        )
+        check_model_fits(config, extra=(classifier,))
         if label_names is None:
             label_names = [f"LABEL_{i}" for i in range(num_labels)]
         if isinstance(label_names, str) or len(label_names) != num_labels:

@@ -33,6 +33,7 @@ from qkv.models.encoder_decoder_config import TRANSFORMER_PRESETS, TransformerCo
 from qkv.models.losses import IGNORE_INDEX, sequence_cross_entropy
 from qkv.models.outputs import Seq2SeqOutput
 from qkv.models.serialization import register_model_class
+from qkv.models.sizes import check_model_fits
 from qkv.positional import SinusoidalPositionalEncoding
 
 __all__ = [
@@ -154,6 +155,7 @@ class Transformer(nn.Module):
         super().__init__()
         if not isinstance(config, TransformerConfig):
             raise TypeError(f"config: expected a TransformerConfig, got {type(config).__name__}")
+        check_model_fits(config)  # before allocating: sizes may come from a file
         self.config = config
         E, pad = config.embed_dim, config.pad_token_id
         self.embedding_scale = math.sqrt(E)

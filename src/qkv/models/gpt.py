@@ -34,6 +34,7 @@ from qkv.models.gpt_config import GPTConfig
 from qkv.models.losses import IGNORE_INDEX, cross_entropy
 from qkv.models.outputs import CausalLMOutput
 from qkv.models.serialization import register_model_class
+from qkv.models.sizes import check_model_fits
 from qkv.positional import LearnedPositionalEmbedding, RotaryEmbedding
 
 __all__ = ["GPT", "GPTBlock", "GPTConfig", "make_ffn", "make_norm", "make_rope", "next_token_loss"]
@@ -138,6 +139,7 @@ class GPT(HuggingFaceIO, nn.Module):
         super().__init__()
         if not isinstance(config, GPTConfig):
             raise TypeError(f"config: expected a GPTConfig, got {type(config).__name__}")
+        check_model_fits(config)  # before allocating: sizes may come from a file
         self.config = config
         self.token_embedding = nn.Embedding(config.vocab_size, config.embed_dim)
         self.position_embedding = (
