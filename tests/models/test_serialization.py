@@ -123,8 +123,17 @@ def _rewrite_weights(directory, change):
     weights = directory / "model.safetensors"
     tensors = change(load_file(str(weights)))
     save_file(tensors, str(weights))
+    _edit_config(directory, lambda document: document.update(
+        weights_sha256=hashlib.sha256(weights.read_bytes()).hexdigest()
+    ))  # fmt: skip
+
+
+def _edit_config(directory, change):
+    """Rewrite config.json with change(document) and record its new checkpoint_sha256: the
+    hash catches accidents, so these tests of the checks behind it edit as one who knows."""
     document = json.loads((directory / "config.json").read_text())
-    document["weights_sha256"] = hashlib.sha256(weights.read_bytes()).hexdigest()
+    change(document)
+    document["checkpoint_sha256"] = serialization.checkpoint_sha256(document)
     (directory / "config.json").write_text(json.dumps(document))
 
 
@@ -166,9 +175,8 @@ def test_missing_unexpected_and_misshaped_tensors_are_listed(tmp_path):
 
 def test_a_tie_the_config_does_not_build_is_refused(tmp_path):
     save(_model(), tmp_path)
-    document = json.loads((tmp_path / "config.json").read_text())
-    document["config"]["share_embeddings"] = False  # the file still stores one embedding
-    (tmp_path / "config.json").write_text(json.dumps(document))
+    # the file still stores one embedding
+    _edit_config(tmp_path, lambda document: document["config"].update(share_embeddings=False))
     with pytest.raises(CheckpointError, match=r"tied_weights .* differ from the ties"):
         load(tmp_path)
 
@@ -186,9 +194,7 @@ def test_a_tie_the_config_does_not_build_is_refused(tmp_path):
 )
 def test_bad_config_json_raises_a_clear_error(tmp_path, edit, pattern):
     save(_model(), tmp_path)
-    document = json.loads((tmp_path / "config.json").read_text())
-    edit(document)
-    (tmp_path / "config.json").write_text(json.dumps(document))
+    _edit_config(tmp_path, edit)
     with pytest.raises(CheckpointError, match=pattern):
         load(tmp_path)
 
@@ -250,3 +256,15 @@ def test_registration_and_save_errors(tmp_path):
     with pytest.raises(TypeError, match=r"config.name: expected a JSON value .* torch.float32"):
         save(_Probe(_ProbeConfig(name=torch.float32)), tmp_path)
     assert list(tmp_path.iterdir()) == []  # refused before anything was written
+
+
+def test_a_config_edited_by_hand_loads_only_with_verify_false(tmp_path):
+    """The hash covers config.json: an edit (here, one that changes what the model computes)
+    is refused; verify=False loads the folder as it is, for an edit made on purpose."""
+    save(_model(), tmp_path)
+    document = json.loads((tmp_path / "config.json").read_text())
+    document["config"]["norm_first"] = not document["config"]["norm_first"]
+    (tmp_path / "config.json").write_text(json.dumps(document))
+    with pytest.raises(CheckpointError, match=r"does not match its checkpoint_sha256"):
+        load(tmp_path)
+    assert load(tmp_path, verify=False).config.norm_first == document["config"]["norm_first"]

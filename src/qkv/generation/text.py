@@ -37,19 +37,13 @@ def load_for_generation(path: str | os.PathLike) -> tuple[nn.Module, object]:
     """(model in eval mode, `tokenizers.Tokenizer`) from the checkpoint folder `path`.
 
     Raises ValueError (qkv.models.CheckpointError is one) when the folder has no config.json or
-    no tokenizer.json, or holds a model that is not a decoder-only `qkv.models.GPT`.
+    no valid tokenizer.json, or holds a model that is not a decoder-only `qkv.models.GPT`.
     """
-    from tokenizers import Tokenizer
-
     import qkv.models as models
+    from qkv.models.checkpoints.core import read_tokenizer
 
     directory = Path(path)
-    tokenizer_path = directory / TOKENIZER_NAME
-    if not tokenizer_path.is_file():
-        raise ValueError(
-            f"path: {directory} has no {TOKENIZER_NAME}; expected the folder of a checkpoint "
-            f"with its tokenizer (a `tokenizers` JSON file)"
-        )
+    tokenizer = read_tokenizer(directory, name=TOKENIZER_NAME)  # before the (slower) model
     loader = models.load if _is_qkv_checkpoint(directory) else models.from_pretrained
     model = loader(directory)
     if not isinstance(model, models.GPT):
@@ -57,7 +51,7 @@ def load_for_generation(path: str | os.PathLike) -> tuple[nn.Module, object]:
             f"path: {directory} holds a {type(model).__name__}; expected a decoder-only "
             f"language model (qkv.models.GPT: GPT-2, Llama, Mistral)"
         )
-    return model.eval(), Tokenizer.from_file(str(tokenizer_path))
+    return model.eval(), tokenizer
 
 
 def _is_qkv_checkpoint(directory: Path) -> bool:

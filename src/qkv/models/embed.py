@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from qkv.models.bert import BertModel, mean_pool
+from qkv.models.checkpoints.core import read_tokenizer
 
 __all__ = [
     "SentenceEncoder",
@@ -66,14 +67,8 @@ class SentenceEncoder:
     ) -> SentenceEncoder:
         """Load a sentence-transformers folder: config.json, model.safetensors, tokenizer.json
         and (optionally) sentence_bert_config.json for the truncation length."""
-        from tokenizers import Tokenizer
-
         folder = default_model_path() if path is None else Path(path)
-        tokenizer_file = folder / "tokenizer.json"
-        if not tokenizer_file.is_file():
-            raise FileNotFoundError(
-                f"path: {folder} has no tokenizer.json; expected a sentence-transformers folder"
-            )
+        tokenizer = read_tokenizer(folder)  # before the (slower) model
         model = BertModel.from_pretrained(folder)
         if max_length is None:
             max_length = _max_seq_length(folder, model.config.max_positions)
@@ -84,7 +79,6 @@ class SentenceEncoder:
                 f"max_length: expected 2..{model.config.max_positions} (the model's "
                 f"max_positions), got {max_length}"
             )
-        tokenizer = Tokenizer.from_file(str(tokenizer_file))
         pad_token = (tokenizer.padding or {}).get("pad_token", "[PAD]")
         pad_id = tokenizer.token_to_id(pad_token)
         tokenizer.no_padding()  # tokenizer.json pads to a fixed 128; we pad per batch instead

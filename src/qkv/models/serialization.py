@@ -12,8 +12,13 @@ would double the file and lose the tie. config.json records the other names in "
 the rebuilt model ties them again by construction, and `load` checks that it does.
 
 Both files are written atomically (a temporary file in the same folder, then `os.replace`), the
-weights first and config.json last, with the weights' SHA-256 in it: an interrupted save leaves
-the previous checkpoint as it was, and a corrupted or mismatched pair is caught on load.
+weights first and config.json last, with the weights' SHA-256 in it ("weights_sha256") and a
+SHA-256 of config.json's own fields ("checkpoint_sha256", which covers weights_sha256 too): an
+interrupted save leaves the previous checkpoint as it was, and a corrupted or mismatched pair, a
+config edited by hand, or a hash deleted are caught on load, before the model is built. The
+hashes guard against accidents (a bad disk, a stray edit, files of two saves mixed), not against
+someone who rewrites them: they are no signature. `load(path, verify=False)` skips them, for a
+folder edited on purpose.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -32,11 +38,13 @@ import torch
 from torch import nn
 
 from qkv.models.checkpoints.core import CheckpointError, save_safetensors
+from qkv.models.sizes import can_size, check_model_fits
 
 __all__ = [
     "CONFIG_NAME",
     "WEIGHTS_NAME",
     "CheckpointError",
+    "checkpoint_sha256",
     "load",
     "register_model_class",
     "save",
@@ -49,6 +57,7 @@ logger = logging.getLogger(__name__)
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 FORMAT, FORMAT_VERSION = "qkv", 1
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 # class name -> (model class, config class)
 _REGISTRY: dict[str, tuple[type[nn.Module], type]] = {}
@@ -105,27 +114,40 @@ def save(model: nn.Module, path: str | os.PathLike) -> Path:
     write_atomically(weights_path, lambda temporary: _save_tensors(tensors, temporary))
     document["tied_weights"] = tied
     document["weights_sha256"] = _sha256(weights_path)
+    document["checkpoint_sha256"] = checkpoint_sha256(document)
     text = json.dumps(document, indent=2, sort_keys=True, allow_nan=False) + "\n"
     write_atomically(directory / CONFIG_NAME, lambda temporary: temporary.write_text(text))
     logger.info("saved %s (%d tensors) to %s", name, len(tensors), directory)
     return directory
 
 
-def load(path: str | os.PathLike, *, map_location: str | torch.device = "cpu") -> nn.Module:
+def load(
+    path: str | os.PathLike, *, map_location: str | torch.device = "cpu", verify: bool = True
+) -> nn.Module:
     """Rebuild the model saved in the folder `path`, in eval mode, on `map_location`.
 
     Raises CheckpointError (a ValueError) for a missing, unreadable, corrupted or inconsistent
-    checkpoint: missing, unexpected or mis-shaped tensors are listed together, and no weight is
-    copied unless all of them fit. Weights keep the (single floating) dtype they were saved in.
+    checkpoint: config.json must match its checkpoint_sha256 and the weights their
+    weights_sha256 (unless verify=False); a model too large for this machine's memory is
+    refused before it is built; missing, unexpected or mis-shaped tensors are listed together,
+    and no weight is copied unless all of them fit. Weights keep the (single floating) dtype
+    they were saved in.
     """
     directory = Path(path)
-    document = _read_document(directory / CONFIG_NAME)
+    config_path = directory / CONFIG_NAME
+    document = _read_document(config_path)
+    if verify:
+        _verify_document(config_path, document)
     model_class, config_class = _registered(document)
     config = _config_from_json(config_class, document.get("config"))
+    if can_size(config):  # before anything is allocated (a user's own class: built as it is)
+        try:
+            check_model_fits(config)
+        except ValueError as error:
+            raise CheckpointError(f"{config_path}: {error}") from error
     weights_path = directory / WEIGHTS_NAME
     tensors = _read_tensors(weights_path)
-    expected_hash = document.get("weights_sha256")
-    if expected_hash is not None and _sha256(weights_path) != expected_hash:
+    if verify and _sha256(weights_path) != document["weights_sha256"]:
         raise CheckpointError(
             f"path: {weights_path} does not match the SHA-256 recorded in {CONFIG_NAME}; the "
             f"file is corrupted or belongs to another save"
@@ -133,6 +155,36 @@ def load(path: str | os.PathLike, *, map_location: str | torch.device = "cpu") -
     model = model_class(config)
     _load_state(model, tensors, document.get("tied_weights", {}), weights_path)
     return model.to(map_location).eval()
+
+
+def checkpoint_sha256(document: dict) -> str:
+    """SHA-256 of config.json's fields but checkpoint_sha256 itself, as compact key-sorted
+    JSON: any change to the config (or to the weights' hash in it) changes it."""
+    fields = {key: value for key, value in document.items() if key != "checkpoint_sha256"}
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _verify_document(config_path: Path, document: dict) -> None:
+    """Both hashes present and well formed, and config.json's own one matching."""
+    for key in ("checkpoint_sha256", "weights_sha256"):
+        value = document.get(key)
+        if value is None:
+            raise CheckpointError(
+                f"path: {config_path} has no {key}; whether the checkpoint is intact cannot be "
+                f"told. Expected a folder written by qkv.models.save; to load it anyway, "
+                f"qkv.models.load(path, verify=False)"
+            )
+        if not (isinstance(value, str) and _SHA256.fullmatch(value)):
+            raise CheckpointError(
+                f"path: {config_path}: {key} is {value!r:.80}; expected 64 hexadecimal digits"
+            )
+    if checkpoint_sha256(document) != document["checkpoint_sha256"]:
+        raise CheckpointError(
+            f"path: {config_path} does not match its checkpoint_sha256: the file was edited or "
+            f"damaged after it was saved. Use an intact copy; to load it as it is, "
+            f"qkv.models.load(path, verify=False)"
+        )
 
 
 def _lookup(name: str) -> tuple[type[nn.Module], type] | None:

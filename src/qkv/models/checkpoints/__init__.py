@@ -21,9 +21,10 @@ from qkv.models.checkpoints.core import (
     check_local_folder,
     load_into,
     read_config,
-    read_tensors,
     write,
 )
+from qkv.models.checkpoints.fields import architectures
+from qkv.models.checkpoints.weight_files import read_weights
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def from_pretrained(path: str | Path, *, expected: type[nn.Module] | None = None
     auto_class = _AUTO_CLASSES.get(getattr(expected, "__name__", ""), "AutoModelForCausalLM")
     check_local_folder(path, auto_class=auto_class)
     config = read_config(path)
-    names = config.get("architectures") or []
+    names = architectures(config)
     candidates = [ARCHITECTURES[n] for n in names if n in ARCHITECTURES]
     if expected is not None:
         candidates = [a for a in candidates if issubclass(a.model_class, expected)] or [
@@ -74,10 +75,21 @@ def from_pretrained(path: str | Path, *, expected: type[nn.Module] | None = None
             f"path: {path} declares architectures {names}; qkv reads "
             f"{sorted(ARCHITECTURES)}" + (f" as {expected.__name__}" if expected else "")
         )
-    model = _first_that_fits(candidates, lambda a: a.build(config))
+    config_path = Path(path) / "config.json"
+    model = _first_that_fits(candidates, lambda a: _build(a, config, config_path))
     architecture = next(a for a in candidates if type(model) is a.model_class)
-    load_into(model, read_tensors(path), architecture.key_map(model))
+    load_into(model, read_weights(path), architecture.key_map(model))
     return model.eval()
+
+
+def _build(architecture: Architecture, config: dict, config_path: Path) -> nn.Module:
+    """architecture.build(config), its errors named after the file (sizes, values)."""
+    try:
+        return architecture.build(config)
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError) as error:  # a config or size check of the model itself
+        raise CheckpointError(f"{config_path}: {error}") from error
 
 
 def save_pretrained(model: nn.Module, path: str | Path) -> Path:

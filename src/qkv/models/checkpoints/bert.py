@@ -24,7 +24,7 @@ from torch import nn
 
 from qkv.models.bert import BertConfig, BertModel
 from qkv.models.bert_heads import BertForPreTraining, BertForSequenceClassification
-from qkv.models.checkpoints import Architecture, register
+from qkv.models.checkpoints import Architecture, fields, register
 from qkv.models.checkpoints.core import CheckpointError, KeyMap, Tensors
 
 logger = logging.getLogger(__name__)
@@ -184,11 +184,16 @@ def config_to_hf(config: BertConfig, architecture: str) -> dict:
 
 
 def _classifier_from_hf(hf: dict) -> BertForSequenceClassification:
-    id2label = hf.get("id2label")
+    id2label = fields.mapping(hf, "id2label")
     if id2label:
+        if not all(key.isdigit() and isinstance(name, str) for key, name in id2label.items()):
+            raise CheckpointError(
+                f"config.json: id2label is {id2label!r:.80}; expected an object from label ids "
+                f'to names, such as {{"0": "NEGATIVE", "1": "POSITIVE"}}'
+            )
         names = [id2label[k] for k in sorted(id2label, key=int)]
         return BertForSequenceClassification(config_from_hf(hf), len(names), label_names=names)
-    return BertForSequenceClassification(config_from_hf(hf), hf.get("num_labels", 2))
+    return BertForSequenceClassification(config_from_hf(hf), fields.integer(hf, "num_labels", 2))
 
 
 def _classifier_to_hf(model: BertForSequenceClassification) -> dict:

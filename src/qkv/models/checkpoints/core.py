@@ -1,9 +1,9 @@
 """Reading and writing checkpoints: safetensors + JSON, never pickle.
 
-A Hugging Face directory holds config.json and model.safetensors (or pytorch_model.bin, read
-only through `torch.load(weights_only=True)`). Each model family has a `KeyMap` (in this
-package, beside this file) that renames checkpoint keys to qkv's parameter names and back; this
-module does the rest: read, rename, check every key and shape, and only then load, so a bad
+A Hugging Face directory holds config.json and its weights (`weight_files`, beside this file,
+says which files those are and reads them). Each model family has a `KeyMap` (in this package,
+beside this file) that renames checkpoint keys to qkv's parameter names and back; this module
+does the rest: read, rename, check every key and shape, and only then load, so a bad
 checkpoint leaves the model untouched and raises one error that lists everything wrong.
 """
 
@@ -81,38 +81,34 @@ def read_config(path: str | Path) -> dict:
     if not config_path.is_file():
         raise CheckpointError(f"path: {path} has no config.json; expected a checkpoint directory")
     try:
-        return json.loads(config_path.read_text())
-    except json.JSONDecodeError as error:
+        config = json.loads(config_path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise CheckpointError(f"path: {config_path} is not valid JSON: {error}") from error
+    if not isinstance(config, dict):
+        raise CheckpointError(
+            f"path: {config_path}: expected a JSON object (the model's settings), got "
+            f"{type(config).__name__}"
+        )
+    return config
 
 
-def read_tensors(path: str | Path) -> Tensors:
-    """All tensors of a checkpoint directory: model.safetensors (sharded too) or a .bin file
-    loaded with weights_only=True (no arbitrary code from pickles)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def read_tokenizer(path: str | Path, *, name: str = "tokenizer.json"):
+    """The `tokenizers.Tokenizer` of a checkpoint folder's tokenizer.json; CheckpointError for
+    a file that is missing or is not one (the Rust side raises a bare Exception)."""
+    from tokenizers import Tokenizer
 
-    directory = Path(path)
-    files = sorted(directory.glob("model*.safetensors"))
-    if files:
-        tensors: Tensors = {}
-        for file in files:
-            try:
-                tensors.update(load_file(str(file)))
-            except (SafetensorError, OSError) as error:
-                raise CheckpointError(
-                    f"path: {file} is not a readable safetensors file: {error}"
-                ) from error
-        return tensors
-    binary = directory / "pytorch_model.bin"
-    if binary.is_file():
-        try:
-            return torch.load(binary, map_location="cpu", weights_only=True)
-        except Exception as error:  # torch raises several types for a corrupt file
-            raise CheckpointError(f"path: {binary} could not be read: {error}") from error
-    raise CheckpointError(
-        f"path: {directory} has no model.safetensors or pytorch_model.bin; expected weights"
-    )
+    file = Path(path) / name
+    if not file.is_file():
+        raise CheckpointError(
+            f"path: {path} has no {name}; expected the folder of a checkpoint with its "
+            f"tokenizer (a `tokenizers` JSON file)"
+        )
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as error:
+        raise CheckpointError(
+            f"path: {file} is not a valid tokenizer.json ({str(error)[:200]})"
+        ) from error
 
 
 def load_into(model: nn.Module, checkpoint: Tensors, key_map: KeyMap) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from qkv.models.checkpoints import Architecture, CheckpointError, KeyMap, register
+from qkv.models.checkpoints import Architecture, CheckpointError, KeyMap, fields, register
 from qkv.models.gpt import GPT, GPTConfig
 
 __all__ = ["gpt2_config", "gpt2_key_map", "gpt_config_from_gpt2"]
@@ -119,22 +119,23 @@ def _fuse_qkv(tensors: dict, num_layers: int) -> dict:
 def gpt_config_from_gpt2(config: dict) -> GPTConfig:
     """config.json of a GPT-2 checkpoint -> GPTConfig; options qkv does not model raise."""
     _refuse_unsupported(config)
-    embed_dim = config["n_embd"]
+    embed_dim = fields.integer(config, "n_embd")
     return GPTConfig(
-        vocab_size=config["vocab_size"],
+        vocab_size=fields.integer(config, "vocab_size"),
         embed_dim=embed_dim,
-        num_layers=config["n_layer"],
-        num_heads=config["n_head"],
-        ffn_dim=config.get("n_inner") or 4 * embed_dim,
-        max_positions=config["n_positions"],
+        num_layers=fields.integer(config, "n_layer"),
+        num_heads=fields.integer(config, "n_head"),
+        ffn_dim=fields.optional_integer(config, "n_inner") or 4 * embed_dim,
+        max_positions=fields.integer(config, "n_positions"),
         position="learned",
         norm="layernorm",
-        norm_eps=config.get("layer_norm_epsilon", 1e-5),
+        norm_eps=fields.number(config, "layer_norm_epsilon", 1e-5),
         ffn="gelu_tanh",
         bias=True,
-        tie_embeddings=bool(config.get("tie_word_embeddings", True)),
-        dropout=float(config.get("resid_pdrop", 0.1)),  # embd_pdrop is the same in every release
-        attention_dropout=float(config.get("attn_pdrop", 0.1)),
+        tie_embeddings=fields.boolean(config, "tie_word_embeddings", True),
+        # embd_pdrop is the same as resid_pdrop in every release
+        dropout=fields.number(config, "resid_pdrop", 0.1),
+        attention_dropout=fields.number(config, "attn_pdrop", 0.1),
     )
 
 
@@ -149,7 +150,7 @@ def _refuse_unsupported(config: dict) -> None:
         ("scale_attn_by_inverse_layer_idx", False),
         ("add_cross_attention", False),
     ):
-        if bool(config.get(flag, want)) != want:
+        if fields.boolean(config, flag, want) != want:
             problems.append(f"{flag}={config[flag]!r} (expected {want})")
     if problems:
         raise CheckpointError("config.json: unsupported " + "; ".join(problems))

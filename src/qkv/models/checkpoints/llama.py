@@ -23,7 +23,7 @@ number is carried over unchanged.
 
 from __future__ import annotations
 
-from qkv.models.checkpoints import Architecture, CheckpointError, KeyMap, register
+from qkv.models.checkpoints import Architecture, CheckpointError, KeyMap, fields, register
 from qkv.models.gpt import GPT, GPTConfig
 
 __all__ = ["gpt_config_from_llama", "llama_config", "llama_key_map", "mistral_config"]
@@ -80,31 +80,33 @@ def llama_key_map(model: GPT) -> KeyMap:
 def gpt_config_from_llama(config: dict) -> GPTConfig:
     """config.json of a Llama or Mistral checkpoint -> GPTConfig; unsupported options raise."""
     _refuse_unsupported(config)
-    heads = config["num_attention_heads"]
-    attention_bias = bool(config.get("attention_bias", False))
+    heads = fields.integer(config, "num_attention_heads")
+    attention_bias = fields.boolean(config, "attention_bias", False)
     return GPTConfig(
-        vocab_size=config["vocab_size"],
-        embed_dim=config["hidden_size"],
-        num_layers=config["num_hidden_layers"],
+        vocab_size=fields.integer(config, "vocab_size"),
+        embed_dim=fields.integer(config, "hidden_size"),
+        num_layers=fields.integer(config, "num_hidden_layers"),
         num_heads=heads,
-        num_kv_heads=config.get("num_key_value_heads") or heads,
-        ffn_dim=config["intermediate_size"],
-        max_positions=config.get("max_position_embeddings", 2048),
+        num_kv_heads=fields.optional_integer(config, "num_key_value_heads") or heads,
+        ffn_dim=fields.integer(config, "intermediate_size"),
+        max_positions=fields.integer(config, "max_position_embeddings", 2048),
         position="rope",
-        rope_base=float(_rope_parameters(config).get("rope_theta", 10000.0)),
+        rope_base=fields.number(_rope_parameters(config), "rope_theta", 10000.0),
         norm="rmsnorm",
-        norm_eps=config.get("rms_norm_eps", 1e-6),
+        norm_eps=fields.number(config, "rms_norm_eps", 1e-6),
         ffn="swiglu",
         bias=attention_bias,
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        sliding_window=config.get("sliding_window"),
-        attention_dropout=float(config.get("attention_dropout", 0.0)),
+        tie_embeddings=fields.boolean(config, "tie_word_embeddings", False),
+        sliding_window=fields.optional_integer(config, "sliding_window"),
+        attention_dropout=fields.number(config, "attention_dropout", 0.0),
     )
 
 
 def _rope_parameters(config: dict) -> dict:
     """transformers 5 writes `rope_parameters`; 4.x wrote `rope_theta` and `rope_scaling`."""
-    parameters = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    parameters = dict(
+        fields.mapping(config, "rope_parameters") or fields.mapping(config, "rope_scaling")
+    )
     if "rope_theta" in config:
         parameters.setdefault("rope_theta", config["rope_theta"])
     return parameters
@@ -124,11 +126,12 @@ def _refuse_unsupported(config: dict) -> None:
         problems.append(f"rope_type={rope_type!r} (qkv implements 'default' RoPE only)")
     if config.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={config['hidden_act']!r} (expected 'silu': SwiGLU)")
-    head_dim = config.get("head_dim")
-    expected_head_dim = config["hidden_size"] // config["num_attention_heads"]
+    head_dim = fields.optional_integer(config, "head_dim")
+    heads = fields.integer(config, "num_attention_heads")
+    expected_head_dim = fields.integer(config, "hidden_size") // max(heads, 1)
     if head_dim is not None and head_dim != expected_head_dim:
         problems.append(f"head_dim={head_dim} (expected hidden_size // num_attention_heads)")
-    if bool(config.get("mlp_bias", False)) != bool(config.get("attention_bias", False)):
+    if fields.boolean(config, "mlp_bias", False) != fields.boolean(config, "attention_bias", False):
         problems.append("mlp_bias != attention_bias (qkv has one `bias` for both)")
     if problems:
         raise CheckpointError("config.json: unsupported " + "; ".join(problems))
