@@ -150,12 +150,10 @@ class RotaryEmbedding(nn.Module):
         """cos/sin for these positions, ready for `_rotate`: (L, D) or (B, 1, L, D), sin negated
         in its first half for the half layout. Reused when the positions are the very tensor
         of the last call (unchanged since: same `_version`) or, without positions, the same
-        length."""
-        if positions is None:
-            key = (None, length, device, dtype)
-        else:
-            key = (positions, positions._version, device, dtype)
-        last = None if torch.compiler.is_compiling() else self._last
+        length (see `_reuse_key`)."""
+        compiling = torch.compiler.is_compiling()
+        key = None if compiling else _reuse_key(positions, length, device, dtype)
+        last = None if key is None else self._last
         if (
             last is not None
             and len(last[0]) == len(key)
@@ -175,12 +173,28 @@ class RotaryEmbedding(nn.Module):
         if self.layout == "half":  # (-sin_1, sin_2), for `_rotate`
             half = self.head_dim // 2
             sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        if not torch.compiler.is_compiling():
+        if key is not None:
             self._last = (key, cos, sin)
         return cos, sin
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base}, layout={self.layout!r}"
+
+
+def _reuse_key(positions: torch.Tensor | None, length: int, device, dtype) -> tuple | None:
+    """What `RotaryEmbedding` keeps its last tables under, or None where it must not keep them.
+
+    The grad mode is part of the key: tables built under torch.inference_mode() are inference
+    tensors, which autograd refuses to save for backward, so a later call with gradients (head
+    importance after a forward pass in inference mode) builds its own. Positions that are
+    inference tensors have no version counter to tell whether they changed: never reused.
+    """
+    inference = torch.is_inference_mode_enabled()
+    if positions is None:
+        return (None, length, device, dtype, inference)
+    if positions.is_inference():
+        return None
+    return (positions, positions._version, device, dtype, inference)
 
 
 def interleaved_to_half_split(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
