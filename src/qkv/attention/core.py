@@ -70,6 +70,12 @@ def attention(
     Returns:
         output (B, H, L_q, D_v) in q's dtype, or (output, weights) if return_weights.
         A query with no visible key gets output 0 (and weights 0), with finite gradients.
+        A NaN in a float mask or bias at a visible position makes its query's output NaN on
+        every backend (the NaN rule of `qkv.attention.masks`).
+
+    Raises:
+        TypeError/ValueError naming the argument: wrong types, shapes or dtypes, a head dim
+        of 0, a mask or bias on another device than q.
     """
     options = {
         "mask": mask,

@@ -4,6 +4,15 @@ A floating-point mask is an additive bias on the scores (0 = keep, -inf = blocke
 2-D `(L_q, L_k)` or 4-D `(B|1, H|1, L_q, L_k)`; a 3-D mask is refused by `qkv.attention`
 because `(B, L_q, L_k)` would silently broadcast B against the head axis.
 
+NaN, the one rule of every backend (reference, sdpa, tiled): masking never hides a NaN. A NaN
+or +inf that a float mask or a bias adds to a score its query may see makes that query's
+output NaN, even where the rest of its row is -inf; a position that a bool mask, `causal` or
+`window` blocks is removed, NaN and all. Only a row whose every score is -inf is empty (output
+0). Masks are not searched for NaN: that would cost a pass over the mask and a host sync on
+every call. The same holds for NaN in q or k, with one exception outside qkv's reach: PyTorch's
+fused CPU kernel, which `sdpa` calls when there is no mask at all, gives 0 for a query row
+holding a NaN (inside a model the residual connection carries that NaN on).
+
 PyTorch uses both polarities: `F.scaled_dot_product_attention` takes True = attend, while
 `nn.MultiheadAttention`'s `attn_mask` and `key_padding_mask` take True = blocked. The converters at
 the bottom of this file cross that border explicitly.

@@ -104,9 +104,9 @@ def make_request(
     _check_qkv(q, k, v)
     target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])  # (B, H, L_q, L_k)
     if mask is not None:
-        _check_score_shaped("mask", mask, target, allow_bool=True)
+        _check_score_shaped("mask", mask, target, q.device, allow_bool=True)
     if bias is not None:
-        _check_score_shaped("bias", bias, target, allow_bool=False)
+        _check_score_shaped("bias", bias, target, q.device, allow_bool=False)
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__} {causal!r}")
     if not isinstance(return_weights, bool):
@@ -202,6 +202,13 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         )
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q, k: head dims differ: q has D={q.shape[-1]}, k has D={k.shape[-1]}")
+    # D = 0 leaves every score 0 (uniform weights over noise) and D_v = 0 an empty output:
+    # no model means either, and the tiled kernels cannot even lay such rows out.
+    if q.shape[-1] == 0 or v.shape[-1] == 0:
+        raise ValueError(
+            f"q, k, v: expected head dims D >= 1 and D_v >= 1, got D={q.shape[-1]}, "
+            f"D_v={v.shape[-1]}"
+        )
     H, H_kv = q.shape[1], k.shape[1]
     if H_kv == 0 or H % H_kv:
         raise ValueError(
@@ -211,11 +218,22 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def _check_score_shaped(
-    name: str, tensor: torch.Tensor, target: tuple[int, int, int, int], *, allow_bool: bool
+    name: str,
+    tensor: torch.Tensor,
+    target: tuple[int, int, int, int],
+    device: torch.device,
+    *,
+    allow_bool: bool,
 ) -> None:
-    """A mask or bias must be 2-D (L_q, L_k) or 4-D and broadcast to (B, H, L_q, L_k)."""
+    """A mask or bias must be 2-D (L_q, L_k) or 4-D, broadcast to (B, H, L_q, L_k), and live
+    on q's device (the kernels would fail mid-call with a device mismatch of their own)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device != device:
+        raise ValueError(
+            f"{name}: on device {tensor.device}, expected q's device {device}; move it with "
+            f"{name}.to(q.device)"
+        )
     if not tensor.is_floating_point() and not (allow_bool and tensor.dtype == torch.bool):
         expected = (
             "bool (True = may attend) or floating point (additive)"

@@ -169,5 +169,7 @@ def _kernel_mask(
     additive = additive.to(dtype)
     if allowed is not None:
         additive = additive.masked_fill(~allowed, float("-inf"))
-    row_visible = (additive > float("-inf")).any(dim=-1, keepdim=True)
+    # A row is empty only where every score is -inf: a NaN counts as visible, so that it
+    # reaches the output (qkv.attention's NaN rule) instead of being zeroed with the row.
+    row_visible = ~torch.isneginf(additive).all(dim=-1, keepdim=True)
     return additive.masked_fill(~row_visible, 0.0), row_visible
