@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from qkv.generation.compiled import compiled_steps, mark_cache_dynamic
-from qkv.generation.sampling import check_sampling, next_token
+from qkv.generation.sampling import LogitsCheck, check_sampling, next_token
 from qkv.layers.kv_cache import SinkKVCache, StaticKVCache
 
 __all__ = ["DecodeStep", "decode_steps", "generate", "make_cache", "stream"]
@@ -70,12 +70,16 @@ def generate(
     """Prompt followed by up to `max_new_tokens` new tokens, (B, L + new).
 
     input_ids (B, L), left-padded when prompts differ in length, with attention_mask (B, L)
-    (1 = real token). Greedy unless temperature > 0 (then top-k / top-p sampling from a
-    generator seeded with `seed`). Rows that emit `eos_token_id` are padded with it afterwards;
-    decoding stops when every row has. `sinks=(num_sinks, window)` decodes with a StreamingLLM
+    (1 = real token, 0 = padding; every row's 0s before its 1s, and at least one 1). Greedy
+    unless temperature > 0 (then top-k / top-p sampling from a generator seeded with `seed`).
+    Rows that emit `eos_token_id` are padded with it afterwards; decoding stops when every row
+    has. `sinks=(num_sinks, window)` decodes with a StreamingLLM
     cache of that size, past the model's context. `on_token(tokens (B,))` streams each step.
     `compile=True` decodes with the model's forward compiled (see the module doc): the same
     tokens, faster steps after a one-time compilation.
+
+    Raises ValueError naming `model` when its logits stop being finite (NaN, +inf, or -inf
+    for every token), with the step where they did: see `LogitsCheck` for when it is seen.
     """
     steps = stream(
         model, input_ids, max_new_tokens=max_new_tokens, attention_mask=attention_mask,
@@ -135,8 +139,7 @@ def decode_steps(
     B, L = _check_call(config, input_ids, max_new_tokens, eos_token_id, sinks)
     step_forward = compiled_steps(model, sinks) if _check_compile(compile) else model
     check_sampling(temperature, top_k, top_p, config.vocab_size)
-    mask = _prompt_mask(attention_mask, B, L, input_ids.device)
-    padded = not bool(mask.all())  # one host sync, here rather than in every step
+    mask, padded = _prompt_mask(attention_mask, B, L, input_ids.device)
     if sinks is not None and padded:
         raise ValueError(
             "attention_mask: padded prompts are not supported with sinks (a StreamingLLM cache "
@@ -167,7 +170,8 @@ def _decode(
     B = input_ids.shape[0]
     finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
     tokens, step_mask, step_positions = input_ids, mask, positions
-    for _ in range(max_new_tokens):
+    check = LogitsCheck(input_ids.device)
+    for step in range(max_new_tokens):
         # no_grad per call, not around the loop: a grad mode set inside a generator would leak
         # into the caller's code between steps.
         with torch.no_grad():
@@ -175,17 +179,20 @@ def _decode(
             prefill = tokens is input_ids
             forward = model if prefill else step_forward
             logits = _forward(forward, tokens, step_mask, step_positions, cache, prefill)  # (B, V)
-        chosen = next_token(logits, **sampling, generator=generator)
+        chosen = next_token(check.choosable(logits, step), **sampling, generator=generator)
+        done = False
         if eos_token_id is not None:
             chosen = torch.where(finished, eos_token_id, chosen)
             finished = finished | (chosen == eos_token_id)
+            done = check.all_done(finished)  # a host sync, with an eos only
         yield DecodeStep(tokens=chosen, logits=logits, cache=cache)
-        if eos_token_id is not None and bool(finished.all()):  # a host sync, with an eos only
+        if done:
             return
         tokens = chosen.unsqueeze(1)  # (B, 1)
         step_positions = step_positions[:, -1:] + 1  # (B, 1)
         if step_mask is not None:
             step_mask = torch.cat([step_mask, step_mask.new_ones(B, 1)], dim=1)
+    check.finish()
 
 
 def _forward(model, tokens, mask, positions, cache, check_ids: bool) -> torch.Tensor:
@@ -226,12 +233,41 @@ def make_cache(
     return StaticKVCache(max_length=max_length, **shape)
 
 
-def _prompt_mask(attention_mask, B: int, L: int, device) -> torch.Tensor:
+def _prompt_mask(attention_mask, B: int, L: int, device) -> tuple[torch.Tensor, bool]:
+    """The prompt's key mask (B, L) bool, and whether any row is padded (one host sync, here
+    rather than in every step). A mask must be 0/1, left-padded, with a real token per row:
+    decoding reads each row's last position as its newest token."""
     if attention_mask is None:
-        return torch.ones(B, L, dtype=torch.bool, device=device)
+        return torch.ones(B, L, dtype=torch.bool, device=device), False
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != (B, L):
         raise ValueError(f"attention_mask: expected shape ({B}, {L}), got {attention_mask!r}")
-    return attention_mask.bool()
+    if attention_mask.device != device:
+        raise ValueError(
+            f"attention_mask: on device {attention_mask.device}, expected input_ids' device "
+            f"{device}"
+        )
+    mask = attention_mask.bool()
+    binary = ((attention_mask == 0) | (attention_mask == 1)).all()
+    empty = ~mask.any(dim=1)  # (B,): no real token
+    gap = (mask[:, :-1] & ~mask[:, 1:]).any(dim=1)  # (B,): a 0 after a 1
+    flags = torch.stack((binary, mask.all(), empty.any(), gap.any())).tolist()
+    if not flags[0]:
+        raise ValueError(
+            f"attention_mask: expected 0/1 (or bool) values, 1 on real tokens, got the values "
+            f"{attention_mask.unique()[:8].tolist()}"
+        )
+    if flags[2]:
+        raise ValueError(
+            f"attention_mask: rows {empty.nonzero().flatten().tolist()} are all 0 (a prompt "
+            f"with no real token); expected at least one 1 in every row"
+        )
+    if flags[3]:
+        raise ValueError(
+            f"attention_mask: rows {gap.nonzero().flatten().tolist()} have a 0 after a 1 (right "
+            f"padding, or a gap); expected left padding, every row's 0s before its 1s, e.g. "
+            f"[0, 0, 1, 1, 1]"
+        )
+    return mask, not flags[1]
 
 
 def _generator(seed: int | None, device) -> torch.Generator | None:

@@ -1,8 +1,9 @@
 """Choosing the next token from logits: greedy, temperature, top-k and top-p (nucleus).
 
 Everything stays on the device: no `.item()` per token, so decoding does not wait on the host
-between steps. Filters set what they drop to -inf; sampling draws from a `torch.Generator` so a
-seed reproduces the same tokens.
+between steps (on an accelerator; on the CPU there is no queue to wait on, and `LogitsCheck`
+reads its verdict at every step). Filters set what they drop to -inf; sampling draws from a
+`torch.Generator` so a seed reproduces the same tokens.
 """
 
 from __future__ import annotations
@@ -79,3 +80,48 @@ def check_sampling(
         raise ValueError(f"top_p: expected a probability in (0, 1] or None, got {top_p!r}")
     if top_k is not None and top_k > vocab_size:
         raise ValueError(f"top_k: {top_k} exceeds the vocabulary size {vocab_size}")
+
+
+class LogitsCheck:
+    """Non-finite logits (NaN weights, an fp16 overflow) fail decoding with the first step that
+    had them: greedy decoding would otherwise emit token 0 forever. A row fails when its max is
+    not finite: a NaN or +inf anywhere, or -inf for every token (-inf for some tokens is a
+    model's way to rule them out). One reduction over the (B, V) logits per step, read where a
+    host sync costs nothing extra: at once on the CPU (no queue of kernels to stall), else at
+    the sync an eos_token_id makes already, else after the last step. Until read, a failing
+    row is chosen from zeros, so that sampling never draws from NaN."""
+
+    def __init__(self, device: torch.device, *, at_once: bool | None = None) -> None:
+        self.at_once = device.type == "cpu" if at_once is None else at_once
+        self.first_bad = torch.full((), -1, dtype=torch.long, device=device)  # step, or -1
+
+    def choosable(self, logits: torch.Tensor, step: int) -> torch.Tensor:
+        """The step's logits (B, V) to choose from, once checked or recorded."""
+        finite = torch.isfinite(logits.amax(dim=-1))  # (B,)
+        if self.at_once:
+            if not bool(finite.all()):
+                raise _not_finite(step, (~finite).nonzero().flatten().tolist())
+            return logits
+        bad = (self.first_bad < 0) & ~finite.all()
+        self.first_bad = torch.where(bad, step, self.first_bad)
+        return logits.masked_fill(~finite.unsqueeze(-1), 0.0)
+
+    def all_done(self, finished: torch.Tensor) -> bool:
+        """Whether every row has finished, read with the check in one host sync."""
+        done, first_bad = torch.stack((finished.all().long(), self.first_bad)).tolist()
+        if first_bad >= 0:
+            raise _not_finite(first_bad, None)
+        return bool(done)
+
+    def finish(self) -> None:
+        if not self.at_once and (first_bad := int(self.first_bad)) >= 0:
+            raise _not_finite(first_bad, None)
+
+
+def _not_finite(step: int, rows: list[int] | None) -> ValueError:
+    where = "" if rows is None else f" in rows {rows}"
+    return ValueError(
+        f"model: its next-token logits at decoding step {step} (0 = the prompt's forward pass) "
+        f"are not finite{where} (NaN, +inf, or -inf for every token); expected finite logits: "
+        f"check the weights for NaN, and an fp16 model for overflow (bf16 or fp32 keep the range)"
+    )
