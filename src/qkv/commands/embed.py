@@ -7,6 +7,8 @@ import contextlib
 import sys
 
 from qkv.commands._progress import ProgressCallback
+from qkv.commands._text_input import check_arguments
+from qkv.commands._text_input import read_lines as read_text_lines
 
 
 def _embed(args: argparse.Namespace) -> int:
@@ -17,7 +19,10 @@ def _embed(args: argparse.Namespace) -> int:
         print("qkv embed: error: give TEXT arguments or --file, not both", file=sys.stderr)
         return 2
     try:
-        texts = args.texts or read_lines(args.file)
+        if args.file is None:
+            texts = check_arguments("TEXT", args.texts)
+        else:
+            texts = read_text_lines(args.file, read_lines)
         # a bar for --file inputs only: a few TEXT arguments take one batch
         bar = ProgressCallback(desc="embedding", unit="text") if args.file is not None else None
         with bar or contextlib.nullcontext():

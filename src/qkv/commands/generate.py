@@ -8,6 +8,8 @@ import contextlib
 import sys
 import time
 
+from qkv.commands._text_input import check_arguments
+
 
 def _generate(args: argparse.Namespace) -> int:
     """Echo the prompt and stream its continuation to stdout, token by token; then the number
@@ -22,6 +24,7 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"qkv generate: error: {error}", file=sys.stderr)
         return 2
     try:
+        check_arguments("PROMPT" if args.prompt is not None else "--prompt", [prompt])
         check_local_folder(args.path)  # a Hub name: say that nothing is downloaded, and how to
         model, tokenizer = load_for_generation(args.path)
         after_prompt = _AfterPrompt(tokenizer, prompt)

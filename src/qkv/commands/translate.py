@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from qkv.commands._text_input import check_arguments
+
 
 def _run(args: argparse.Namespace) -> int:
     from qkv.training.tasks.translate import load_translator, translate
 
     try:
+        texts = check_arguments("TEXT", args.texts, allow_empty=False)
         model, tokenizer = load_translator(args.model)
-        outputs = translate(model, tokenizer, args.texts, num_beams=args.beams)
+        outputs = translate(model, tokenizer, texts, num_beams=args.beams)
     except (ValueError, OSError) as error:
         print(f"qkv translate: error: {error}", file=sys.stderr)
         return 1

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,6 +163,24 @@ class TranslationDataset:
         input_ids = pad_sequences([self.sources[i] for i in indices], PAD_ID)
         labels = pad_sequences([self.targets[i] for i in indices], -100)
         return {"input_ids": input_ids, "attention_mask": input_ids != PAD_ID, "labels": labels}
+
+
+def check_texts(texts: object) -> list[str]:
+    """The `texts` of `qkv.training.tasks.translate.translate`: a list of str, none of them
+    blank (an empty source would be encoded as padding alone and still get a translation)."""
+    if isinstance(texts, (str, bytes)) or not isinstance(texts, Sequence):
+        raise TypeError(f"texts: expected a list of str, got {type(texts).__name__} {texts!r:.60}")
+    for index, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(
+                f"texts: item {index} is {type(text).__name__} {text!r:.60}; expected a str"
+            )
+        if not text.strip():
+            raise ValueError(
+                f"texts: item {index} is {text!r}, empty or only whitespace; expected text to "
+                f"translate"
+            )
+    return list(texts)
 
 
 def pad_sequences(sequences: list[list[int]], value: int) -> torch.Tensor:

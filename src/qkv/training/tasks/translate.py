@@ -166,9 +166,10 @@ def translate(
     model: Transformer, tokenizer, texts: list[str], *, num_beams: int = 1, max_new_tokens=None
 ) -> list[str]:
     """Translate `texts` with greedy decoding (num_beams=1) or beam search; returns strings."""
-    from qkv.data.translate import pad_sequences
+    from qkv.data.translate import check_texts, pad_sequences
     from qkv.generation.beam import beam_search, greedy_decode
 
+    texts = check_texts(texts)
     if not texts:
         return []
     max_positions = model.config.max_positions
