@@ -63,7 +63,14 @@ def onednn_linear(dtype: torch.dtype) -> Support:
 
 
 def _probe_packed_product(dtype: torch.dtype) -> Support:
-    """One packed product on a tiny input, against F.linear in float32."""
+    """One packed product on a tiny input, against F.linear in float32, outside any autocast
+    region of the caller (the first call may come from inside one, where F.linear of float32
+    inputs gives bf16) and without recording gradients."""
+    with torch.autocast("cpu", enabled=False), torch.no_grad():
+        return _packed_product_verdict(dtype)
+
+
+def _packed_product_verdict(dtype: torch.dtype) -> Support:
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(8, 16, generator=generator).to(dtype)  # (out, in)
     x = torch.randn(2, 16, generator=generator).to(dtype)  # (rows, in)

@@ -304,3 +304,17 @@ def test_the_capability_answers_agree_with_what_the_cpu_does():
     assert bool(answer) == ran, answer.reason
     assert capabilities.onednn_linear(torch.float64).reason.endswith("not torch.float64")
     assert "torch" in capabilities.describe() and "compiled decoding" in capabilities.describe()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_first_probe_inside_autocast_gives_the_answer_it_gives_outside(dtype):
+    """A packed linear first called inside a CPU autocast region (a bf16 training step) probes
+    oneDNN there: the probe's float32 reference must not come out in bf16."""
+    outside = capabilities.onednn_linear(dtype)
+    capabilities.onednn_linear.cache_clear()
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            inside = capabilities.onednn_linear(dtype)
+    finally:
+        capabilities.onednn_linear.cache_clear()
+    assert (bool(inside), inside.reason) == (bool(outside), outside.reason)
