@@ -45,7 +45,7 @@ from common import (
 )
 
 import qkv
-from qkv.analysis.memory import peak_bytes
+from qkv.analysis.cost.memory import peak_bytes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HEADS, HEAD_DIM, WINDOW = 8, 64, 1024

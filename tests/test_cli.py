@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from qkv.analysis import sanity
+from qkv.analysis.inspection import sanity
 from qkv.cli import _COMMANDS, main
 from qkv.commands import _progress
 from qkv.models import GPT, BertModel, CheckpointError, from_pretrained

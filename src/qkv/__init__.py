@@ -22,8 +22,8 @@ from qkv.attention import (
     triton_attention,
 )
 from qkv.generation import generate
+from qkv.version import __version__
 
-__version__ = "0.1.0"
 __all__ = [
     "BACKENDS",
     "attention",

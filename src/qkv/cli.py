@@ -20,6 +20,7 @@ from qkv.commands import (
     translate,
     viz,
 )
+from qkv.version import __version__
 
 _COMMANDS = (train, translate, check, embed, generate, cost, bench, viz, report)
 
@@ -60,8 +61,6 @@ def version() -> str:
     try:
         return distribution_version("qkv")
     except PackageNotFoundError:
-        from qkv import __version__
-
         return __version__
 
 

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
-from qkv.analysis import attention_maps
-from qkv.analysis.attention_maps import attention_map, record_attention
-from qkv.analysis.memory import peak_bytes
+from qkv.analysis.cost.memory import peak_bytes
+from qkv.analysis.inspection import attention_maps
+from qkv.analysis.inspection.attention_maps import attention_map, record_attention
 from qkv.layers import MultiHeadAttention
 from qkv.models import GPT, BertConfig, BertModel, GPTConfig, Transformer, TransformerConfig
 

@@ -1,4 +1,4 @@
-"""`qkv.analysis.complexity` and `qkv bench complexity`: the O(L^2) doubling table.
+"""`qkv.analysis.cost.complexity` and `qkv bench complexity`: the O(L^2) doubling table.
 
 Outside references: numpy's least-squares polyfit (the exponent fit), the byte size PyTorch
 gives a (B, H, L, L) fp32 tensor (the `seq_len * seq_len * n_heads * 4` formula, the
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qkv.analysis.complexity import (
+from qkv.analysis.cost.complexity import (
     BACKENDS,
     NAIVE_SCORE_COPIES,
     backend_function,
@@ -25,7 +25,7 @@ from qkv.analysis.complexity import (
     measure_complexity,
     predicted_peak,
 )
-from qkv.analysis.complexity_report import format_table, plot_complexity
+from qkv.analysis.cost.complexity_report import format_table, plot_complexity
 from qkv.commands import bench
 
 LENGTHS = (256, 512, 1024)

@@ -14,11 +14,11 @@ import torch
 import transformers
 from torch.utils.flop_counter import FlopCounterMode
 
-from qkv.analysis.cost import cost_report
-from qkv.analysis.cost_format import format_bytes, format_report
-from qkv.analysis.cost_layout import AttentionLayout
-from qkv.analysis.cost_sources import preset_names, resolve_model
-from qkv.analysis.memory import peak_bytes
+from qkv.analysis.cost.estimate import cost_report
+from qkv.analysis.cost.format import format_bytes, format_report
+from qkv.analysis.cost.layout import AttentionLayout
+from qkv.analysis.cost.memory import peak_bytes
+from qkv.analysis.cost.sources import preset_names, resolve_model
 from qkv.commands import cost as cost_command
 from qkv.generation import make_cache
 from qkv.layers import MultiHeadAttention

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import qkv
-from qkv.analysis.heads import position_cosine_similarity
+from qkv.analysis.inspection.heads import position_cosine_similarity
 from qkv.layers import MultiHeadAttention
 from qkv.models import BertConfig, BertModel, Transformer, TransformerConfig
 from tests.analysis.heads_helpers import make_bert_pair, random_ids

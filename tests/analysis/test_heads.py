@@ -26,7 +26,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.bert.modeling_bert import eager_attention_forward
 from transformers.pytorch_utils import prune_linear_layer
 
-from qkv.analysis.heads import (
+from qkv.analysis.inspection.heads import (
     head_gates,
     head_importance,
     prune_heads,

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from qkv.analysis.report import build_report
+from qkv.analysis.pages.report import build_report
 from qkv.models import GPT, GPTConfig
 
 pytest.importorskip("matplotlib")

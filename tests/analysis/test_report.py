@@ -19,8 +19,8 @@ import torch.nn.functional as F
 import transformers
 
 import qkv.analysis
-from qkv.analysis.report import build_report
-from qkv.analysis.viz import load_model_and_tokenizers
+from qkv.analysis.pages.report import build_report
+from qkv.analysis.pages.viz import load_model_and_tokenizers
 from qkv.commands import report as report_command
 from qkv.layers.attention import MultiHeadAttention
 from qkv.models import GPT, GPTConfig, Transformer, TransformerConfig, save

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from qkv.analysis.attention_maps import AttentionMap, record_attention
-from qkv.analysis.viz import attention_view_html, view_data
+from qkv.analysis.inspection.attention_maps import AttentionMap, record_attention
+from qkv.analysis.pages.viz import attention_view_html, view_data
 from qkv.commands import viz as viz_command
 from qkv.models import Transformer, TransformerConfig, save
 
@@ -166,7 +166,7 @@ def test_a_long_text_keeps_max_tokens_with_the_tokenizers_own_truncation(tmp_pat
     tokenizer's own setting (256) is left as it was."""
     from transformers import BertTokenizerFast
 
-    from qkv.analysis.viz import load_model_and_tokenizers, text_attention_html
+    from qkv.analysis.pages.viz import load_model_and_tokenizers, text_attention_html
 
     text = "the cat sat on the mat because it was warm and the dog was not " * 4
     out = tmp_path / "long.html"

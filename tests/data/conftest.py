@@ -4,7 +4,7 @@ from them are made once per test run."""
 import pytest
 
 from qkv.data import make_nsp_examples, minilm_wordpiece, pydoc_documents, pydoc_texts
-from qkv.models.embed import default_model_path
+from qkv.models.checkpoints.bundled import default_model_path
 
 
 @pytest.fixture(scope="session")

@@ -23,8 +23,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import qkv.models as models
+from qkv.applications.embed import SentenceEncoder
 from qkv.generation.text import load_for_generation
-from qkv.models.embed import SentenceEncoder
 
 HUGE = 10**9  # layers, widths: tens of thousands of GiB at any width, on any machine
 TOO_BIG = r"~[\d,.]+ GiB .*more than the [\d,.]+ GiB of memory"

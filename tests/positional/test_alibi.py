@@ -93,13 +93,13 @@ def test_attention_with_alibi_matches_torch_sdpa(causal, L_q, L_k, backend):
 def test_bad_arguments():
     with pytest.raises(ValueError, match=r"num_heads: expected an int >= 1, got 0"):
         alibi_slopes(0)
-    with pytest.raises(TypeError, match=r"num_heads: expected an int, got float 4.0"):
+    with pytest.raises(TypeError, match=r"num_heads: expected an int >= 1, got float 4.0"):
         alibi_slopes(4.0)
-    with pytest.raises(TypeError, match=r"num_heads: expected an int, got bool True"):
+    with pytest.raises(TypeError, match=r"num_heads: expected an int >= 1, got bool True"):
         alibi_bias(True, 2, 2)
     with pytest.raises(ValueError, match=r"L_q: expected an int >= 0, got -1"):
         alibi_bias(4, -1, 2)
-    with pytest.raises(TypeError, match=r"L_k: expected an int, got str '3'"):
+    with pytest.raises(TypeError, match=r"L_k: expected an int >= 0, got str '3'"):
         alibi_bias(4, 2, "3")
     with pytest.raises(TypeError, match=r"dtype: expected a floating-point torch.dtype"):
         alibi_bias(4, 2, 2, dtype=torch.int32)

@@ -50,7 +50,7 @@ def test_out_of_range_positions_raise():
 def test_bad_arguments():
     with pytest.raises(ValueError, match=r"max_positions: expected an int >= 1, got 0"):
         LearnedPositionalEmbedding(0, 4)
-    with pytest.raises(TypeError, match=r"dim: expected an int, got str '4'"):
+    with pytest.raises(TypeError, match=r"dim: expected an int >= 1, got str '4'"):
         LearnedPositionalEmbedding(8, "4")
     module = LearnedPositionalEmbedding(8, 4)
     with pytest.raises(TypeError, match=r"positions: expected an integer tensor.*float32"):

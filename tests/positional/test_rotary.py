@@ -269,7 +269,7 @@ def test_bad_arguments():
         rope_cos_sin(positions, 16, dtype=torch.int64)
     with pytest.raises(ValueError, match=r"head_dim: expected an even dimension.*got 7"):
         RotaryEmbedding(7)
-    with pytest.raises(TypeError, match=r"head_dim: expected an int, got float 8.0"):
+    with pytest.raises(TypeError, match=r"head_dim: expected an int >= 1, got float 8.0"):
         RotaryEmbedding(8.0)
     with pytest.raises(ValueError, match=r"layout: expected one of .*got 'neox'"):
         RotaryEmbedding(8, layout="neox")

@@ -83,7 +83,7 @@ def test_bad_arguments():
         sinusoidal_table(4, 8, dtype=torch.long)
     with pytest.raises(ValueError, match=r"dim: expected an even dimension.*got 9"):
         SinusoidalPositionalEncoding(9)
-    with pytest.raises(TypeError, match=r"max_positions: expected an int, got float"):
+    with pytest.raises(TypeError, match=r"max_positions: expected an int >= 0, got float"):
         SinusoidalPositionalEncoding(8, max_positions=10.0)
     module = SinusoidalPositionalEncoding(8, max_positions=4)
     with pytest.raises(ValueError, match=r"positions: expected positions >= 0.*minimum of -1"):

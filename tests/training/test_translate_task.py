@@ -7,7 +7,7 @@ import pytest
 import torch
 from num2words import num2words
 
-from qkv.analysis.translation_view import cross_attention
+from qkv.analysis.plots.translation import cross_attention
 from qkv.data.translate import BOS_ID, EOS_ID, PAD_ID, number_pairs, read_pairs
 from qkv.models import shift_right
 from qkv.training import TrainingConfig, train

@@ -4,15 +4,15 @@ planner (`qkv cost`), head importance and pruning (Michel et al. 2019), the comp
 classic figures (softmax saturation, sqrt(d_k) scaling, positional encodings, masks, GELU) are in
 `qkv.analysis.plots` (imported on its own: it needs matplotlib)."""
 
-from qkv.analysis.attention_maps import (
+from qkv.analysis.cost.complexity import measure_complexity
+from qkv.analysis.cost.estimate import CostReport, cost_report
+from qkv.analysis.inspection.attention_maps import (
     AttentionMap,
     AttentionRecording,
     attention_map,
     record_attention,
 )
-from qkv.analysis.complexity import measure_complexity
-from qkv.analysis.cost import CostReport, cost_report
-from qkv.analysis.heads import (
+from qkv.analysis.inspection.heads import (
     HeadGates,
     PruningStep,
     head_gates,
@@ -21,8 +21,8 @@ from qkv.analysis.heads import (
     prune_heads,
     pruning_curve,
 )
-from qkv.analysis.sanity import CheckResult, run_checks
-from qkv.analysis.viz import attention_view_html
+from qkv.analysis.inspection.sanity import CheckResult, run_checks
+from qkv.analysis.pages.viz import attention_view_html
 
 __all__ = [
     "AttentionMap",

@@ -183,7 +183,7 @@ def _choose(request: AttentionRequest, backend: str):
 
 # `auto`'s choice per call signature (`request_key`). A model makes the same call, shapes and
 # flags alike, in every layer and at every decoding step: checking it and walking the backends
-# again would only repeat the answer (~20 us a call, the size of a small kernel). A decoding
+# again would only repeat the answer, at the cost of a small kernel. A decoding
 # run adds one signature per step (the key length grows), hence the bound; `register_backend`
 # empties it, since a new backend may change the choice.
 _AUTO_CHOICES: dict[tuple, tuple[ModuleType, dict]] = {}

@@ -272,15 +272,6 @@ def _check_dropout(dropout_p: float) -> float:
     return float(dropout_p)
 
 
-def check_count(name: str, value: int, *, minimum: int) -> int:
-    """An int argument such as sinks (>= 0) or a block size (>= 1)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    return value
-
-
 def check_lengths(lengths, batch: int, key_len: int) -> tuple[int, ...] | None:
     """Valid keys per batch row, (B,) integers in [0, L_k], as Python ints (one host sync)."""
     if lengths is None:

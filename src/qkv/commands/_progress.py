@@ -144,7 +144,7 @@ def say(text: str, file: IO[str] | None = None) -> None:
 
 
 class ProgressCallback:
-    """A `progress(done, total)` callback (as `qkv.models.embed.embed` takes) drawing one bar;
+    """A `progress(done, total)` callback (as `qkv.applications.embed.embed` takes) drawing one bar;
     use it as a context manager so the bar is closed. The bar is made at the first call, with
     that call's count done: the rate and the ETA count from there, since when the work began
     (after loading a model, say) is not known."""

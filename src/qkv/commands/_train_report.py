@@ -46,7 +46,7 @@ def _cross_attention_png(task, model, source: str, path: Path) -> str | None:
     """The decoder's cross-attention over the source for one example, as a PNG."""
     try:
         from qkv.analysis.plots import save_figure
-        from qkv.analysis.translation_view import cross_attention_figure
+        from qkv.analysis.plots.translation import cross_attention_figure
     except ImportError as error:  # matplotlib is optional
         print(f"no heat map: {error}")
         return None

@@ -17,7 +17,7 @@ def _complexity(args: argparse.Namespace) -> int:
 
     import torch
 
-    from qkv.analysis.complexity_report import format_table, plot_complexity
+    from qkv.analysis.cost.complexity_report import format_table, plot_complexity
 
     dtype = getattr(torch, _DTYPES[args.dtype])
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -41,7 +41,7 @@ def _complexity(args: argparse.Namespace) -> int:
 
 def _measure(args: argparse.Namespace, dtype, device: str):
     """measure_complexity with the flags, and a bar of the lengths measured."""
-    from qkv.analysis.complexity import measure_complexity
+    from qkv.analysis.cost.complexity import measure_complexity
 
     bar = _progress.progress(len(set(args.lengths)), desc="complexity", unit="length")
     try:

@@ -10,9 +10,9 @@ import sys
 
 def _cost(args: argparse.Namespace) -> int:
     """Print one column per model, or the table of every preset when no model is named."""
-    from qkv.analysis.cost import cost_report
-    from qkv.analysis.cost_format import format_presets, format_report
-    from qkv.analysis.cost_sources import preset_names
+    from qkv.analysis.cost.estimate import cost_report
+    from qkv.analysis.cost.format import format_presets, format_report
+    from qkv.analysis.cost.sources import preset_names
 
     names = args.models or preset_names()
     try:

@@ -13,7 +13,7 @@ from qkv.commands._text_input import read_lines as read_text_lines
 
 def _embed(args: argparse.Namespace) -> int:
     """Print (or write) one sentence embedding per text; a progress bar for --file inputs."""
-    from qkv.models.embed import embed, jsonl_lines, read_lines, write_embeddings
+    from qkv.applications.embed import embed, jsonl_lines, read_lines, write_embeddings
 
     if bool(args.texts) == (args.file is not None):
         print("qkv embed: error: give TEXT arguments or --file, not both", file=sys.stderr)

@@ -16,14 +16,16 @@ DEFAULT_TEXT = "The food was great but the service was terrible."
 def _report(args: argparse.Namespace) -> int:
     """Load the model, build the page, write it to --out and say where."""
     try:
-        from qkv.analysis.report import DEFAULT_SECTIONS, build_report
-        from qkv.analysis.viz import load_model_and_tokenizers
+        from qkv.analysis.pages.report import DEFAULT_SECTIONS, build_report
+        from qkv.analysis.pages.viz import load_model_and_tokenizers
 
         model, tokenizer, _ = load_model_and_tokenizers(args.model)
         sections = (*DEFAULT_SECTIONS, "heads") if args.heads else DEFAULT_SECTIONS
         built = [s for s in sections if not (args.no_complexity and s == "complexity")]
         # build_report logs each section as it begins it: one step of the bar each
-        with _progress.log_stages("qkv.analysis.report", len(built), desc="report", unit="section"):
+        with _progress.log_stages(
+            "qkv.analysis.pages.report", len(built), desc="report", unit="section"
+        ):
             page = build_report(
                 model, tokenizer, args.text, model_name=args.model or "all-MiniLM-L6-v2",
                 sections=sections, complexity=not args.no_complexity,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 def _viz(args: argparse.Namespace) -> int:
     """Record every attention map of one forward pass and write the viewer page to --out."""
-    from qkv.analysis.viz import (
+    from qkv.analysis.pages.viz import (
         count_tokens,
         load_model_and_tokenizers,
         pair_attention_html,

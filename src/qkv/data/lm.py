@@ -24,7 +24,7 @@ import torch
 from tokenizers import Tokenizer
 
 from qkv.data.tokenizers import END_OF_TEXT
-from qkv.layers._checks import check_positive_int
+from qkv.validation import check_positive_int
 
 __all__ = ["TokenBlocks", "causal_lm_blocks", "token_stream"]
 

@@ -21,7 +21,7 @@ import torch
 
 from qkv.data.nsp import NspExample
 from qkv.data.tokenizers import BertSpecialIds
-from qkv.layers._checks import check_positive_int
+from qkv.validation import check_positive_int
 
 __all__ = ["IGNORE_INDEX", "PretrainingCollator", "mask_tokens", "pad_examples"]
 

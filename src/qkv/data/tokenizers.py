@@ -26,7 +26,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import trainers as tokenizer_trainers
 
-from qkv.layers._checks import check_positive_int
+from qkv.models.checkpoints.bundled import default_model_path
+from qkv.validation import check_positive_int
 
 __all__ = [
     "BERT_SPECIAL_TOKENS",
@@ -81,8 +82,6 @@ def minilm_wordpiece(path: str | Path | None = None) -> Tokenizer:
     Its file pads and truncates to 128 tokens (sentence-transformers' setting); both are turned
     off here, since pre-training data is cut and padded by qkv.data itself.
     """
-    from qkv.models.embed import default_model_path
-
     folder = default_model_path() if path is None else Path(path)
     tokenizer = load_tokenizer(folder / "tokenizer.json")
     tokenizer.no_padding()

@@ -31,6 +31,7 @@ import torch
 
 from qkv.models.decoder_cache import DecoderCache
 from qkv.models.encoder_decoder import Transformer
+from qkv.validation import check_int
 
 __all__ = ["beam_search", "greedy_decode"]
 
@@ -276,14 +277,8 @@ def _check_arguments(model, max_new_tokens, num_beams, length_penalty, early_sto
             f"model: expected a qkv.models.Transformer (encoder-decoder), got "
             f"{type(model).__name__}; decoder-only models decode with qkv.generate"
         )
-    for name, value, minimum in (
-        ("max_new_tokens", max_new_tokens, 0),
-        ("num_beams", num_beams, 1),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name}: expected an int >= {minimum}, got {type(value).__name__}")
-        if value < minimum:
-            raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    check_int("max_new_tokens", max_new_tokens, minimum=0)
+    check_int("num_beams", num_beams, minimum=1)
     if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)):
         raise TypeError(f"length_penalty: expected a float, got {type(length_penalty).__name__}")
     if not math.isfinite(length_penalty):

@@ -113,9 +113,9 @@ class CompiledSteps:
     """The compiled forward for the steps of one decoding call, called without guards once two
     consecutive steps passed every guard of the same graph.
 
-    A graph's guards check what it was compiled for: ~1700 of them for the 55M Llama of
-    benchmarks/decode.py (every module attribute, parameter and shape it read), a quarter of a
-    step's time on a 2-thread CPU; torch.compile's own call adds more (its frame hook, the guards
+    A graph's guards check what it was compiled for: every module attribute, parameter and
+    shape it read (about 1700 for the Llama of benchmarks/decode.py), a large share of a
+    memory-bound decoding step; torch.compile's own call adds more (its frame hook, the guards
     on tensors that even `skip_guard_eval_unsafe` keeps). Within one call, the steps differ
     only by the token ids, positions (same shapes), the key mask and the cache length, which
     grow by one; a graph compiled for dynamic shapes guards on them only through range checks

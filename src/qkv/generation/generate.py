@@ -32,6 +32,7 @@ from torch import nn
 from qkv.generation.compiled import compiled_steps, mark_cache_dynamic
 from qkv.generation.sampling import LogitsCheck, check_sampling, next_token
 from qkv.layers.kv_cache import SinkKVCache, StaticKVCache
+from qkv.validation import check_int
 
 __all__ = ["DecodeStep", "decode_steps", "generate", "make_cache", "stream"]
 
@@ -291,10 +292,7 @@ def _is_int(value: object) -> bool:
 def _check_call(config, input_ids, max_new_tokens: int, eos_token_id, sinks) -> tuple[int, int]:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids: expected a non-empty (B, L) tensor, got {input_ids!r}")
-    if not _is_int(max_new_tokens):
-        raise TypeError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r}")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens}")
+    check_int("max_new_tokens", max_new_tokens, minimum=0)
     if eos_token_id is not None and not _is_int(eos_token_id):
         raise TypeError(f"eos_token_id: expected an int or None, got {eos_token_id!r}")
     if eos_token_id is not None and not 0 <= eos_token_id < config.vocab_size:

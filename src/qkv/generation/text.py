@@ -23,7 +23,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import qkv.models as models
 from qkv.generation.generate import stream
+from qkv.models.checkpoints.core import read_tokenizer
 
 __all__ = ["incremental_text", "load_for_generation", "stream_text"]
 
@@ -39,8 +41,6 @@ def load_for_generation(path: str | os.PathLike) -> tuple[nn.Module, object]:
     Raises ValueError (qkv.models.CheckpointError is one) when the folder has no config.json or
     no valid tokenizer.json, or holds a model that is not a decoder-only `qkv.models.GPT`.
     """
-    import qkv.models as models
-    from qkv.models.checkpoints.core import read_tokenizer
 
     directory = Path(path)
     tokenizer = read_tokenizer(directory, name=TOKENIZER_NAME)  # before the (slower) model

@@ -23,9 +23,9 @@ from torch import nn
 
 from qkv.attention import attention
 from qkv.layers import torch_interop
-from qkv.layers._checks import check_positive_int, check_probability
 from qkv.layers.kv_cache import CrossAttentionCache, LayerCache
 from qkv.positional import RotaryEmbedding, alibi_bias
+from qkv.validation import check_positive_int, check_probability
 
 __all__ = ["MultiHeadAttention"]
 

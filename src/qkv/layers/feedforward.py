@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkv.layers._checks import check_positive_int, check_probability
 from qkv.layers._dropout import make_dropout
+from qkv.validation import check_positive_int, check_probability
 
 __all__ = ["ACTIVATIONS", "FeedForward", "SwiGLU"]
 

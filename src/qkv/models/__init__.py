@@ -3,7 +3,6 @@
 - `Transformer` (+ `TransformerConfig`): the encoder-decoder of "Attention Is All You Need".
 - `BertModel`, `BertForPreTraining`, `BertForSequenceClassification` (+ `BertConfig`).
 - `GPT` (+ `GPTConfig`): decoder-only, one code path for the GPT-2, Llama, Mistral and MQA presets.
-- Long texts: `chunk_texts` into overlapping windows, `embed_long` / `classify_long`.
 
 One calling convention: `model(input_ids, attention_mask=None, ...)`, the mask (B, L) with
 1/True on real tokens; a small dataclass comes back (`qkv.models.outputs`).
@@ -17,17 +16,6 @@ from qkv.models.checkpoints import CheckpointError, from_pretrained, save_pretra
 from qkv.models.encoder_decoder import Transformer, TransformerConfig, shift_right
 from qkv.models.gpt import GPT, GPTBlock
 from qkv.models.gpt_config import GPTConfig
-from qkv.models.long_text import (
-    Windows,
-    chunk_batch,
-    chunk_ids,
-    chunk_texts,
-    classify_long,
-    classify_long_texts,
-    embed_long,
-    embed_long_texts,
-    truncate_ids,
-)
 from qkv.models.serialization import load, save
 
 __all__ = [
@@ -41,19 +29,10 @@ __all__ = [
     "GPTConfig",
     "Transformer",
     "TransformerConfig",
-    "Windows",
-    "chunk_batch",
-    "chunk_ids",
-    "chunk_texts",
-    "classify_long",
-    "classify_long_texts",
-    "embed_long",
-    "embed_long_texts",
     "from_pretrained",
     "load",
     "mean_pool",
     "save",
     "save_pretrained",
     "shift_right",
-    "truncate_ids",
 ]

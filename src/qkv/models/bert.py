@@ -17,102 +17,18 @@ The pre-training and classification heads live in `qkv.models.bert_heads`; check
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from qkv.layers import EncoderBlock, LayerNorm
-from qkv.layers._checks import check_positive_float, check_positive_int, check_probability
 from qkv.layers._dropout import make_dropout
-from qkv.models.checkpoints import HuggingFaceIO
+from qkv.models.bert_config import BertConfig
 from qkv.models.outputs import EncoderOutput
+from qkv.models.pretrained import PretrainedIO
 from qkv.models.sizes import check_model_fits
 from qkv.positional import LearnedPositionalEmbedding
 
 __all__ = ["BertConfig", "BertEmbeddings", "BertModel", "init_bert_weights", "mean_pool"]
-
-
-@dataclass(frozen=True)
-class BertConfig:
-    """Sizes of a BERT encoder. The defaults are BERT-base (Devlin et al. 2019, section 3).
-
-    vocab_size V, embed_dim E (hidden size), num_layers, num_heads H (head_dim E // H), ffn_dim
-    (the FFN's hidden width, 4 * E in BERT), max_positions (rows of the learned position table:
-    the longest input), type_vocab_size (segments: 2 for sentence A / B), norm_eps (LayerNorm
-    epsilon), dropout (embeddings, sub-layer outputs, classifier), attention_dropout (attention
-    weights), pad_token_id (its embedding row gets no gradient; None for none), share_layers
-    (one block applied num_layers times, as ALBERT).
-    """
-
-    vocab_size: int = 30522
-    embed_dim: int = 768
-    num_layers: int = 12
-    num_heads: int = 12
-    ffn_dim: int = 3072
-    max_positions: int = 512
-    type_vocab_size: int = 2
-    norm_eps: float = 1e-12
-    dropout: float = 0.1
-    attention_dropout: float = 0.1
-    pad_token_id: int | None = 0
-    share_layers: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "ffn_dim"):
-            check_positive_int(name, getattr(self, name))
-        check_positive_int("max_positions", self.max_positions)
-        check_positive_int("type_vocab_size", self.type_vocab_size)
-        check_positive_float("norm_eps", self.norm_eps)
-        check_probability("dropout", self.dropout)
-        check_probability("attention_dropout", self.attention_dropout)
-        if self.embed_dim % self.num_heads:
-            raise ValueError(
-                f"embed_dim: {self.embed_dim} is not divisible by num_heads={self.num_heads}; "
-                f"expected a multiple of num_heads (head_dim = embed_dim // num_heads)"
-            )
-        pad = self.pad_token_id
-        if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int)):
-            raise TypeError(f"pad_token_id: expected an int or None, got {type(pad).__name__}")
-        if pad is not None and not 0 <= pad < self.vocab_size:
-            raise ValueError(
-                f"pad_token_id: expected None or an id in [0, {self.vocab_size}), got {pad}"
-            )
-        if not isinstance(self.share_layers, bool):
-            raise TypeError(
-                f"share_layers: expected a bool, got {type(self.share_layers).__name__} "
-                f"{self.share_layers!r}"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        return self.embed_dim // self.num_heads
-
-    @classmethod
-    def from_name(cls, name: str, **overrides: object) -> BertConfig:
-        """A named preset (see `BERT_PRESETS`), optionally with some fields replaced."""
-        if name not in BERT_PRESETS:
-            raise ValueError(f"name: expected one of {sorted(BERT_PRESETS)}, got {name!r}")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(overrides) - fields)
-        if unknown:
-            raise TypeError(
-                f"overrides: unknown fields {unknown}; expected some of {sorted(fields)}"
-            )
-        return dataclasses.replace(BERT_PRESETS[name], **overrides)
-
-
-BERT_PRESETS: dict[str, BertConfig] = {
-    "bert-base-uncased": BertConfig(),
-    "bert-large-uncased": BertConfig(embed_dim=1024, num_layers=24, num_heads=16, ffn_dim=4096),
-    # sentence-transformers/all-MiniLM-L6-v2: 6 layers of width 384 (Wang et al. 2020, MiniLM)
-    "all-MiniLM-L6-v2": BertConfig(embed_dim=384, num_layers=6, num_heads=12, ffn_dim=1536),
-    # a small model for tests and examples: runs in milliseconds on a CPU
-    "tiny": BertConfig(
-        vocab_size=128, embed_dim=32, num_layers=2, num_heads=4, ffn_dim=64, max_positions=64
-    ),
-}
 
 
 class BertEmbeddings(nn.Module):
@@ -173,7 +89,7 @@ def init_bert_weights(module: nn.Module, std: float = 0.02) -> None:
             nn.init.zeros_(module.bias)
 
 
-class BertModel(HuggingFaceIO, nn.Module):
+class BertModel(PretrainedIO, nn.Module):
     """The BERT encoder: embeddings, num_layers post-norm blocks, tanh pooler over [CLS].
 
     Submodules: `embeddings` (BertEmbeddings), `layers` (num_layers EncoderBlocks, or one when

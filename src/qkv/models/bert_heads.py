@@ -20,15 +20,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkv.layers import LayerNorm
-from qkv.layers._checks import check_positive_int
 from qkv.layers._dropout import make_dropout
 from qkv.models._inputs import describe
 from qkv.models.bert import BertConfig, BertModel, init_bert_weights
-from qkv.models.checkpoints import HuggingFaceIO
 from qkv.models.losses import cross_entropy
 from qkv.models.outputs import ClassificationOutput, PreTrainingOutput
+from qkv.models.pretrained import PretrainedIO
 from qkv.models.serialization import register_model_class
 from qkv.models.sizes import LABEL_NAME_BYTES, SizePart, check_model_fits
+from qkv.validation import check_positive_int
 
 __all__ = ["BertForPreTraining", "BertForSequenceClassification", "MaskedLMHead"]
 
@@ -51,7 +51,7 @@ class MaskedLMHead(nn.Module):
         return F.linear(h, token_embedding, self.bias)  # (B, L, V)
 
 
-class BertForPreTraining(HuggingFaceIO, nn.Module):
+class BertForPreTraining(PretrainedIO, nn.Module):
     """BERT with its two pre-training heads. Submodules: `bert` (BertModel), `mlm_head`
     (MaskedLMHead, decoder tied to bert.embeddings.token_embedding), `nsp_head` (Linear(E, 2))."""
 
@@ -111,7 +111,7 @@ class BertForPreTraining(HuggingFaceIO, nn.Module):
         )
 
 
-class BertForSequenceClassification(HuggingFaceIO, nn.Module):
+class BertForSequenceClassification(PretrainedIO, nn.Module):
     """BERT, then dropout and Linear(E, num_labels) on the pooled [CLS] state.
 
     label_names: optional names of the classes (config.json's id2label), kept through

@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from qkv.layers._checks import check_positive_int, check_probability
+from qkv.validation import check_int, check_positive_int, check_probability
 
 __all__ = ["TRANSFORMER_PRESETS", "TransformerConfig"]
 
@@ -147,9 +147,7 @@ def _check_token_ids(config: TransformerConfig) -> None:
         "eos_token_id": config.tgt_vocab_size,
     }
     for name, limit in limits.items():
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+        value = check_int(name, getattr(config, name))
         if not 0 <= value < limit:
             raise ValueError(f"{name}: expected an id in [0, {limit}), got {value}")
 

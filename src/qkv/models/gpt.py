@@ -29,10 +29,10 @@ from torch import nn
 from qkv.layers import FeedForward, LayerNorm, MultiHeadAttention, RMSNorm, SwiGLU, pre_norm
 from qkv.layers._dropout import make_dropout
 from qkv.layers.kv_cache import LayerCache, SinkKVCache, StaticKVCache
-from qkv.models.checkpoints import HuggingFaceIO
 from qkv.models.gpt_config import GPTConfig
 from qkv.models.losses import IGNORE_INDEX, cross_entropy
 from qkv.models.outputs import CausalLMOutput
+from qkv.models.pretrained import PretrainedIO
 from qkv.models.serialization import register_model_class
 from qkv.models.sizes import check_model_fits
 from qkv.positional import LearnedPositionalEmbedding, RotaryEmbedding
@@ -124,7 +124,7 @@ class GPTBlock(nn.Module):
         return pre_norm(x, self.ffn, self.ffn_norm, self.dropout)
 
 
-class GPT(HuggingFaceIO, nn.Module):
+class GPT(PretrainedIO, nn.Module):
     """Decoder-only Transformer language model: GPT-2, Llama or Mistral by its `GPTConfig`.
 
     Submodules: token_embedding (V, E), position_embedding (learned positions only, else None),

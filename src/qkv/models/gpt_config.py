@@ -22,7 +22,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from qkv.layers._checks import check_positive_int, check_probability
+from qkv.validation import check_positive_int, check_probability
 
 __all__ = ["FFN_KINDS", "GPTConfig", "NORM_KINDS", "POSITION_KINDS", "PRESETS"]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from qkv.layers._checks import check_probability
+from qkv.validation import check_probability
 
 __all__ = ["IGNORE_INDEX", "cross_entropy", "sequence_cross_entropy"]
 

@@ -30,14 +30,17 @@ import json
 import logging
 import os
 import re
-import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from qkv.models.checkpoints.core import CheckpointError, save_safetensors
+from qkv.models.safetensors_io import (
+    CheckpointError,
+    save_safetensors,
+    unique_tensors,
+    write_atomically,
+)
 from qkv.models.sizes import can_size, check_model_fits
 
 __all__ = [
@@ -281,29 +284,6 @@ def _tuples(value: object) -> object:
     return value
 
 
-def unique_tensors(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
-    """Each distinct tensor once, under its first name, and {other name: first name}.
-
-    Names are tied when they are the same view of the same memory. Tensors that only overlap
-    (views into one buffer) are copied apart, since safetensors refuses shared memory.
-    """
-    first_name: dict[tuple, str] = {}
-    storages: set[int] = set()
-    tensors, tied = {}, {}
-    for name, tensor in state.items():
-        identity = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
-        if identity in first_name and tensor.numel():
-            tied[name] = first_name[identity]
-            continue
-        first_name[identity] = name
-        storage = tensor.untyped_storage().data_ptr()
-        copy = storage in storages or not tensor.is_contiguous()
-        storages.add(storage)
-        tensors[name] = tensor.clone(memory_format=torch.contiguous_format) if copy else tensor
-        tensors[name] = tensors[name].detach().cpu()
-    return tensors, tied
-
-
 def _load_state(
     model: nn.Module, tensors: dict[str, torch.Tensor], tied: object, source: Path
 ) -> None:
@@ -388,19 +368,6 @@ def _read_document(path: Path) -> dict:
             f"reads version {FORMAT_VERSION}"
         )
     return document
-
-
-def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
-    """write(temporary path) in path's folder, flush it to disk, then rename it over `path`."""
-    # A fresh name rather than tempfile.mkstemp, whose 0600 mode would stay on the checkpoint.
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        write(temporary)
-        with open(temporary, "rb+") as file:
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
 
 
 def _sha256(path: Path) -> str:

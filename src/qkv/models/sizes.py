@@ -3,7 +3,7 @@
 A config read from a file decides how much is allocated: `num_layers=10**9` in a config.json
 would grow memory for minutes until the allocator gives up. `check_model_fits(config)` runs
 first in every model constructor: it counts the parameters of the config from formulas (the
-shapes the constructors build, with tied matrices counted once, as `qkv.analysis.cost_layout`
+shapes the constructors build, with tied matrices counted once, as `qkv.analysis.cost.layout`
 counts them in detail) and refuses a model that cannot fit in the memory of the device it is
 built on, naming the sizes that make it so:
 
@@ -24,6 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from qkv.models.bert_config import BertConfig
+from qkv.models.encoder_decoder_config import TransformerConfig
+from qkv.models.gpt_config import GPTConfig
 
 __all__ = [
     "FALLBACK_MEMORY_BYTES",
@@ -81,10 +85,6 @@ def can_size(config: object) -> bool:
 
 
 def _parts_function(config: object):
-    from qkv.models.bert import BertConfig
-    from qkv.models.encoder_decoder_config import TransformerConfig
-    from qkv.models.gpt_config import GPTConfig
-
     for config_class, parts in (
         (GPTConfig, _gpt_parts),
         (BertConfig, _bert_parts),

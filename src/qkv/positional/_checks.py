@@ -5,14 +5,7 @@ from __future__ import annotations
 
 import torch
 
-
-def check_int(name: str, value: object, *, minimum: int) -> int:
-    """An int (not a bool) that is at least `minimum`."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    return value
+from qkv.validation import check_int
 
 
 def check_even_dim(name: str, value: object) -> int:

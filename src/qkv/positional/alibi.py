@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from qkv.positional._checks import angle_dtype, check_floating_dtype, check_int
+from qkv.positional._checks import angle_dtype, check_floating_dtype
+from qkv.validation import check_int
 
 __all__ = ["alibi_bias", "alibi_slopes"]
 

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkv.positional._checks import check_int, check_positions
+from qkv.positional._checks import check_positions
+from qkv.validation import check_int
 
 __all__ = ["LearnedPositionalEmbedding"]
 

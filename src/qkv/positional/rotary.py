@@ -31,9 +31,9 @@ from qkv.positional._checks import (
     check_base,
     check_even_dim,
     check_floating_dtype,
-    check_int,
     check_positions,
 )
+from qkv.validation import check_int
 
 __all__ = [
     "LAYOUTS",

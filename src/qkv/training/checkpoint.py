@@ -29,8 +29,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qkv.models.checkpoints.core import CheckpointError, save_safetensors
-from qkv.models.serialization import unique_tensors, write_atomically
+from qkv.models.safetensors_io import (
+    CheckpointError,
+    save_safetensors,
+    unique_tensors,
+    write_atomically,
+)
 from qkv.training import checkpoint_checks as checks
 
 __all__ = [

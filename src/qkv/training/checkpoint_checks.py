@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from qkv.models.checkpoints.core import CheckpointError
-from qkv.models.serialization import unique_tensors
+from qkv.models.safetensors_io import unique_tensors
 
 __all__ = [
     "check_document",

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from qkv.training.schedule import SCHEDULES
+from qkv.validation import check_int
 
 __all__ = ["TrainingConfig"]
 
@@ -41,7 +42,7 @@ class TrainingConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check_int("steps", self.steps, minimum=1)
+        check_int("steps", self.steps, minimum=1)
         if isinstance(self.warmup_fraction, bool) or not 0 <= self.warmup_fraction <= 1:
             raise ValueError(
                 f"warmup_fraction: expected a number in [0, 1], got {self.warmup_fraction!r}"
@@ -50,9 +51,9 @@ class TrainingConfig:
             derived = max(1, int(self.steps * self.warmup_fraction))
             object.__setattr__(self, "warmup_steps", derived)
         for name in ("steps", "batch_size", "accumulation_steps"):
-            _check_int(name, getattr(self, name), minimum=1)
+            check_int(name, getattr(self, name), minimum=1)
         for name in ("warmup_steps", "eval_every", "checkpoint_every", "log_every", "seed"):
-            _check_int(name, getattr(self, name), minimum=0)
+            check_int(name, getattr(self, name), minimum=0)
         if self.warmup_steps > self.steps:
             raise ValueError(
                 f"warmup_steps: {self.warmup_steps} is more than steps={self.steps}; expected "
@@ -72,8 +73,3 @@ class TrainingConfig:
 
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "betas": list(self.betas)}
-
-
-def _check_int(name: str, value: object, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")

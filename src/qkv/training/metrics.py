@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from qkv.models.serialization import write_atomically
+from qkv.models.safetensors_io import write_atomically
 from qkv.training.distributed import Distributed
 
 __all__ = ["METRICS_NAME", "MetricsFileError", "RunLogger", "append_record", "kept_lines"]

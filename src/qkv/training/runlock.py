@@ -13,7 +13,7 @@ flock is local to one machine: on a network filesystem shared between machines, 
 to an NFS lock only where the server supports them, so two machines should not share `--out`.
 
 Every write of a checkpoint goes through a temporary, `.checkpoint.safetensors.<32 hex>.tmp`
-(`qkv.models.serialization.write_atomically`), which a kill leaves behind; once the lock is held
+(`qkv.models.safetensors_io.write_atomically`), which a kill leaves behind; once the lock is held
 no other run can be writing one, and `remove_temporaries` deletes those that match that exact
 pattern for the files a run writes, nothing else.
 """

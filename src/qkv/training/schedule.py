@@ -21,6 +21,8 @@ from collections.abc import Callable
 
 import torch
 
+from qkv.validation import check_int
+
 __all__ = ["SCHEDULES", "build_scheduler", "lr_multiplier"]
 
 SCHEDULES = ("linear", "cosine", "constant")
@@ -44,9 +46,8 @@ def build_scheduler(
     """A `LambdaLR` applying `lr_multiplier`; its state_dict holds only the step count."""
     if kind not in SCHEDULES:
         raise ValueError(f"kind: expected one of {SCHEDULES}, got {kind!r}")
-    for name, value in (("warmup_steps", warmup_steps), ("total_steps", total_steps)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+    check_int("warmup_steps", warmup_steps, minimum=0)
+    check_int("total_steps", total_steps, minimum=0)
     if warmup_steps > total_steps:
         raise ValueError(
             f"warmup_steps: {warmup_steps} is more than total_steps={total_steps}; expected at "

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from qkv.attention.request import AttentionRequest, check_count, check_lengths, make_request
+from qkv.attention.request import AttentionRequest, check_lengths, make_request
 from qkv.attention.tiled import kernels
 from qkv.attention.tiled.tiles import TilePlan
+from qkv.validation import check_int
 
 DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 256
@@ -182,11 +183,11 @@ def _plan(request: AttentionRequest, sinks, lengths, block_q, block_k) -> TilePl
     return TilePlan(
         query_len=request.query_len,
         key_len=request.key_len,
-        block_q=check_count("block_q", block_q, minimum=1),
-        block_k=check_count("block_k", block_k, minimum=1),
+        block_q=check_int("block_q", block_q, minimum=1),
+        block_k=check_int("block_k", block_k, minimum=1),
         causal=request.causal,
         window=request.window,
-        sinks=check_count("sinks", sinks, minimum=0),
+        sinks=check_int("sinks", sinks, minimum=0),
         lengths=check_lengths(lengths, request.batch, request.key_len),
         has_dense_mask=request.has_bool_mask,  # a float mask was folded into the bias
     )

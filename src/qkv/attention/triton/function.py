@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from qkv.attention.request import check_count, check_lengths, make_request
+from qkv.attention.request import check_lengths, make_request
+from qkv.validation import check_int
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 128
@@ -54,7 +55,7 @@ def triton_attention(
     masking = Masking(
         causal=request.causal,
         window=request.window,
-        sinks=check_count("sinks", sinks, minimum=0),
+        sinks=check_int("sinks", sinks, minimum=0),
         lengths=_device_lengths(lengths, request.batch, request.key_len, q.device),
         slopes=_device_slopes(alibi_slopes, request.num_heads, q.device),
         scale=request.scale,

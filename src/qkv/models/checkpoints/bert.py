@@ -24,8 +24,9 @@ from torch import nn
 
 from qkv.models.bert import BertConfig, BertModel
 from qkv.models.bert_heads import BertForPreTraining, BertForSequenceClassification
-from qkv.models.checkpoints import Architecture, fields, register
+from qkv.models.checkpoints import fields
 from qkv.models.checkpoints.core import CheckpointError, KeyMap, Tensors
+from qkv.models.checkpoints.registry import Architecture, register
 
 logger = logging.getLogger(__name__)
 

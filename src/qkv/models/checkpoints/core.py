@@ -10,7 +10,6 @@ checkpoint leaves the model untouched and raises one error that lists everything
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,11 +18,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from qkv.models.safetensors_io import CheckpointError, save_safetensors
+
+__all__ = [
+    "CheckpointError",
+    "KeyMap",
+    "NotAFolderError",
+    "check_local_folder",
+    "load_into",
+    "read_config",
+    "read_tokenizer",
+    "save_safetensors",
+    "write",
+]
+
 Tensors = dict[str, torch.Tensor]
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not fit the model: lists missing, unexpected, mis-shaped keys."""
 
 
 class NotAFolderError(CheckpointError, FileNotFoundError):
@@ -175,14 +184,3 @@ def _listing(label: str, keys: list[str]) -> str:
         f"\n    ... and {len(keys) - 20} more" if len(keys) > 20 else ""
     )
     return f"\n  {label} ({len(keys)}):\n    {shown}"
-
-
-def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict) -> None:
-    """safetensors' save_file, with the file readable as the umask allows (save_file leaves
-    0600, so a model written by one user could not be read by another)."""
-    from safetensors.torch import save_file
-
-    save_file(tensors, str(path), metadata=metadata)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from qkv.models.checkpoints import Architecture, CheckpointError, KeyMap, fields, register
+from qkv.models.checkpoints import fields
+from qkv.models.checkpoints.core import CheckpointError, KeyMap
+from qkv.models.checkpoints.registry import Architecture, register
 from qkv.models.gpt import GPT, GPTConfig
 
 __all__ = ["gpt2_config", "gpt2_key_map", "gpt_config_from_gpt2"]

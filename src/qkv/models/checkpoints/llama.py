@@ -23,7 +23,9 @@ number is carried over unchanged.
 
 from __future__ import annotations
 
-from qkv.models.checkpoints import Architecture, CheckpointError, KeyMap, fields, register
+from qkv.models.checkpoints import fields
+from qkv.models.checkpoints.core import CheckpointError, KeyMap
+from qkv.models.checkpoints.registry import Architecture, register
 from qkv.models.gpt import GPT, GPTConfig
 
 __all__ = ["gpt_config_from_llama", "llama_config", "llama_key_map", "mistral_config"]

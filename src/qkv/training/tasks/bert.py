@@ -50,9 +50,9 @@ from qkv.data import (
     train_validation_split,
     train_wordpiece,
 )
-from qkv.layers._checks import check_positive_int
-from qkv.models import BertConfig, BertForPreTraining
+from qkv.models import BertConfig, BertForPreTraining, save
 from qkv.training.tasks.gpt import check_validation_fraction, unigram_entropy
+from qkv.validation import check_positive_int
 
 __all__ = ["BertOptions", "BertTask"]
 
@@ -96,9 +96,9 @@ class BertTask:
     """Sentence pairs, tokenizer and model of the bert task; see the module docstring."""
 
     name = "bert"
-    # `qkv train bert` defaults (measured: see the README). Small batches learn more per
-    # CPU-second here; post-norm BERT at this learning rate needs the longer warm-up (with 10%
-    # it stays at the unigram loss), and 800 steps stop on the plateau at ~4.9.
+    # `qkv train bert` defaults. Small batches learn more per CPU-second; post-norm BERT at
+    # this learning rate needs the longer warm-up (with 10% it stays at the unigram loss), and
+    # 800 steps stop on the plateau at ~4.9.
     training_defaults = {
         "batch_size": 32, "learning_rate": 3e-3, "warmup_fraction": 0.2, "steps": 2000,
     }  # fmt: skip
@@ -208,8 +208,6 @@ class BertTask:
 
     def save(self, model: BertForPreTraining, path: str | os.PathLike) -> Path:
         """The model as a qkv checkpoint, with tokenizer.json and task.json beside it."""
-        from qkv.models import save
-
         path = save(model, path)
         self.tokenizer.save(str(path / TOKENIZER_FILE))
         (path / TASK_FILE).write_text(json.dumps(self.describe(), indent=2) + "\n")

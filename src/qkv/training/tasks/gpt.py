@@ -39,7 +39,7 @@ from qkv.data import (
     train_bpe,
     train_validation_split,
 )
-from qkv.models import GPT, GPTConfig
+from qkv.models import GPT, GPTConfig, save
 
 __all__ = ["GPTOptions", "GPTTask", "check_validation_fraction", "unigram_entropy"]
 
@@ -83,8 +83,8 @@ class GPTTask:
     """Token blocks, BPE tokenizer and model of the gpt task; see the module docstring."""
 
     name = "gpt"
-    # `qkv train gpt` defaults: smaller batches learn more per CPU-second here
-    # than the shared TrainingConfig defaults (measured: see the README).
+    # `qkv train gpt` defaults: on a CPU, smaller batches and a larger learning rate than the
+    # shared TrainingConfig defaults learn more per second.
     training_defaults = {"batch_size": 32, "learning_rate": 2e-3, "steps": 300}
 
     def __init__(self, options: GPTOptions = GPTOptions()) -> None:
@@ -164,8 +164,6 @@ class GPTTask:
     def save(self, model: GPT, path: str | os.PathLike) -> Path:
         """The model as a qkv checkpoint, with tokenizer.json and task.json beside it: the
         folder `qkv generate PATH --prompt ...` reads."""
-        from qkv.models import save
-
         path = save(model, path)
         self.tokenizer.save(str(path / TOKENIZER_FILE))
         (path / TASK_FILE).write_text(json.dumps(self.describe(), indent=2) + "\n")

@@ -27,11 +27,14 @@ from qkv.data.translate import (
     PAD_ID,
     TranslationDataset,
     TranslationPairs,
+    check_texts,
     number_pairs,
+    pad_sequences,
     read_pairs,
     train_translation_tokenizer,
 )
-from qkv.models import Transformer, TransformerConfig
+from qkv.generation.beam import beam_search, greedy_decode
+from qkv.models import Transformer, TransformerConfig, load, save
 from qkv.models.losses import IGNORE_INDEX
 
 __all__ = ["TranslateOptions", "TranslateTask", "load_translator", "translate"]
@@ -153,8 +156,6 @@ class TranslateTask:
 
     def save(self, model: Transformer, path: str | os.PathLike) -> Path:
         """The trained model as a qkv checkpoint, with tokenizer.json and task.json beside it."""
-        from qkv.models import save
-
         path = save(model, path)
         self.tokenizer.save(str(path / TOKENIZER_FILE))
         (path / TASK_FILE).write_text(json.dumps(self.describe(), indent=2) + "\n")
@@ -166,8 +167,6 @@ def translate(
     model: Transformer, tokenizer, texts: list[str], *, num_beams: int = 1, max_new_tokens=None
 ) -> list[str]:
     """Translate `texts` with greedy decoding (num_beams=1) or beam search; returns strings."""
-    from qkv.data.translate import check_texts, pad_sequences
-    from qkv.generation.beam import beam_search, greedy_decode
 
     texts = check_texts(texts)
     if not texts:
@@ -191,8 +190,6 @@ def translate(
 def load_translator(path: str | os.PathLike):
     """(model, tokenizer) saved by `TranslateTask.save`."""
     from tokenizers import Tokenizer
-
-    from qkv.models import load
 
     path = Path(path)
     if not (path / TOKENIZER_FILE).is_file():

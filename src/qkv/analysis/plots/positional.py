@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from qkv import masks, positional
-from qkv.analysis.plots_common import (
+from qkv.analysis.plots.common import (
     Figure,
     check_int,
     draw_heatmap,

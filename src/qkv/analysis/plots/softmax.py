@@ -15,8 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-import qkv
-from qkv.analysis.plots_common import (
+from qkv.analysis.plots.common import (
     Figure,
     MaxNLocator,
     check_int,
@@ -24,6 +23,7 @@ from qkv.analysis.plots_common import (
     new_figure,
     to_numpy,
 )
+from qkv.attention import attention
 
 __all__ = ["scaling_comparison", "softmax_saturation", "softmax_scaling"]
 
@@ -138,7 +138,7 @@ def scaling_comparison(
         dot_products = q[0, 0] @ k[0, 0].T  # (num_queries, seq_len)
         for name, scale_of in _SCALINGS:
             scale = scale_of(d_k)
-            _, weights = qkv.attention(q, k, k, scale=scale, return_weights=True)  # (1, 1, Q, S)
+            _, weights = attention(q, k, k, scale=scale, return_weights=True)  # (1, 1, Q, S)
             row_entropy = -torch.special.xlogy(weights, weights).sum(dim=-1)  # (1, 1, Q)
             stds[name].append(float((dot_products * scale).std()))
             entropies[name].append(float(row_entropy.mean()))

@@ -4,7 +4,7 @@ The classic doubling benchmark times multi-head attention at L = 64 .. 2048, eac
 last, and prints `seq_len, time (ms), mem (MB), ratio`: each doubling of the sequence length
 multiplies the time by about 4, and the memory of the (L, L) attention matrix,
 `seq_len * seq_len * n_heads * 4` bytes in fp32, grows the same way. Where such a table gives
-that formula as its memory, here the peak is measured (`qkv.analysis.memory.peak_bytes`) and
+that formula as its memory, here the peak is measured (`qkv.analysis.cost.memory.peak_bytes`) and
 the formula is printed beside it. Three backends do the same work side by side:
 
     naive   `qkv.attention(backend="reference")`: eager math, materialises the (B, H, L, L) scores
@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from qkv.analysis.memory import peak_bytes
+from qkv.analysis.cost.memory import peak_bytes
 from qkv.attention import attention
 
 logger = logging.getLogger(__name__)

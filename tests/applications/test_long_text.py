@@ -1,4 +1,4 @@
-"""Long texts (qkv.models.long_text) against outside references: the windows of Hugging Face's
+"""Long texts (qkv.applications.long_text) against outside references: the windows of Hugging Face's
 BertTokenizerFast(return_overflowing_tokens=True) on the all-MiniLM-L6-v2 tokenizer, and
 transformers' BertModel / BertForSequenceClassification run window by window, with the
 aggregation done by hand here."""
@@ -10,10 +10,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from qkv.models.bert import BertConfig, BertModel
-from qkv.models.bert_heads import BertForSequenceClassification
-from qkv.models.embed import SentenceEncoder, default_model_path
-from qkv.models.long_text import (
+from qkv.applications.embed import SentenceEncoder, default_model_path
+from qkv.applications.long_text import (
     Windows,
     aggregate_windows,
     chunk_batch,
@@ -24,6 +22,8 @@ from qkv.models.long_text import (
     embed_long_texts,
     truncate_ids,
 )
+from qkv.models.bert import BertConfig, BertModel
+from qkv.models.bert_heads import BertForSequenceClassification
 
 # real English: CPython's documentation of `assert`, from its first sentence (75 tokens)
 _ASSERT = " ".join(pydoc_data.topics.topics["assert"].split())
@@ -113,7 +113,7 @@ def plain_short(encoder):
 
 @pytest.mark.parametrize("aggregation", ["mean", "max", "first"])
 def test_short_texts_get_their_plain_embedding(encoder, plain_short, aggregation):
-    """A text that fits in one window: every aggregation gives what qkv.models.embed gives
+    """A text that fits in one window: every aggregation gives what qkv.applications.embed gives
     (which test_embed.py checks against sentence-transformers)."""
     short = TEXTS[1:]
     kwargs = dict(max_length=256, stride=64, aggregation=aggregation, batch_size=2)

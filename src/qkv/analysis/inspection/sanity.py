@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-import qkv
 from qkv import masks
+from qkv.attention import attention, explain
 from qkv.attention.core import serving_backends
 from qkv.layers import EncoderBlock, MultiHeadAttention
 from qkv.positional import (
@@ -156,7 +156,7 @@ def _fully_masked_row() -> tuple[str, bool]:
         q, k, v = (torch.randn(B, H, L, E // H, requires_grad=True) for _ in range(3))
         mask = torch.ones(L, L, dtype=torch.bool)
         mask[2] = False
-        out = qkv.attention(q, k, v, mask=mask, backend=backend)
+        out = attention(q, k, v, mask=mask, backend=backend)
         out.sum().backward()
         worst = max(worst, out[:, :, 2].abs().max().item())
         finite &= all(torch.isfinite(t.grad).all().item() for t in (q, k, v))
@@ -177,7 +177,7 @@ def _bad_heads() -> tuple[str, bool]:
 @check("(i)", "return_weights=False -> no weights computed or returned")
 def _no_weights() -> tuple[str, bool]:
     out = MultiHeadAttention(E, H).eval()(torch.randn(B, L, E))
-    explained = qkv.explain(*(torch.randn(B, H, L, E // H) for _ in range(3)))
+    explained = explain(*(torch.randn(B, H, L, E // H) for _ in range(3)))
     return f"returned {type(out).__name__}, auto picks sdpa", isinstance(
         out, torch.Tensor
     ) and explained.startswith("backend 'sdpa'")
@@ -188,7 +188,7 @@ def _vs_sdpa() -> tuple[str, bool]:
     q, k, v = (torch.randn(B, H, 9, 8, dtype=torch.float64) for _ in range(3))
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     worst = max(
-        _max_abs(qkv.attention(q, k, v, causal=True, backend=name), expected)
+        _max_abs(attention(q, k, v, causal=True, backend=name), expected)
         for name in serving_backends(q, k, v, causal=True)
     )
     return _within(worst, 1e-12, "|delta out|")
@@ -202,7 +202,7 @@ def _bottom_right() -> tuple[str, bool]:
     k, v = (torch.randn(B, H, 7, 8, dtype=torch.float64) for _ in range(2))
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(3, 7))
     mask_equal = torch.equal(masks.causal(3, 7), causal_lower_right(3, 7)._materialize())
-    measured, ok = _within(_max_abs(qkv.attention(q, k, v, causal=True), expected), 1e-12, "|d|")
+    measured, ok = _within(_max_abs(attention(q, k, v, causal=True), expected), 1e-12, "|d|")
     return f"{measured}, masks equal={mask_equal}", ok and mask_equal
 
 
@@ -212,7 +212,7 @@ def _gqa() -> tuple[str, bool]:
     k, v = (torch.randn(B, 2, 6, 8, dtype=torch.float64) for _ in range(2))
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     worst = max(
-        _max_abs(qkv.attention(q, k, v, causal=True, backend=name), expected)
+        _max_abs(attention(q, k, v, causal=True, backend=name), expected)
         for name in serving_backends(q, k, v, causal=True)
     )
     return _within(worst, 1e-12, "|delta out|")
@@ -274,7 +274,7 @@ def _fp16_overflow() -> tuple[str, bool]:
     q, k = torch.full((1, 1, 2, 64), 300.0), torch.full((1, 1, 3, 64), 300.0)
     v = torch.randn(1, 1, 3, 8)
     naive = torch.softmax((q.half() @ k.half().transpose(-1, -2)) / 8, dim=-1)
-    ours = qkv.attention(q.half(), k.half(), v.half(), backend="reference")
+    ours = attention(q.half(), k.half(), v.half(), backend="reference")
     exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
     delta = _max_abs(ours, exact)
     naive_nan = bool(torch.isnan(naive).any())

@@ -8,7 +8,7 @@ Sections (`SECTIONS`, in page order):
   weights behind them as JSON (`<script type="application/json" id="qkv-attention-data">`).
 - viewer: the interactive head view of `qkv viz` (every layer and head) in an iframe.
 - heads (on request): the input/output cosine similarity of each attention module and,
-  for a GPT, head importance on the text (Michel et al. 2019; `qkv.analysis.heads`).
+  for a GPT, head importance on the text (Michel et al. 2019; `qkv.analysis.inspection.heads`).
 - cost: `qkv cost` for the model's own config: parameters, FLOPs, score-matrix and KV-cache
   memory (Kaplan et al. 2020 for FLOPs, Pope et al. 2022 for the KV cache).
 - complexity: the doubling benchmark of the O(L^2) problem (`qkv bench complexity`) at the model's
@@ -31,9 +31,15 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from qkv.analysis.attention_maps import AttentionMap, record_attention
-from qkv.analysis.report_html import figure, json_script, page, section, table
-from qkv.analysis.viz import attention_view_html
+from qkv.analysis.cost.complexity import measure_complexity
+from qkv.analysis.cost.complexity_report import plot_complexity
+from qkv.analysis.cost.estimate import cost_report
+from qkv.analysis.cost.format import report_rows as cost_rows
+from qkv.analysis.inspection.attention_maps import AttentionMap, record_attention
+from qkv.analysis.inspection.heads import head_importance, position_cosine_similarity
+from qkv.analysis.pages.report_html import figure, json_script, page, section, table
+from qkv.analysis.pages.viz import attention_view_html
+from qkv.models import GPT, Transformer
 
 __all__ = ["CLASSIC_FIGURES", "COMPLEXITY_LENGTHS", "DEFAULT_SECTIONS", "SECTIONS", "build_report"]
 
@@ -155,8 +161,6 @@ class _TextRun:
 def _run_text(model: nn.Module, tokenizer, text: str) -> _TextRun:
     """Run the model once on `text` (an encoder-decoder: as the source, the decoder reading its
     start token) and record every layer and head."""
-    from qkv.models import Transformer
-
     encoding = tokenizer.encode(text)
     device = next(model.parameters()).device
     input_ids = torch.tensor([encoding.ids], device=device)  # (1, L)
@@ -225,8 +229,6 @@ def _viewer_section(recorded: _TextRun, *, title: str) -> str:
 def _heads_section(model: nn.Module, recorded: _TextRun) -> str:
     """The input/output cosine similarity per attention module, and, for a model that
     predicts the next token, head importance on the text (Michel et al. 2019, section 4.1)."""
-    from qkv.analysis.heads import head_importance, position_cosine_similarity
-    from qkv.models import GPT
 
     similarity = position_cosine_similarity(
         model, recorded.input_ids, **recorded.forward_kwargs
@@ -243,7 +245,7 @@ def _heads_section(model: nn.Module, recorded: _TextRun) -> str:
         parts.append(
             '<p class="note">Head importance (Michel et al. 2019) needs a loss: it is drawn for '
             "models that predict the next token (GPT), on the text. For this model, call "
-            "<code>qkv.analysis.heads.head_importance</code> with a task loss.</p>"
+            "<code>qkv.analysis.inspection.heads.head_importance</code> with a task loss.</p>"
         )
         return "\n".join(parts)
 
@@ -260,7 +262,7 @@ def _heads_section(model: nn.Module, recorded: _TextRun) -> str:
 
 
 def _importance_figure(scores: dict[str, torch.Tensor]) -> str:
-    from qkv.analysis.plots_common import draw_heatmap, new_figure
+    from qkv.analysis.plots.common import draw_heatmap, new_figure
 
     matrix = torch.stack([score.double().cpu() for score in scores.values()])  # (layers, H)
     layers, heads = matrix.shape
@@ -293,15 +295,11 @@ def _model_section(model: nn.Module, model_name: str) -> str:
 
 
 def _cost_report(model: nn.Module):
-    from qkv.analysis.cost import cost_report
-
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     return cost_report(model, dtype=dtype)
 
 
 def _cost_section(model: nn.Module, model_name: str) -> str:
-    from qkv.analysis.cost_format import report_rows as cost_rows
-
     report = _cost_report(model)
     rows = cost_rows(report)
     return (
@@ -315,8 +313,6 @@ def _cost_section(model: nn.Module, model_name: str) -> str:
 
 
 def _complexity_section(model: nn.Module, lengths: Sequence[int]) -> str:
-    from qkv.analysis.complexity import measure_complexity
-    from qkv.analysis.complexity_report import plot_complexity
 
     report = _cost_report(model)
     result = measure_complexity(

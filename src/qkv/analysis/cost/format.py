@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from qkv.analysis.cost import CostReport
+from qkv.analysis.cost.estimate import CostReport
 
 __all__ = [
     "format_bytes",

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from qkv.analysis.attention_maps import record_attention
+from qkv.analysis.inspection.attention_maps import record_attention
+from qkv.analysis.plots.attention import attention_heatmaps
+from qkv.generation.beam import greedy_decode
 
 __all__ = ["cross_attention", "cross_attention_figure"]
 
@@ -26,8 +28,6 @@ def cross_attention(model, tokenizer, source: str, *, layer: int = -1):
 
     model: a `qkv.models.Transformer`; tokenizer: its `tokenizers.Tokenizer` (one vocabulary
     for source and target, as the translate task trains)."""
-    from qkv.generation.beam import greedy_decode
-
     config = model.config
     num_layers = config.num_decoder_layers
     if not -num_layers <= layer < num_layers:
@@ -48,8 +48,6 @@ def cross_attention(model, tokenizer, source: str, *, layer: int = -1):
 def cross_attention_figure(model, tokenizer, source: str, *, layer: int = -1):
     """A matplotlib Figure: one heat map per head of decoder layer `layer`'s cross-attention,
     queries (target tokens written) down, keys (source tokens) across."""
-    from qkv.analysis.plots import attention_heatmaps
-
     weights, source_tokens, target_tokens = cross_attention(model, tokenizer, source, layer=layer)
     figure = attention_heatmaps(
         weights, tokens=source_tokens, query_tokens=target_tokens,

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from qkv.models.bert import BERT_PRESETS, BertConfig
+from qkv.models.bert_config import BERT_PRESETS, BertConfig
+from qkv.models.checkpoints import bert, gpt2, llama
 from qkv.models.encoder_decoder_config import TRANSFORMER_PRESETS, TransformerConfig
 from qkv.models.gpt_config import PRESETS as GPT_PRESETS
 from qkv.models.gpt_config import GPTConfig
@@ -93,7 +94,6 @@ def _qkv_config(document: dict, file: Path) -> GPTConfig | BertConfig | Transfor
 def _hugging_face_config(document: dict, file: Path) -> GPTConfig | BertConfig:
     """By model_type, through the converters of qkv.models.checkpoints (imported here: they
     import the model classes)."""
-    from qkv.models.checkpoints import bert, gpt2, llama
 
     converters = {
         "gpt2": gpt2.gpt_config_from_gpt2,

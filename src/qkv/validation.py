@@ -1,10 +1,27 @@
-"""Argument checks shared by the layers: errors name the argument, the value seen and expected."""
+"""Argument checks for the whole package, at the bottom of its layers: each error names the
+argument, the value seen and what was expected, and is a TypeError for a value of the wrong
+type, a ValueError for a value of the right type out of range.
+
+A bool is never taken for a number: True is an int in Python, but not a size or a count.
+"""
 
 from __future__ import annotations
 
+__all__ = ["check_int", "check_positive_float", "check_positive_int", "check_probability"]
+
+
+def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
+    """`value` must be an int (not a bool), at least `minimum` when one is given."""
+    expected = "an int" if minimum is None else f"an int >= {minimum}"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected {expected}, got {type(value).__name__} {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}: expected {expected}, got {value}")
+    return value
+
 
 def check_positive_int(name: str, value: object) -> int:
-    """`value` must be an int >= 1 (a bool is refused: True is not a size)."""
+    """`value` must be an int >= 1: a size, a count of layers or heads."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name}: expected a positive int, got {type(value).__name__} {value!r}")
     if value < 1:

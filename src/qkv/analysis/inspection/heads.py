@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkv.analysis.attention_maps import chosen_attention_modules, display_name
+from qkv.analysis.inspection.attention_maps import chosen_attention_modules, display_name
 from qkv.layers.attention import MultiHeadAttention
 
 __all__ = [

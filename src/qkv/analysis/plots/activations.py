@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from qkv.analysis.plots_common import Figure, new_figure, to_numpy
+from qkv.analysis.plots.common import Figure, new_figure, to_numpy
 from qkv.layers.feedforward import ACTIVATIONS
 
 __all__ = ["gelu_vs_relu"]

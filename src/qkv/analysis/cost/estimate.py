@@ -19,8 +19,8 @@ weights are built):
   size: Llama-2-70B at 4096 tokens in fp16 needs 1.25 GiB per sample with its 8 K/V heads and
   10 GiB with 64, as plain MHA would (GQA: Ainslie et al. 2023; MQA: Shazeer 2019).
 
-Sizes are the arithmetic of `qkv.analysis.cost_layout`; the presets and checkpoint reading are
-in `qkv.analysis.cost_sources`, the text tables in `qkv.analysis.cost_format`.
+Sizes are the arithmetic of `qkv.analysis.cost.layout`; the presets and checkpoint reading are
+in `qkv.analysis.cost.sources`, the text tables in `qkv.analysis.cost.format`.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from qkv.analysis.cost_layout import ModelConfig, ModelLayout, layout_of
-from qkv.analysis.cost_sources import resolve_model
-from qkv.layers._checks import check_positive_int
+from qkv.analysis.cost.layout import ModelConfig, ModelLayout, layout_of
+from qkv.analysis.cost.sources import resolve_model
+from qkv.validation import check_positive_int
 
 __all__ = [
     "DTYPE_BYTES",

