@@ -22,7 +22,7 @@ from qkv.models.checkpoints.core import (
 )
 from qkv.models.checkpoints.fields import architectures
 from qkv.models.checkpoints.registry import ARCHITECTURES, Architecture
-from qkv.models.checkpoints.weight_files import read_weights
+from qkv.models.checkpoints.weight_files import read_weights, remove_shards
 from qkv.models.pretrained import connect
 
 __all__ = ["from_pretrained", "save_pretrained"]
@@ -92,6 +92,7 @@ def save_pretrained(model: nn.Module, path: str | Path) -> Path:
         return hf_config
 
     hf_config = _first_that_fits(candidates, config_of)
+    remove_shards(path)  # a stale index would be read instead of the new model.safetensors
     return write(path, hf_config, model, chosen[-1].key_map(model))
 
 

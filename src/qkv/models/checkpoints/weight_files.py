@@ -21,7 +21,7 @@ import torch
 
 from qkv.models.checkpoints.core import CheckpointError, Tensors
 
-__all__ = ["INDEX_NAME", "SINGLE_NAME", "read_weights", "weight_files"]
+__all__ = ["INDEX_NAME", "SINGLE_NAME", "read_weights", "remove_shards", "weight_files"]
 
 SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -65,6 +65,20 @@ def weight_files(folder: str | Path) -> list[Path]:
     raise CheckpointError(
         f"path: {folder} has no {SINGLE_NAME}, {INDEX_NAME} or {BINARY_NAME}; expected weights"
     )
+
+
+def remove_shards(folder: str | Path) -> list[Path]:
+    """Delete an index and the shards it names from `folder`, before a single
+    model.safetensors is written there (as transformers cleans a folder it saves into): left
+    in place, the stale index would be read instead of the new file. Returns what was deleted.
+    """
+    index = Path(folder) / INDEX_NAME
+    if not index.is_file():
+        return []
+    removed = [index.parent / name for name in sorted(set(_weight_map(index).values()))]
+    for path in [*removed, index]:
+        path.unlink(missing_ok=True)
+    return [*removed, index]
 
 
 def _weight_map(index: Path) -> dict[str, str]:
