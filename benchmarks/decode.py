@@ -22,7 +22,11 @@ no attention_mask for either), 128 new tokens:
                    kernels for everything around the packed products); compiled once per
                    dtype before the timing, with torch.compile's on-disk caches empty (a
                    directory of this run's own) so that the compile time reported beside
-                   ("compile s", the first call's wall time) is what a first run pays
+                   ("compile s", the first call's wall time) is what a first run pays; once
+                   two steps passed a graph's guards, later steps call it without them
+    qkv guarded    the same with compile="guarded": torch.compile's public API alone, every
+                   guard checked at every step; "guard-free gain" (paired) is what skipping
+                   the guards buys (qkv keeps its private path only while it is >= 5%)
     transformers   model.generate(ids, do_sample=False, max_new_tokens=128,
                                   min_new_tokens=128, eos_token_id=None)
 The config has no eos token, so neither stops early and min_new_tokens masks nothing: both
@@ -323,6 +327,7 @@ def bench_dtype(base_ours, base_theirs, dtype: str, bandwidth: Bandwidth, args) 
         "qkv": lambda: generate(ours, ids, max_new_tokens=n),
         "qkv_packed": lambda: generate(packed_model, ids, max_new_tokens=n),
         "qkv_compiled": lambda: generate(packed_model, ids, max_new_tokens=n, compile=True),
+        "qkv_guarded": lambda: generate(packed_model, ids, max_new_tokens=n, compile="guarded"),
         "transformers": lambda: theirs.generate(
             ids, do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None
         ),
@@ -337,6 +342,10 @@ def bench_dtype(base_ours, base_theirs, dtype: str, bandwidth: Bandwidth, args) 
     compiled_output = calls["qkv_compiled"]()  # the first call compiles
     compile_s = time.perf_counter() - start
     check["compiled_equals_qkv"] = bool(torch.equal(compiled_output, calls["qkv"]()))
+    start = time.perf_counter()
+    guarded_output = calls["qkv_guarded"]()  # torch.compile's public API alone: compiles again
+    guarded_compile_s = time.perf_counter() - start
+    check["guarded_equals_compiled"] = bool(torch.equal(guarded_output, compiled_output))
     compiled_new = compiled_output[0, args.prompt :]
     check["compiled_first_divergence"] = {
         name: first_divergence(compiled_new, calls[name]()[0, args.prompt :])
@@ -382,6 +391,11 @@ def bench_dtype(base_ours, base_theirs, dtype: str, bandwidth: Bandwidth, args) 
         "packed_paired_ratio": paired_ratio(timings["transformers"], timings["qkv_packed"]),
         "compiled_ratio": speed["qkv_compiled"] / speed["transformers"],
         "compiled_paired_ratio": paired_ratio(timings["transformers"], timings["qkv_compiled"]),
+        "guarded_ratio": speed["qkv_guarded"] / speed["transformers"],
+        "guarded_paired_ratio": paired_ratio(timings["transformers"], timings["qkv_guarded"]),
+        # what calling the graphs without their guards buys over torch.compile's public path
+        "guard_free_paired_gain": paired_ratio(timings["qkv_guarded"], timings["qkv_compiled"]),
+        "guarded_compile_s": guarded_compile_s,
         "packing_ms": packing_ms(ours, ids),
         "compile_s": compile_s,
         "bytes_per_token": {"weights": weights, "kv_cache_mean": kv, "total": weights + kv},
@@ -408,7 +422,7 @@ def add_limits(row: dict, read_bandwidth: float, probe_bytes: int) -> None:
             row["new_tokens"] / (ms / 1e3) / limit_r
             for ms, limit_r in zip(row["timings"][name]["samples_ms"], round_limits, strict=True)
         )
-        for name in ("qkv", "qkv_packed", "qkv_compiled", "transformers")
+        for name in ("qkv", "qkv_packed", "qkv_compiled", "qkv_guarded", "transformers")
     }
 
 

@@ -172,6 +172,7 @@ def decode_section(data: dict) -> list[str]:
         "qkv",
         "packed",
         "compiled",
+        "compiled, guarded",
         "transformers",
         "compiled / transformers (paired)",
         "limit",
@@ -179,6 +180,7 @@ def decode_section(data: dict) -> list[str]:
         "one `.sum()` per weight, % of limit",
         "pack ms",
         "compile s",
+        "guard-free / guarded (paired)",
     ]
     body = [
         [
@@ -186,6 +188,7 @@ def decode_section(data: dict) -> list[str]:
             num(get(r, "tokens_per_s", "qkv"), ".1f"),
             num(get(r, "tokens_per_s", "qkv_packed"), ".1f"),
             f"**{num(get(r, 'tokens_per_s', 'qkv_compiled'), '.1f')}**",
+            num(get(r, "tokens_per_s", "qkv_guarded"), ".1f"),
             num(get(r, "tokens_per_s", "transformers"), ".1f"),
             paired(r.get("compiled_ratio"), r.get("compiled_paired_ratio"), ".2f"),
             num(r.get("bandwidth_limit_tokens_per_s"), ".0f"),
@@ -194,6 +197,7 @@ def decode_section(data: dict) -> list[str]:
             pct(get(r, "fraction_of_limit", "read_floor"), ".1f"),
             num(r.get("packing_ms"), ".0f"),
             num(r.get("compile_s"), ".1f"),
+            num(r.get("guard_free_paired_gain"), ".3f"),
         ]
         for r in rows
     ]

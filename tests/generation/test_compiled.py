@@ -232,3 +232,42 @@ def test_without_a_cpp_compiler_compile_true_decodes_eagerly_and_says_why(monkey
     assert torch.equal(tokens, generate(model, prompt, max_new_tokens=NEW_TOKENS))
     assert "decoding eagerly instead: no C++ compiler" in caplog.text
     assert not counters["stats"]["unique_graphs"]  # nothing was compiled
+
+
+def test_guarded_compile_keeps_to_the_public_api_and_gives_the_eager_steps():
+    """compile="guarded": torch.compile alone, every guard checked at every step."""
+    model = qkv_model("tiny-llama")
+    ids, mask = left_padded_prompts()
+    expected = _steps(model, ids, mask)
+    got = _steps(model, ids, mask, compile="guarded")
+    assert torch.equal(got[0], expected[0])
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-5, atol=1e-5)
+
+
+def test_without_the_ahead_of_time_api_compile_true_falls_back_to_guarded_steps(
+    monkeypatch, caplog
+):
+    """The guard-free path calls what torch.compile's public API does not promise
+    (aot_compile, the graph's fn and guard_check): taken away, as a torch release may do,
+    compile=True decodes through GuardedSteps with the same tokens, and says so once."""
+    from qkv.generation import compiled
+
+    real_compile = torch.compile
+
+    def compile_without_aot(*args, **kwargs):
+        function = real_compile(*args, **kwargs)
+        if hasattr(function, "aot_compile"):
+            del function.aot_compile  # an attribute of the function torch.compile returns
+        return function
+
+    monkeypatch.setattr(torch, "compile", compile_without_aot)
+    monkeypatch.setattr(compiled, "_WARNED", [])
+    model = qkv_model("tiny-gpt2")
+    ids, mask = left_padded_prompts()
+    expected = _steps(model, ids, mask)
+    with caplog.at_level("WARNING", logger="qkv.generation.compiled"):
+        got = _steps(model, ids, mask, compile=True)
+    assert torch.equal(got[0], expected[0])
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-5, atol=1e-5)
+    assert "every step checks its guards" in caplog.text and "aot_compile" in caplog.text
+    assert model in compiled._GUARDED and not compiled._GRAPHS.get(model)

@@ -8,6 +8,7 @@ what the products of one row compile to.
 from __future__ import annotations
 
 import logging
+import types
 import weakref
 from typing import Any
 
@@ -16,7 +17,13 @@ from torch import nn
 
 from qkv import capabilities
 
-__all__ = ["CompiledSteps", "compiled_steps", "mark_cache_dynamic"]
+__all__ = [
+    "CompiledSteps",
+    "GuardFreeUnavailableError",
+    "GuardedSteps",
+    "compiled_steps",
+    "mark_cache_dynamic",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -40,13 +47,13 @@ _INDUCTOR_OPTIONS = {
 
 
 def compiled_steps(
-    model: nn.Module, sinks: tuple[int, int] | None = None
-) -> CompiledSteps | nn.Module:
-    """What runs the decoding steps after the prefill with `compile=True` (see `CompiledSteps`):
-    the model's forward compiled with dynamic shapes (the key length grows every step) and no
-    graph breaks (`fullgraph`: a break fails loudly rather than decode slowly). A model's
-    graphs are kept for its later calls. Its C++ kernels may fuse a product and a sum into one
-    FMA (`_INDUCTOR_OPTIONS`).
+    model: nn.Module, sinks: tuple[int, int] | None = None, *, guarded: bool = False
+) -> CompiledSteps | GuardedSteps | nn.Module:
+    """What runs the decoding steps after the prefill with `compile=True` (see `CompiledSteps`)
+    or `compile="guarded"` (`GuardedSteps`): the model's forward compiled with dynamic shapes
+    (the key length grows every step) and no graph breaks (`fullgraph`: a break fails loudly
+    rather than decode slowly). A model's graphs are kept for its later calls. Its C++ kernels
+    may fuse a product and a sum into one FMA (`_INDUCTOR_OPTIONS`).
 
     Where torch.compile cannot build CPU kernels here (no C++ compiler: see
     `qkv.capabilities.compiler`), the steps run eagerly through `model` itself, with the same
@@ -58,14 +65,20 @@ def compiled_steps(
         )
     support = capabilities.compiler()
     if not support and _on_cpu(model):
-        if not _WARNED:
-            logger.warning("compile=True: decoding eagerly instead: %s", support.reason)
-            _WARNED.append(True)
+        _warn_once(f"compile=True: decoding eagerly instead: {support.reason}")
         return model
+    if guarded:
+        return GuardedSteps(model)
     return CompiledSteps(model, _GRAPHS.setdefault(model, []))
 
 
-_WARNED: list[bool] = []  # the fallback's warning is logged once per process
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        logger.warning("%s", message)
+        _WARNED.append(message)
+
+
+_WARNED: list[str] = []  # each fallback's warning is logged once per process
 
 
 def _on_cpu(model: nn.Module) -> bool:
@@ -91,12 +104,19 @@ def compile_forward(model: nn.Module, args: tuple, kwargs: dict) -> Any:
         type(model).forward, dynamic=True, fullgraph=True, options=_INDUCTOR_OPTIONS
     )
     if not hasattr(forward, "aot_compile"):
-        raise RuntimeError(
-            f"compile=True: needs torch.compile(...).aot_compile (torch >= 2.13), got torch "
-            f"{torch.__version__}; expected a newer torch, or compile=False"
+        raise GuardFreeUnavailableError(
+            f"torch {torch.__version__} has no torch.compile(...).aot_compile"
         )
     with torch._dynamo.config.patch(specialize_float=True):
-        return forward.aot_compile(((model, *args), kwargs))
+        graph = forward.aot_compile(((model, *args), kwargs))
+    missing = [name for name in ("fn", "guard_check") if not hasattr(graph, name)]
+    if missing:
+        raise GuardFreeUnavailableError(f"aot_compile's result has no {' or '.join(missing)}")
+    return graph
+
+
+class GuardFreeUnavailableError(RuntimeError):
+    """This torch lacks what `CompiledSteps` calls beyond torch.compile's public API."""
 
 
 def mark_cache_dynamic(cache) -> None:
@@ -141,14 +161,22 @@ class CompiledSteps:
         self.checked_graph = None  # the graph the last checked step ran
         self.checked_steps = 0  # how many consecutive checked steps ran it
         self.trusted = None  # the graph later steps run without guards
+        self.fallback: GuardedSteps | None = None  # where the guard-free path is unavailable
 
     def __call__(self, *args, **kwargs):
+        if self.fallback is not None:
+            return self.fallback(*args, **kwargs)
         if self.trusted is not None:
             try:
                 return self.trusted.fn(self.model, *args, **kwargs)
             except Exception:  # a genuine error raises again below, with guards checked
                 self.trusted, self.checked_steps = None, 0
-        graph = self._graph_for(args, kwargs)
+        try:
+            graph = self._graph_for(args, kwargs)
+        except GuardFreeUnavailableError as error:  # a torch whose private API moved: stay public
+            _warn_once(f"compile=True: every step checks its guards ({error})")
+            self.fallback = GuardedSteps(self.model)
+            return self.fallback(*args, **kwargs)
         same = graph is self.checked_graph
         self.checked_graph, self.checked_steps = graph, self.checked_steps + 1 if same else 1
         if self.checked_steps == 2:
@@ -163,3 +191,37 @@ class CompiledSteps:
         graph = self.compile(self.model, args, kwargs)
         self.graphs.append(graph)
         return graph
+
+
+class GuardedSteps:
+    """The model's forward compiled by `torch.compile` alone (public API), every guard checked
+    at every step: what `compile="guarded"` runs, and what `compile=True` falls back to where
+    this torch lacks the ahead-of-time compilation `CompiledSteps` calls. One compiled
+    function per model, compiled from its own copy of the forward's code: torch.compile keeps
+    graphs on a code object, and models sharing one would share its recompilation limit."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        if model not in _GUARDED:
+            forward = _own_copy(type(model).forward)
+            _GUARDED[model] = torch.compile(
+                forward, dynamic=True, fullgraph=True, options=_INDUCTOR_OPTIONS
+            )
+        self.forward = _GUARDED[model]
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(self.model, *args, **kwargs)
+
+
+_GUARDED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def _own_copy(function: types.FunctionType) -> types.FunctionType:
+    """The same function on a new code object (same bytecode, globals, defaults, closure)."""
+    copy = types.FunctionType(
+        function.__code__.replace(), function.__globals__, function.__name__,
+        function.__defaults__, function.__closure__,
+    )  # fmt: skip
+    copy.__kwdefaults__ = function.__kwdefaults__
+    copy.__qualname__ = function.__qualname__
+    return copy

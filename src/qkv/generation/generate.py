@@ -14,7 +14,11 @@ most of a step's time outside the products themselves. Compiling costs tens of s
 model (its later calls, and later `packed_linears` blocks, reuse the graphs), and needs what
 torch.compile's inductor needs on the CPU: a C++ compiler. Inside `qkv.layers.packed_linears`
 the products of one row compile to streaming reductions too (see qkv.layers.packed), for several
-times transformers' tokens/s on the CPU (benchmarks/decode.py).
+times transformers' tokens/s on the CPU (benchmarks/decode.py). Once two steps have passed a
+graph's guards, later steps call it without checking them again (`CompiledSteps`, through
+torch.compile's ahead-of-time compilation); `compile="guarded"` keeps to torch.compile's public
+API and checks every guard at every step (`GuardedSteps`), the same tokens, a little slower per
+step; `compile=True` falls back to it where this torch lacks what the faster path calls.
 
 Three entry points, one loop: `decode_steps` yields a `DecodeStep` (tokens, the logits they were
 chosen from, the cache) per step; `stream` yields only the tokens; `generate` returns the whole
@@ -66,7 +70,7 @@ def generate(
     seed: int | None = None,
     sinks: tuple[int, int] | None = None,
     on_token: Callable[[torch.Tensor], None] | None = None,
-    compile: bool = False,
+    compile: bool | str = False,
 ) -> torch.Tensor:
     """Prompt followed by up to `max_new_tokens` new tokens, (B, L + new).
 
@@ -77,7 +81,8 @@ def generate(
     has. `sinks=(num_sinks, window)` decodes with a StreamingLLM
     cache of that size, past the model's context. `on_token(tokens (B,))` streams each step.
     `compile=True` decodes with the model's forward compiled (see the module doc): the same
-    tokens, faster steps after a one-time compilation.
+    tokens, faster steps after a one-time compilation; `compile="guarded"` with torch.compile's
+    public API alone, every guard checked at every step.
 
     Raises ValueError naming `model` when its logits stop being finite (NaN, +inf, or -inf
     for every token), with the step where they did: see `LogitsCheck` for when it is seen.
@@ -107,7 +112,7 @@ def stream(
     eos_token_id: int | None = None,
     seed: int | None = None,
     sinks: tuple[int, int] | None = None,
-    compile: bool = False,
+    compile: bool | str = False,
 ) -> Iterator[torch.Tensor]:
     """The same decoding as `generate`, yielding each step's tokens (B,) as they come."""
     steps = decode_steps(
@@ -130,7 +135,7 @@ def decode_steps(
     eos_token_id: int | None = None,
     seed: int | None = None,
     sinks: tuple[int, int] | None = None,
-    compile: bool = False,
+    compile: bool | str = False,
 ) -> Iterator[DecodeStep]:
     """The same decoding as `generate`, yielding a `DecodeStep` (tokens, logits, cache) per step.
 
@@ -138,7 +143,8 @@ def decode_steps(
     """
     config = model.config
     B, L = _check_call(config, input_ids, max_new_tokens, eos_token_id, sinks)
-    step_forward = compiled_steps(model, sinks) if _check_compile(compile) else model
+    mode = _check_compile(compile)
+    step_forward = compiled_steps(model, sinks, guarded=mode == "guarded") if mode else model
     check_sampling(temperature, top_k, top_p, config.vocab_size)
     mask, padded = _prompt_mask(attention_mask, B, L, input_ids.device)
     if sinks is not None and padded:
@@ -279,9 +285,9 @@ def _generator(seed: int | None, device) -> torch.Generator | None:
     return generator
 
 
-def _check_compile(compile: object) -> bool:
-    if not isinstance(compile, bool):
-        raise TypeError(f"compile: expected a bool, got {compile!r}")
+def _check_compile(compile: object) -> bool | str:
+    if not (isinstance(compile, bool) or compile == "guarded"):
+        raise TypeError(f'compile: expected a bool or "guarded", got {compile!r}')
     return compile
 
 
