@@ -1,10 +1,13 @@
-"""Generation: KV-cached decoding, sampling, beam search, attention sinks, text in and out."""
+"""Generation: KV-cached decoding (its options in one `DecodeOptions`), sampling, beam search,
+attention sinks, text in and out."""
 
 from qkv.generation.beam import beam_search, greedy_decode
 from qkv.generation.generate import DecodeStep, decode_steps, generate, make_cache, stream
+from qkv.generation.options import DecodeOptions
 from qkv.generation.sampling import filter_top_k, filter_top_p, next_token
 
 __all__ = [
+    "DecodeOptions",
     "DecodeStep",
     "beam_search",
     "decode_steps",

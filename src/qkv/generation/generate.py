@@ -34,11 +34,18 @@ import torch
 from torch import nn
 
 from qkv.generation.compiled import compiled_steps, mark_cache_dynamic
-from qkv.generation.sampling import LogitsCheck, check_sampling, next_token
+from qkv.generation.options import DecodeOptions, decode_options
+from qkv.generation.sampling import LogitsCheck, next_token
 from qkv.layers.kv_cache import SinkKVCache, StaticKVCache
-from qkv.validation import check_int
 
-__all__ = ["DecodeStep", "decode_steps", "generate", "make_cache", "stream"]
+__all__ = [
+    "DecodeOptions",
+    "DecodeStep",
+    "decode_steps",
+    "generate",
+    "make_cache",
+    "stream",
+]
 
 
 @dataclass(frozen=True)
@@ -60,38 +67,29 @@ class DecodeStep:
 def generate(
     model: nn.Module,
     input_ids: torch.Tensor,
+    options: DecodeOptions | None = None,
     *,
-    max_new_tokens: int,
     attention_mask: torch.Tensor | None = None,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    eos_token_id: int | None = None,
-    seed: int | None = None,
-    sinks: tuple[int, int] | None = None,
     on_token: Callable[[torch.Tensor], None] | None = None,
-    compile: bool | str = False,
+    **fields: object,
 ) -> torch.Tensor:
     """Prompt followed by up to `max_new_tokens` new tokens, (B, L + new).
 
     input_ids (B, L), left-padded when prompts differ in length, with attention_mask (B, L)
-    (1 = real token, 0 = padding; every row's 0s before its 1s, and at least one 1). Greedy
-    unless temperature > 0 (then top-k / top-p sampling from a generator seeded with `seed`).
-    Rows that emit `eos_token_id` are padded with it afterwards; decoding stops when every row
-    has. `sinks=(num_sinks, window)` decodes with a StreamingLLM
-    cache of that size, past the model's context. `on_token(tokens (B,))` streams each step.
-    `compile=True` decodes with the model's forward compiled (see the module doc): the same
-    tokens, faster steps after a one-time compilation; `compile="guarded"` with torch.compile's
-    public API alone, every guard checked at every step.
+    (1 = real token, 0 = padding; every row's 0s before its 1s, and at least one 1). How to
+    decode is a `DecodeOptions` (max_new_tokens, temperature, top_k, top_p, eos_token_id, seed,
+    sinks, compile), given whole or field by field (`max_new_tokens=32`), or both (the fields
+    replace the object's). Greedy unless temperature > 0. Rows that emit `eos_token_id` are
+    padded with it afterwards; decoding stops when every row has. `sinks=(num_sinks, window)`
+    decodes with a StreamingLLM cache of that size, past the model's context.
+    `on_token(tokens (B,))` streams each step. `compile=True` decodes with the model's forward
+    compiled (see the module doc): the same tokens, faster steps after a one-time compilation;
+    `compile="guarded"` with torch.compile's public API alone, every guard checked every step.
 
     Raises ValueError naming `model` when its logits stop being finite (NaN, +inf, or -inf
     for every token), with the step where they did: see `LogitsCheck` for when it is seen.
     """
-    steps = stream(
-        model, input_ids, max_new_tokens=max_new_tokens, attention_mask=attention_mask,
-        temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
-        seed=seed, sinks=sinks, compile=compile,
-    )  # fmt: skip
+    steps = stream(model, input_ids, options, attention_mask=attention_mask, **fields)
     new_tokens = []
     for tokens in steps:
         new_tokens.append(tokens)
@@ -103,49 +101,33 @@ def generate(
 def stream(
     model: nn.Module,
     input_ids: torch.Tensor,
+    options: DecodeOptions | None = None,
     *,
-    max_new_tokens: int,
     attention_mask: torch.Tensor | None = None,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    eos_token_id: int | None = None,
-    seed: int | None = None,
-    sinks: tuple[int, int] | None = None,
-    compile: bool | str = False,
+    **fields: object,
 ) -> Iterator[torch.Tensor]:
     """The same decoding as `generate`, yielding each step's tokens (B,) as they come."""
-    steps = decode_steps(
-        model, input_ids, max_new_tokens=max_new_tokens, attention_mask=attention_mask,
-        temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
-        seed=seed, sinks=sinks, compile=compile,
-    )  # fmt: skip
+    steps = decode_steps(model, input_ids, options, attention_mask=attention_mask, **fields)
     return (step.tokens for step in steps)
 
 
 def decode_steps(
     model: nn.Module,
     input_ids: torch.Tensor,
+    options: DecodeOptions | None = None,
     *,
-    max_new_tokens: int,
     attention_mask: torch.Tensor | None = None,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    eos_token_id: int | None = None,
-    seed: int | None = None,
-    sinks: tuple[int, int] | None = None,
-    compile: bool | str = False,
+    **fields: object,
 ) -> Iterator[DecodeStep]:
     """The same decoding as `generate`, yielding a `DecodeStep` (tokens, logits, cache) per step.
 
     Arguments are checked here, when called; the decoding runs as the iterator is consumed.
     """
+    options = decode_options(options, fields)
     config = model.config
-    B, L = _check_call(config, input_ids, max_new_tokens, eos_token_id, sinks)
-    mode = _check_compile(compile)
-    step_forward = compiled_steps(model, sinks, guarded=mode == "guarded") if mode else model
-    check_sampling(temperature, top_k, top_p, config.vocab_size)
+    B, L = _check_call(config, input_ids, options)
+    sinks, compile = options.sinks, options.compile
+    step_forward = compiled_steps(model, sinks, guarded=compile == "guarded") if compile else model
     mask, padded = _prompt_mask(attention_mask, B, L, input_ids.device)
     if sinks is not None and padded:
         raise ValueError(
@@ -153,17 +135,17 @@ def decode_steps(
             "holds only real tokens); expected an all-ones mask, or one prompt per call"
         )
     positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, L): real tokens count
-    cache = make_cache(model, batch=B, max_length=L + max_new_tokens, sinks=sinks)
+    cache = make_cache(model, batch=B, max_length=L + options.max_new_tokens, sinks=sinks)
     if compile:
         mark_cache_dynamic(cache)
-    generator = _generator(seed, input_ids.device) if temperature > 0 else None
-    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    sampled = options.temperature > 0
+    generator = _generator(options.seed, input_ids.device) if sampled else None
     # Without padding every key is real: the model gets no mask at all, rather than an all-ones
     # one that it would inspect (a host sync) and drop at every step.
     step_mask = mask if padded else None
     return _decode(
-        model, step_forward, input_ids, step_mask, positions, cache, max_new_tokens,
-        eos_token_id, sampling, generator,
+        model, step_forward, input_ids, step_mask, positions, cache, options.max_new_tokens,
+        options.eos_token_id, options.sampling, generator,
     )  # fmt: skip
 
 
@@ -285,50 +267,28 @@ def _generator(seed: int | None, device) -> torch.Generator | None:
     return generator
 
 
-def _check_compile(compile: object) -> bool | str:
-    if not (isinstance(compile, bool) or compile == "guarded"):
-        raise TypeError(f'compile: expected a bool or "guarded", got {compile!r}')
-    return compile
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_call(config, input_ids, max_new_tokens: int, eos_token_id, sinks) -> tuple[int, int]:
+def _check_call(config, input_ids, options: DecodeOptions) -> tuple[int, int]:
+    """What the options ask of this model and prompt; (B, L)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids: expected a non-empty (B, L) tensor, got {input_ids!r}")
-    check_int("max_new_tokens", max_new_tokens, minimum=0)
-    if eos_token_id is not None and not _is_int(eos_token_id):
-        raise TypeError(f"eos_token_id: expected an int or None, got {eos_token_id!r}")
-    if eos_token_id is not None and not 0 <= eos_token_id < config.vocab_size:
-        raise ValueError(
-            f"eos_token_id: {eos_token_id} is outside the vocabulary [0, {config.vocab_size})"
-        )
+    eos, top_k, max_new_tokens = options.eos_token_id, options.top_k, options.max_new_tokens
+    if eos is not None and not 0 <= eos < config.vocab_size:
+        raise ValueError(f"eos_token_id: {eos} is outside the vocabulary [0, {config.vocab_size})")
+    if top_k is not None and top_k > config.vocab_size:
+        raise ValueError(f"top_k: {top_k} exceeds the vocabulary size {config.vocab_size}")
     B, L = input_ids.shape
-    if sinks is None and L + max_new_tokens > config.max_positions:
+    if options.sinks is None and L + max_new_tokens > config.max_positions:
         raise ValueError(
             f"input_ids: {L} prompt tokens + max_new_tokens={max_new_tokens} exceed the model's "
             f"context of {config.max_positions}; expected fewer, or sinks=(num_sinks, window) "
             f"for StreamingLLM decoding"
         )
-    if sinks is not None:
-        _check_sinks(config, sinks)
+    if options.sinks is not None:
+        _check_sinks(config, options.sinks)
     return B, L
 
 
 def _check_sinks(config, sinks) -> None:
-    if not (
-        isinstance(sinks, (tuple, list))
-        and len(sinks) == 2
-        and all(_is_int(n) for n in sinks)
-        and sinks[0] >= 0
-        and sinks[1] >= 1
-    ):
-        raise ValueError(
-            f"sinks: expected (num_sinks, window), ints with num_sinks >= 0 and window >= 1, "
-            f"got {sinks!r}"
-        )
     if config.position != "rope":
         raise ValueError(
             f"sinks: StreamingLLM caches re-rotate keys by their cache position, which needs "

@@ -62,26 +62,6 @@ def next_token(
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
 
-def check_sampling(
-    temperature: float, top_k: int | None, top_p: float | None, vocab_size: int
-) -> None:
-    """Clear errors for sampling arguments, naming each."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature: expected a number >= 0, got {temperature!r}")
-    if not 0 <= temperature < float("inf"):  # also refuses NaN
-        raise ValueError(
-            f"temperature: expected a finite number >= 0 (0 = greedy), got {temperature}"
-        )
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k: expected an int >= 1 or None, got {top_k!r}")
-    if top_p is not None and (
-        isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1
-    ):
-        raise ValueError(f"top_p: expected a probability in (0, 1] or None, got {top_p!r}")
-    if top_k is not None and top_k > vocab_size:
-        raise ValueError(f"top_k: {top_k} exceeds the vocabulary size {vocab_size}")
-
-
 class LogitsCheck:
     """Non-finite logits (NaN weights, an fp16 overflow) fail decoding with the first step that
     had them: greedy decoding would otherwise emit token 0 forever. A row fails when its max is

@@ -1,0 +1,109 @@
+"""The options of one decoding call: one dataclass that `generate`, `stream`, `decode_steps`
+and `stream_text` share, checked when it is made.
+
+    options = DecodeOptions(max_new_tokens=64, temperature=0.8, top_p=0.9, seed=0)
+    tokens = qkv.generate(model, input_ids, options)
+    tokens = qkv.generate(model, input_ids, max_new_tokens=64)      # the same fields by name
+
+What depends on the model (top_k against its vocabulary, eos_token_id inside it, the prompt and
+the new tokens within its context, sinks needing RoPE) is checked by the call, which knows it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from qkv.validation import check_int
+
+__all__ = ["COMPILE_MODES", "DecodeOptions", "decode_options"]
+
+# compile: False (eager), True (compiled, guard-free steps where torch allows), "guarded"
+# (torch.compile's public API alone): see qkv.generation.compiled
+COMPILE_MODES = (False, True, "guarded")
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """max_new_tokens: tokens to add to each prompt (fewer if every row emits eos_token_id).
+    temperature: 0 = greedy; > 0 samples from softmax(logits / temperature), after top_k (keep
+    the k most likely) and top_p (keep the smallest set whose probability reaches p, Holtzman
+    et al. 2020), from a generator seeded with `seed` (None: torch's global generator).
+    eos_token_id: a row that emits it is finished, and padded with it afterwards.
+    sinks: (num_sinks, window), a StreamingLLM cache (Xiao et al. 2024) that decodes past the
+    model's context. compile: one of COMPILE_MODES."""
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    eos_token_id: int | None = None
+    seed: int | None = None
+    sinks: tuple[int, int] | None = None
+    compile: bool | str = False
+
+    def __post_init__(self) -> None:
+        check_int("max_new_tokens", self.max_new_tokens, minimum=0)
+        _check_sampling(self.temperature, self.top_k, self.top_p)
+        if self.eos_token_id is not None and not _is_int(self.eos_token_id):
+            raise TypeError(f"eos_token_id: expected an int or None, got {self.eos_token_id!r}")
+        if self.seed is not None:
+            check_int("seed", self.seed)
+        if self.sinks is not None:
+            _check_sinks(self.sinks)
+            object.__setattr__(self, "sinks", tuple(self.sinks))
+        if not (isinstance(self.compile, bool) or self.compile == "guarded"):
+            raise TypeError(f'compile: expected a bool or "guarded", got {self.compile!r}')
+
+    @property
+    def sampling(self) -> dict:
+        """The keyword arguments of `qkv.generation.sampling.next_token`."""
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+
+
+def decode_options(options: DecodeOptions | None, fields: dict) -> DecodeOptions:
+    """`options` with `fields` replaced, or DecodeOptions(**fields) when there is none."""
+    if options is not None and not isinstance(options, DecodeOptions):
+        raise TypeError(f"options: expected a DecodeOptions or None, got {type(options).__name__}")
+    names = {field.name for field in dataclasses.fields(DecodeOptions)}
+    unknown = sorted(set(fields) - names)
+    if unknown:
+        raise TypeError(f"{', '.join(unknown)}: not a decoding option; expected {sorted(names)}")
+    if options is None:
+        if "max_new_tokens" not in fields:
+            raise TypeError("max_new_tokens: missing; expected the number of tokens to add")
+        return DecodeOptions(**fields)
+    return dataclasses.replace(options, **fields)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_sampling(temperature: object, top_k: object, top_p: object) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature: expected a number >= 0, got {temperature!r}")
+    if not 0 <= temperature < float("inf"):  # also refuses NaN
+        raise ValueError(
+            f"temperature: expected a finite number >= 0 (0 = greedy), got {temperature}"
+        )
+    if top_k is not None and not (_is_int(top_k) and top_k >= 1):
+        raise ValueError(f"top_k: expected an int >= 1 or None, got {top_k!r}")
+    if top_p is not None and (
+        isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1
+    ):
+        raise ValueError(f"top_p: expected a probability in (0, 1] or None, got {top_p!r}")
+
+
+def _check_sinks(sinks: object) -> None:
+    if not (
+        isinstance(sinks, (tuple, list))
+        and len(sinks) == 2
+        and all(_is_int(n) for n in sinks)
+        and sinks[0] >= 0
+        and sinks[1] >= 1
+    ):
+        raise ValueError(
+            f"sinks: expected (num_sinks, window), ints with num_sinks >= 0 and window >= 1, "
+            f"got {sinks!r}"
+        )
