@@ -12,7 +12,7 @@ so both hold the same weights. Each dtype casts both models with .to(dtype).
 One call, timed as a user sees it (prefill included), batch 1, a 32-token prompt (no padding,
 no attention_mask for either), 128 new tokens:
     qkv            qkv.generation.generate(model, ids, max_new_tokens=128)    (greedy)
-    qkv packed     the same on a copy inside `with qkv.layers.packed_linears(model):`
+    qkv packed     the same on a copy inside `with qkv.acceleration.packed_linears(model):`
                    (oneDNN-packed, fused weights, what `qkv generate` does on the CPU); the
                    block stays open for the whole row, so the weights are packed once, by
                    the warm-up call, as in a program that loads a model and generates many
@@ -56,7 +56,7 @@ products a packed step calls. The second bounds what eager decoding built on the
 reach: on an AMD EPYC with 2 threads (results/decode.json) they stream cold weights at ~20
 GB/s, about a third of the read peak that a .sum() reaches, so its fraction of the limit sits
 near 35%. The compiled path is not bound by it: at one row its products are inductor's own
-streaming reductions (qkv.layers.packed), which read weights about as fast as a .sum(). Last,
+streaming reductions (qkv.acceleration.packing), which read weights about as fast as a .sum(). Last,
 the "weights .sum() floor": one .sum() per weight tensor a step reads, nothing else, i.e. how
 fast this machine reads these tensors one call at a time (the 1 GiB probe streams one large
 tensor).
@@ -90,8 +90,8 @@ from common import (
 )
 from torch import nn
 
+from qkv.acceleration import PackedLinear, packed_linears
 from qkv.generation import generate
-from qkv.layers import PackedLinear, packed_linears
 from qkv.models import GPT
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -15,11 +15,11 @@ step, zero_grad; BERT's loss is mean(last_hidden_state^2), Llama's the next-toke
 cross-entropy from labels=input_ids). Dtypes: fp32, and bf16 autocast over fp32 weights.
 
 Forward rows on the CPU also time "qkv packed": a copy of qkv's model inside
-`qkv.layers.packed_linears(model, batch_hint=B * L)` (every linear's weight reordered once into
-oneDNN's blocked layout, a bf16 copy under autocast; q/k/v and gate/up fused), the block held
-open so the weights are packed once, by the warm-up call, as a program that loads a model and
-runs many batches has it; "pack ms" is what packing adds to that first call. Training rows have
-no packed path (packed weights carry no gradients).
+`qkv.acceleration.packed_linears(model, batch_hint=B * L)` (every linear's weight reordered once
+into oneDNN's blocked layout, a bf16 copy under autocast; q/k/v and gate/up fused), the block held
+open so the weights are packed once, by the warm-up call, as a program that loads a model and runs
+many batches has it; "pack ms" is what packing adds to that first call. Training rows have no packed
+path (packed weights carry no gradients).
 
 Reported per row: tokens/s (B * L / median seconds per call) of each, the speed ratio
 qkv/transformers (> 1: qkv is faster; target >= 1.0 on every row, met by qkv's faster path)
@@ -57,7 +57,7 @@ from common import (
 )
 from torch import nn
 
-from qkv.layers import PackedLinear, packed_linears
+from qkv.acceleration import PackedLinear, packed_linears
 from qkv.models.gpt import GPT, GPTConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -28,16 +28,16 @@ directory by both libraries; the peer is transformers' `generate` with
 `attn_implementation="sdpa"`. Neither stops early (the config has no eos token), and the tokens
 of every path are compared with transformers'. Three qkv paths, side by side:
 - qkv: `qkv.generation.generate(model, ...)`, eager;
-- packed: the same inside `with qkv.layers.packed_linears(model):` (what `qkv generate` does on
-  the CPU unless given `--no-pack`): every `nn.Linear` becomes a `PackedLinear` that holds its
-  weight in oneDNN's blocked layout, with q/k/v and SwiGLU's gate/up fused into one product
-  each; weights are packed once, at the first call ("pack ms"), for inference only, as a second
-  copy of what is used;
+- packed: the same inside `with qkv.acceleration.packed_linears(model):` (what `qkv generate` does
+  on the CPU unless given `--no-pack`): every `nn.Linear` becomes a `PackedLinear` that holds its
+  weight in oneDNN's blocked layout, with q/k/v and SwiGLU's gate/up fused into one product each;
+  weights are packed once, at the first call ("pack ms"), for inference only, as a second copy of
+  what is used;
 - compiled: the packed model with `generate(..., compile=True)` (`qkv generate --compile`): the
   steps after the prefill run the model's forward compiled ahead of time by
   `torch.compile(...).aot_compile` with dynamic shapes (one graph for every step and call).
   Once two consecutive steps have passed the graph's guards, later steps call the compiled
-  bytecode directly (`src/qkv/generation/compiled.py`). Norms, RoPE, casts and cache writes fuse
+  bytecode directly (`src/qkv/acceleration/compiled.py`). Norms, RoPE, casts and cache writes fuse
   into one C++ kernel per layer, each one-row product is a streaming reduction, and each
   layer's new key and value are written in place into its cache tensor. Compiling is paid once
   per model ("compile s": the first call, with torch.compile's caches empty).

@@ -18,8 +18,8 @@ size of all-MiniLM-L6-v2 (B x L = 32 x 128, an attention mask of ones) and a ~50
 Llama-style GPT (grouped-query attention, 8 query heads over 4 K/V heads; B x L = 8 x 512, no
 mask). Modes: forward (eval mode, no gradients) and a training step (forward, loss, backward,
 AdamW step, zero_grad). Forward rows also time qkv inside
-`qkv.layers.packed_linears(model, batch_hint=B * L)`: every linear's weight reordered once into
-oneDNN's blocked layout (a bf16 copy under autocast), q/k/v and gate/up fused into one product
+`qkv.acceleration.packed_linears(model, batch_hint=B * L)`: every linear's weight reordered once
+into oneDNN's blocked layout (a bf16 copy under autocast), q/k/v and gate/up fused into one product
 each; "pack ms" is that one-time cost. Before timing, the outputs of both are compared (max abs
 diff below). A ratio is qkv's tokens/s over transformers' (above 1: qkv is faster): the ratio of
 the medians and, in brackets, the median of the per-round ratios. Target: at least 1.0 on every

@@ -14,8 +14,8 @@ from qkv.commands._text_input import check_arguments
 def _generate(args: argparse.Namespace) -> int:
     """Echo the prompt and stream its continuation to stdout, token by token; then the number
     of tokens and their rate on stderr."""
+    from qkv.acceleration import packed_linears
     from qkv.generation.text import load_for_generation, stream_text
-    from qkv.layers import packed_linears
     from qkv.models.checkpoints import check_local_folder
 
     try:
@@ -126,7 +126,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--pack",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="on the CPU, oneDNN-packed linear weights (qkv.layers.packed_linears): faster "
+        help="on the CPU, oneDNN-packed linear weights (qkv.acceleration.packed_linears): faster "
         "decoding for a second copy of the weights in memory (default: on)",
     )
     generate.add_argument(

@@ -8,17 +8,17 @@ and every row's position ids count only its real tokens, so row b's tokens get t
 positions (and RoPE angles) as if it were alone.
 
 `compile=True` runs every step after the prefill through the model's forward compiled by
-`torch.compile` (dynamic shapes, one graph for every step and cache length): the norms, RoPE,
-casts and cache writes between the matrix products fuse into a few kernels, which on the CPU is
-most of a step's time outside the products themselves. Compiling costs tens of seconds once per
-model (its later calls, and later `packed_linears` blocks, reuse the graphs), and needs what
-torch.compile's inductor needs on the CPU: a C++ compiler. Inside `qkv.layers.packed_linears`
-the products of one row compile to streaming reductions too (see qkv.layers.packed), for several
-times transformers' tokens/s on the CPU (benchmarks/decode.py). Once two steps have passed a
-graph's guards, later steps call it without checking them again (`CompiledSteps`, through
-torch.compile's ahead-of-time compilation); `compile="guarded"` keeps to torch.compile's public
-API and checks every guard at every step (`GuardedSteps`), the same tokens, a little slower per
-step; `compile=True` falls back to it where this torch lacks what the faster path calls.
+`torch.compile` (dynamic shapes, one graph for every step and cache length): the norms, RoPE, casts
+and cache writes between the matrix products fuse into a few kernels, which on the CPU is most of a
+step's time outside the products themselves. Compiling costs tens of seconds once per model (its
+later calls, and later `packed_linears` blocks, reuse the graphs), and needs what torch.compile's
+inductor needs on the CPU: a C++ compiler. Inside `qkv.acceleration.packed_linears` the products of
+one row compile to streaming reductions too (see qkv.acceleration.packing), for several times
+transformers' tokens/s on the CPU (benchmarks/decode.py). Once two steps have passed a graph's
+guards, later steps call it without checking them again (`CompiledSteps`, through torch.compile's
+ahead-of-time compilation); `compile="guarded"` keeps to torch.compile's public API and checks every
+guard at every step (`GuardedSteps`), the same tokens, a little slower per step; `compile=True`
+falls back to it where this torch lacks what the faster path calls.
 
 Three entry points, one loop: `decode_steps` yields a `DecodeStep` (tokens, the logits they were
 chosen from, the cache) per step; `stream` yields only the tokens; `generate` returns the whole
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from qkv.generation.compiled import compiled_steps, mark_cache_dynamic
+from qkv.acceleration.compiled import compiled_steps, mark_cache_dynamic
 from qkv.generation.options import DecodeOptions, decode_options
 from qkv.generation.sampling import LogitsCheck, next_token
 from qkv.layers.kv_cache import SinkKVCache, StaticKVCache

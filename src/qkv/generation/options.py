@@ -19,7 +19,7 @@ from qkv.validation import check_int
 __all__ = ["COMPILE_MODES", "DecodeOptions", "decode_options"]
 
 # compile: False (eager), True (compiled, guard-free steps where torch allows), "guarded"
-# (torch.compile's public API alone): see qkv.generation.compiled
+# (torch.compile's public API alone): see qkv.acceleration.compiled
 COMPILE_MODES = (False, True, "guarded")
 
 

@@ -4,8 +4,6 @@
 - `FeedForward` (ReLU/GELU) and `SwiGLU`: the position-wise sub-layer.
 - `LayerNorm` and `RMSNorm`; `Dropout` (nn.Dropout with a cheaper CPU mask).
 - `EncoderBlock` and `DecoderBlock`: sub-layers in "Add & Norm", post-norm or pre-norm.
-- `packed_linears(model)`: oneDNN-packed linear weights for faster CPU decoding (inference);
-  `explain_packing(model)` says what it packs on this machine, and why.
 
 `MultiHeadAttention` and the blocks have `from_torch` (and `MultiHeadAttention.to_torch`) to
 cross over to PyTorch's own modules.
@@ -17,7 +15,6 @@ from qkv.layers.blocks import DecoderBlock, EncoderBlock, post_norm, pre_norm
 from qkv.layers.feedforward import FeedForward, SwiGLU
 from qkv.layers.kv_cache import CrossAttentionCache, LayerCache, SinkKVCache, StaticKVCache
 from qkv.layers.norms import LayerNorm, RMSNorm
-from qkv.layers.packed import PackedLinear, explain_packing, packed_linears
 
 __all__ = [
     "CrossAttentionCache",
@@ -28,13 +25,10 @@ __all__ = [
     "LayerCache",
     "LayerNorm",
     "MultiHeadAttention",
-    "PackedLinear",
     "RMSNorm",
     "SinkKVCache",
     "StaticKVCache",
     "SwiGLU",
-    "explain_packing",
-    "packed_linears",
     "post_norm",
     "pre_norm",
 ]

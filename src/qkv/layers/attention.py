@@ -48,7 +48,7 @@ class MultiHeadAttention(nn.Module):
     Parameters: q_proj (E -> H * D), k_proj and v_proj (context_dim -> H_kv * D),
     out_proj (H * D -> E). `observer`, when set (`qkv.analysis.record_attention` does), is
     called as observer(self, q, k, mask=, causal=, window=, bias=, cross=) before each attention.
-    `fused_qkv`, when set (`qkv.layers.packed_linears` does), computes the three projections
+    `fused_qkv`, when set (`qkv.acceleration.packed_linears` does), computes the three projections
     of a self-attention call in one product: x -> (..., (H + 2 H_kv) D), q then k then v.
     """
 
@@ -92,7 +92,7 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, **factory)
         # Set by `qkv.analysis.record_attention`; None (one attribute test per call) otherwise.
         self.observer: Callable[..., None] | None = None
-        self.fused_qkv: nn.Module | None = None  # set by qkv.layers.packed_linears
+        self.fused_qkv: nn.Module | None = None  # set by qkv.acceleration.packed_linears
 
     def forward(
         self,

@@ -76,7 +76,7 @@ class SwiGLU(nn.Module):
     The gate decides, per hidden unit, how much of the linear `up_proj` branch passes. Llama has
     no biases (`bias=False`); hidden_dim is usually about 8/3 * E so that the three matrices cost
     what the two of a 4 * E FFN do. Input (..., E), output (..., E). `fused_gate_up`, when set
-    (`qkv.layers.packed_linears` does), computes gate and up in one product.
+    (`qkv.acceleration.packed_linears` does), computes gate and up in one product.
     """
 
     # Projections that read the same input and may be computed as one: attribute -> linears.
@@ -98,7 +98,7 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(embed_dim, hidden_dim, bias=bias, **factory)
         self.up_proj = nn.Linear(embed_dim, hidden_dim, bias=bias, **factory)
         self.down_proj = nn.Linear(hidden_dim, embed_dim, bias=bias, **factory)
-        self.fused_gate_up: nn.Module | None = None  # set by qkv.layers.packed_linears
+        self.fused_gate_up: nn.Module | None = None  # set by qkv.acceleration.packed_linears
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_gate_up is not None:  # one product for both: (..., 2 * hidden_dim)

@@ -55,7 +55,7 @@ class DecoderCache:
                 raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
         attention = decoder.blocks[0].self_attn
         # Any parameter: its projections may be swapped for weightless modules
-        # (qkv.layers.packed_linears), its norms keep theirs.
+        # (qkv.acceleration.packed_linears), its norms keep theirs.
         weight = next(decoder.parameters())
         self_attention = StaticKVCache(
             num_layers=len(decoder.blocks),

@@ -1,7 +1,7 @@
 """`qkv.generate(..., compile=True)`: decoding steps through the model's forward compiled ahead
 of time by torch.compile, one graph for every step, called directly once two steps checked it.
 
-See generate.py's module doc for what compiling buys and costs, and qkv.layers.packed for
+See generate.py's module doc for what compiling buys and costs, and qkv.acceleration.packing for
 what the products of one row compile to.
 """
 
@@ -34,10 +34,10 @@ _GRAPHS: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictio
 
 # -ffp-contract=fast: a product and the running sum it feeds compile to one fused multiply-add
 # (one rounding instead of two) rather than two vector instructions. A one-row product's
-# reduction (qkv.layers.packed) then keeps up with the memory: it reads a bf16 weight about as
-# fast as a .sum() over it does, where without the flag it is instruction-bound.
+# reduction (qkv.acceleration.packing) then keeps up with the memory: it reads a bf16 weight
+# about as fast as a .sum() over it does, where without the flag it is instruction-bound.
 # emulate_precision_casts: a cast to bf16 rounds, as it does eagerly, even where inductor keeps
-# the value in fp32 (a bf16 row converted once for the products, qkv.layers.packed); without
+# the value in fp32 (a bf16 row converted once for the products, qkv.acceleration.packing); without
 # it, x.to(bf16).float() may be compiled as x, and compiled decoding would compute with values
 # eager decoding never sees.
 _INDUCTOR_OPTIONS = {

@@ -7,9 +7,9 @@ fraction of what oneDNN's blocked-layout kernels reach on the same weights;
 `packed_linears(model)` swaps every `nn.Linear` of a model for a `PackedLinear` holding the
 weight reordered into oneDNN's layout, for as long as the `with` block lasts:
 
-    with qkv.layers.packed_linears(model):
+    with qkv.acceleration.packed_linears(model):
         tokens = qkv.generate(model, prompt, max_new_tokens=128)
-    print(qkv.layers.explain_packing(model))   # what the block packs and fuses, and why
+    print(qkv.acceleration.explain_packing(model))   # what the block packs and fuses, and why
 
 It also fuses the projections that read the same input into one product: a module lists them
 in a class attribute `FUSABLE` (attribute -> linear names), e.g. MultiHeadAttention's q, k and
@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkv import capabilities
-from qkv.layers.packed_plan import can_pack, explain_packing
+from qkv.acceleration.plan import can_pack, explain_packing
 
 __all__ = ["PackedLinear", "can_pack", "explain_packing", "packed_linears"]
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from qkv.acceleration import packed_linears
+from qkv.acceleration.compiled import CompiledSteps
 from qkv.generation import decode_steps, generate
-from qkv.generation.compiled import CompiledSteps
-from qkv.layers import packed_linears
 from tests.generation.reference_models import left_padded_prompts, qkv_model, redraw
 
 NEW_TOKENS = 10
@@ -219,7 +219,7 @@ def test_without_a_cpp_compiler_compile_true_decodes_eagerly_and_says_why(monkey
     """A machine without a C++ compiler (torch.compile's CPU kernels need one) gets the eager
     tokens and a logged reason, not a compiler error in the middle of decoding."""
     from qkv import capabilities
-    from qkv.generation import compiled
+    from qkv.acceleration import compiled
 
     missing = capabilities.Support(False, "no C++ compiler was found (install g++)")
     monkeypatch.setattr(capabilities, "compiler", lambda: missing)
@@ -227,7 +227,7 @@ def test_without_a_cpp_compiler_compile_true_decodes_eagerly_and_says_why(monkey
     model = qkv_model("tiny-gpt2")
     prompt = torch.arange(1, 4).unsqueeze(0)  # (1, 3)
     counters.clear()
-    with caplog.at_level("WARNING", logger="qkv.generation.compiled"):
+    with caplog.at_level("WARNING", logger="qkv.acceleration.compiled"):
         tokens = generate(model, prompt, max_new_tokens=NEW_TOKENS, compile=True)
     assert torch.equal(tokens, generate(model, prompt, max_new_tokens=NEW_TOKENS))
     assert "decoding eagerly instead: no C++ compiler" in caplog.text
@@ -250,7 +250,7 @@ def test_without_the_ahead_of_time_api_compile_true_falls_back_to_guarded_steps(
     """The guard-free path calls what torch.compile's public API does not promise
     (aot_compile, the graph's fn and guard_check): taken away, as a torch release may do,
     compile=True decodes through GuardedSteps with the same tokens, and says so once."""
-    from qkv.generation import compiled
+    from qkv.acceleration import compiled
 
     real_compile = torch.compile
 
@@ -265,7 +265,7 @@ def test_without_the_ahead_of_time_api_compile_true_falls_back_to_guarded_steps(
     model = qkv_model("tiny-gpt2")
     ids, mask = left_padded_prompts()
     expected = _steps(model, ids, mask)
-    with caplog.at_level("WARNING", logger="qkv.generation.compiled"):
+    with caplog.at_level("WARNING", logger="qkv.acceleration.compiled"):
         got = _steps(model, ids, mask, compile=True)
     assert torch.equal(got[0], expected[0])
     torch.testing.assert_close(got[1], expected[1], rtol=1e-5, atol=1e-5)

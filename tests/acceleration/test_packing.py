@@ -7,9 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkv import capabilities
+from qkv.acceleration import PackedLinear, explain_packing, packed_linears
+from qkv.acceleration.compiled import _INDUCTOR_OPTIONS
 from qkv.generation import beam_search, generate
-from qkv.generation.compiled import _INDUCTOR_OPTIONS
-from qkv.layers import MultiHeadAttention, PackedLinear, SwiGLU, explain_packing, packed_linears
+from qkv.layers import MultiHeadAttention, SwiGLU
 from qkv.models import GPT, GPTConfig, Transformer, TransformerConfig
 from tests.layers.helpers import randomize_
 
@@ -207,8 +208,8 @@ def test_compiled_stacked_linears_equal_their_outputs_concatenated():
 
 def test_compiled_bf16_row_is_the_rounded_row_as_eagerly():
     """Compiled at one row, a bf16 product converts the row to fp32 once, into a buffer
-    (qkv.layers.packed); with qkv's compile options (as `generate(compile=True)` uses them) the
-    row is still the bf16-rounded one when it comes from fp32 math cast to bf16, as it is
+    (qkv.acceleration.packing); with qkv's compile options (as `generate(compile=True)` uses
+    them) the row is still the bf16-rounded one when it comes from fp32 math cast to bf16, as it is
     eagerly: the same outputs as from a row rounded beforehand, and the fp64 product of that
     row within one bf16 rounding."""
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """What `packed_linears(model)` will do on this machine, and why: the plan it carries out.
 
-    print(qkv.layers.explain_packing(model))
+    print(qkv.acceleration.explain_packing(model))
 
 lists the linears that are packed for oneDNN, the projections fused into one product, and every
 linear left as it is with the reason (its device, its dtype, or what this CPU lacks), in the

@@ -1,0 +1,26 @@
+"""CPU speed-ups, one optional layer above the models they speed up (nothing below imports it).
+
+- `packed_linears(model)`: every linear weight reordered once into oneDNN's blocked layout, and
+  the projections that read one input fused into one product, for the length of a `with`
+  block (inference); `explain_packing(model)` says what it packs on this machine, and why.
+- `compiled_steps`: decoding steps through the model's forward compiled by torch.compile,
+  what `qkv.generate(..., compile=True)` runs.
+
+Each asks `qkv.capabilities` what this CPU and PyTorch build support and falls back to the plain
+PyTorch op where they do not: the same results, slower.
+"""
+
+from qkv.acceleration.compiled import CompiledSteps, GuardedSteps, compiled_steps
+from qkv.acceleration.packing import PackedLinear, packed_linears
+from qkv.acceleration.plan import PackingPlan, can_pack, explain_packing
+
+__all__ = [
+    "CompiledSteps",
+    "GuardedSteps",
+    "PackedLinear",
+    "PackingPlan",
+    "can_pack",
+    "compiled_steps",
+    "explain_packing",
+    "packed_linears",
+]
