@@ -242,10 +242,10 @@ def test_recording_leaves_the_forward_bit_identical_and_the_model_unhooked(name)
         with record_attention(model, heads=[1], rows=[0]):
             recorded = run().logits
     assert torch.equal(plain, recorded)
-    assert all(m.observer is None for m in model.modules() if isinstance(m, MultiHeadAttention))
+    assert all(not m._attention_hooks for m in model.modules() if isinstance(m, MultiHeadAttention))
     with pytest.raises(RuntimeError, match="boom"), record_attention(model):
         raise RuntimeError("boom")
-    assert all(m.observer is None for m in model.modules() if isinstance(m, MultiHeadAttention))
+    assert all(not m._attention_hooks for m in model.modules() if isinstance(m, MultiHeadAttention))
 
 
 def test_one_row_at_2048_tokens_costs_far_less_than_an_l_by_l_map():

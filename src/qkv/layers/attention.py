@@ -15,11 +15,13 @@ from a `context` (the encoder's memory in a decoder; Vaswani et al. 2017, s3.2.3
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import ClassVar
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from qkv.attention import attention
 from qkv.layers import torch_interop
@@ -46,8 +48,8 @@ class MultiHeadAttention(nn.Module):
         backend: the `qkv.attention` backend ("auto" picks the fastest that serves the call).
 
     Parameters: q_proj (E -> H * D), k_proj and v_proj (context_dim -> H_kv * D),
-    out_proj (H * D -> E). `observer`, when set (`qkv.analysis.record_attention` does), is
-    called as observer(self, q, k, mask=, causal=, window=, bias=, cross=) before each attention.
+    out_proj (H * D -> E). `register_attention_hook` sees what each call attends with (what
+    `qkv.analysis.record_attention` reads its exact maps from).
     `fused_qkv`, when set (`qkv.acceleration.packed_linears` does), computes the three projections
     of a self-attention call in one product: x -> (..., (H + 2 H_kv) D), q then k then v.
     """
@@ -90,9 +92,23 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(kv_in, num_kv_heads * self.head_dim, **factory)
         self.v_proj = nn.Linear(kv_in, num_kv_heads * self.head_dim, **factory)
         self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, **factory)
-        # Set by `qkv.analysis.record_attention`; None (one attribute test per call) otherwise.
-        self.observer: Callable[..., None] | None = None
+        # register_attention_hook's hooks, by handle id (an OrderedDict: the handle holds a
+        # weak reference to it, as nn.Module's own hooks do); empty: one truth test per call
+        self._attention_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self.fused_qkv: nn.Module | None = None  # set by qkv.acceleration.packed_linears
+
+    def register_attention_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """Call `hook(module, q, k, *, mask, causal, window, bias, cross)` before each attention
+        this layer computes, as `nn.Module.register_forward_hook` does around its forward:
+        q (B, H, L_q, D) and k (B, H_kv, L_k, D) as attention receives them (after RoPE, over
+        the whole cache when decoding), the mask, causal and window of the call, the ALiBi
+        bias (or None), and whether it is cross-attention. Returns a handle whose `remove()`
+        unregisters the hook."""
+        if not callable(hook):
+            raise TypeError(f"hook: expected a callable, got {type(hook).__name__}")
+        handle = RemovableHandle(self._attention_hooks)
+        self._attention_hooks[handle.id] = hook
+        return handle
 
     def forward(
         self,
@@ -151,11 +167,10 @@ class MultiHeadAttention(nn.Module):
                 q, k = self.rope(q, k, positions=positions)
         L_k = k.shape[2]
         bias = self._alibi_bias(L_q, L_k, q)
-        if self.observer is not None:  # sees the post-RoPE q and k of every call, cached or not
+        if self._attention_hooks:  # they see the post-RoPE q and k of every call, cached or not
             cross = context is not None
-            self.observer(
-                self, q, k, mask=mask, causal=causal, window=window, bias=bias, cross=cross
-            )
+            for hook in list(self._attention_hooks.values()):
+                hook(self, q, k, mask=mask, causal=causal, window=window, bias=bias, cross=cross)
         result = attention(
             q,
             k,

@@ -2,9 +2,10 @@
 
 Fused and tiled kernels never form the L_q x L_k weights, so looking at one head usually means
 switching the whole model to slow eager attention (transformers refuses `output_attentions` with
-SDPA; bertviz needs eager matrices). Here each `MultiHeadAttention` keeps its backend; an
-observer sees what the layer attends with (the post-RoPE q and k, the mask, causal, window,
-ALiBi bias) and recomputes only the selected heads and query rows against all keys:
+SDPA; bertviz needs eager matrices). Here each `MultiHeadAttention` keeps its backend; a hook
+(`MultiHeadAttention.register_attention_hook`) sees what the layer attends with (the post-RoPE q and
+k, the mask, causal, window, ALiBi bias) and recomputes only the selected heads and query rows
+against all keys:
 
     p_ij = exp(s_ij - lse_i),  s_ij = q_i . k_j * scale + bias_ij,  lse_i = log sum_j exp(s_ij)
 
@@ -21,6 +22,7 @@ any attention dropout.
 from __future__ import annotations
 
 import fnmatch
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -117,7 +119,7 @@ def record_attention(
     """
     chosen = chosen_attention_modules(model, layers)
     for path, module in chosen:
-        if module.observer is not None:
+        if module in _RECORDED:
             raise ValueError(
                 f"model: {path or 'the model'} is already being recorded; expected one "
                 "record_attention at a time"
@@ -125,13 +127,22 @@ def record_attention(
         if heads is not None:
             _indices("heads", heads, module.num_heads)  # fail before the model runs
     recording = AttentionRecording()
+    handles = []
     try:
         for path, module in chosen:
-            module.observer = _Observer(recording, path, heads, rows)
+            hook = _Observer(recording, path, heads, rows)
+            handles.append(module.register_attention_hook(hook))
+            _RECORDED.add(module)
         yield recording
     finally:
+        for handle in handles:
+            handle.remove()
         for _, module in chosen:
-            module.observer = None
+            _RECORDED.discard(module)
+
+
+# The modules a record_attention block is recording now: one block at a time per module.
+_RECORDED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def attention_map(
@@ -200,7 +211,7 @@ def _softmax_rows(
 
 
 class _Observer:
-    """Set as `MultiHeadAttention.observer`: turns each call into an `AttentionMap`."""
+    """An attention hook of one `MultiHeadAttention`: turns each call into an `AttentionMap`."""
 
     def __init__(self, recording, path: str, heads, rows) -> None:
         self.recording, self.path, self.name = recording, path, display_name(path)
