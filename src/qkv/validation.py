@@ -7,7 +7,15 @@ A bool is never taken for a number: True is an int in Python, but not a size or 
 
 from __future__ import annotations
 
-__all__ = ["check_int", "check_positive_float", "check_positive_int", "check_probability"]
+import torch
+
+__all__ = [
+    "check_int",
+    "check_positive_float",
+    "check_positive_int",
+    "check_probability",
+    "describe",
+]
 
 
 def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
@@ -45,3 +53,11 @@ def check_positive_float(name: str, value: object) -> float:
     if not value > 0.0:
         raise ValueError(f"{name}: expected a positive float, got {value}")
     return float(value)
+
+
+def describe(value: object) -> str:
+    """A value as an error message shows it: a tensor by its shape, anything else by its type
+    and (the start of) its repr."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"{type(value).__name__} {value!r:.60}"

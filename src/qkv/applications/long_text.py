@@ -30,12 +30,11 @@ from qkv.applications.windows import (
     chunk_batch,
     chunk_ids,
     chunk_texts,
-    describe,
     truncate_ids,
 )
 from qkv.models.bert import BertModel, mean_pool
 from qkv.models.bert_heads import BertForSequenceClassification
-from qkv.validation import check_positive_int
+from qkv.validation import check_positive_int, describe
 
 __all__ = [
     "AGGREGATIONS",

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from qkv.validation import check_int
+from qkv.validation import check_int, describe
 
-__all__ = ["Windows", "chunk_batch", "chunk_ids", "chunk_texts", "describe", "truncate_ids"]
+__all__ = ["Windows", "chunk_batch", "chunk_ids", "chunk_texts", "truncate_ids"]
 
 
 @dataclass(frozen=True)
@@ -180,9 +180,3 @@ def _check_lengths(max_length: object, stride: object) -> None:
             f"stride: expected 0 <= stride < max_length - 2 = {max_length - 2} (the tokens "
             f"two windows share must leave each window at least one new token), got {stride}"
         )
-
-
-def describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
-    return type(value).__name__

@@ -24,6 +24,8 @@ import functools
 
 import torch
 
+from qkv.validation import describe
+
 __all__ = [
     "causal",
     "padding",
@@ -93,7 +95,7 @@ def padding(lengths: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
     and queries, so it can be passed to `qkv.attention` or `combine`d with `causal` directly.
     """
     if not isinstance(lengths, torch.Tensor) or lengths.dim() != 1:
-        raise ValueError(f"lengths: expected a 1-D tensor of shape (B,), got {_describe(lengths)}")
+        raise ValueError(f"lengths: expected a 1-D tensor of shape (B,), got {describe(lengths)}")
     if lengths.is_floating_point() or lengths.dtype == torch.bool:
         raise TypeError(f"lengths: expected an integer tensor, got dtype {lengths.dtype}")
     if lengths.numel() and int(lengths.min()) < 0:
@@ -256,9 +258,3 @@ def _check_mask_dtype(name: str, mask: torch.Tensor) -> None:
             f"{name}: expected a bool mask (True = may attend) or a floating-point additive mask, "
             f"got dtype {mask.dtype}; convert 0/1 integer masks with `mask.bool()`"
         )
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
-    return f"{type(value).__name__} {value!r}"

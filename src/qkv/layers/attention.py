@@ -29,7 +29,7 @@ from qkv.layers.kv_cache import CrossAttentionCache, LayerCache
 from qkv.positional import RotaryEmbedding, alibi_bias
 from qkv.validation import check_positive_int, check_probability
 
-__all__ = ["MultiHeadAttention"]
+__all__ = ["MultiHeadAttention", "check_heads"]
 
 
 class MultiHeadAttention(nn.Module):
@@ -266,6 +266,12 @@ def _check_sizes(
     check_positive_int("num_kv_heads", num_kv_heads)
     if context_dim is not None:
         check_positive_int("context_dim", context_dim)
+    check_heads(embed_dim, num_heads, num_kv_heads)
+
+
+def check_heads(embed_dim: int, num_heads: int, num_kv_heads: int) -> None:
+    """Heads that split embed_dim evenly, and K/V heads that each serve the same number of query
+    heads (MHA: as many, GQA: a divisor, MQA: one; Ainslie et al. 2023)."""
     if embed_dim % num_heads:
         raise ValueError(
             f"embed_dim: {embed_dim} is not divisible by num_heads={num_heads}; expected a "

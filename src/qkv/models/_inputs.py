@@ -9,7 +9,7 @@ import torch
 
 from qkv.models.losses import IGNORE_INDEX
 
-__all__ = ["check_ids", "describe", "key_mask"]
+__all__ = ["check_ids", "key_mask"]
 
 
 def key_mask(
@@ -48,9 +48,3 @@ def check_ids(
             f"{name}: expected ids in [0, {vocab_size}), got values in "
             f"[{int(real.min())}, {int(real.max())}]"
         )
-
-
-def describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
-    return type(value).__name__

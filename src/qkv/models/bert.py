@@ -27,6 +27,7 @@ from qkv.models.outputs import EncoderOutput
 from qkv.models.pretrained import PretrainedIO
 from qkv.models.sizes import check_model_fits
 from qkv.positional import LearnedPositionalEmbedding
+from qkv.validation import describe
 
 __all__ = ["BertConfig", "BertEmbeddings", "BertModel", "init_bert_weights", "mean_pool"]
 
@@ -148,7 +149,7 @@ def mean_pool(
     if not isinstance(last_hidden_state, torch.Tensor) or last_hidden_state.dim() != 3:
         raise ValueError(
             f"last_hidden_state: expected a tensor of shape (B, L, E), got "
-            f"{_describe(last_hidden_state)}"
+            f"{describe(last_hidden_state)}"
         )
     if attention_mask is None:
         return last_hidden_state.mean(dim=1)
@@ -158,7 +159,7 @@ def mean_pool(
     ):
         raise ValueError(
             f"attention_mask: expected shape {tuple(last_hidden_state.shape[:2])} (B, L), got "
-            f"{_describe(attention_mask)}"
+            f"{describe(attention_mask)}"
         )
     weights = (attention_mask != 0).to(last_hidden_state.dtype).unsqueeze(-1)  # (B, L, 1)
     total = (last_hidden_state * weights).sum(dim=1)  # (B, E)
@@ -189,7 +190,7 @@ def _check_inputs(
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != (B, L):
         raise ValueError(
             f"attention_mask: expected shape ({B}, {L}) (that of input_ids, 1 on real tokens), "
-            f"got {_describe(attention_mask)}"
+            f"got {describe(attention_mask)}"
         )
     return attention_mask != 0, token_type_ids
 
@@ -207,9 +208,3 @@ def _check_ids(name: str, ids: object, shape: tuple | None, upper: int) -> None:
         raise ValueError(
             f"{name}: expected values in [0, {upper}), got values in [{smallest}, {largest}]"
         )
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
-    return f"{type(value).__name__}"

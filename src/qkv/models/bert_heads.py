@@ -21,14 +21,13 @@ from torch import nn
 
 from qkv.layers import LayerNorm
 from qkv.layers._dropout import make_dropout
-from qkv.models._inputs import describe
 from qkv.models.bert import BertConfig, BertModel, init_bert_weights
 from qkv.models.losses import cross_entropy
 from qkv.models.outputs import ClassificationOutput, PreTrainingOutput
 from qkv.models.pretrained import PretrainedIO
 from qkv.models.serialization import register_model_class
 from qkv.models.sizes import LABEL_NAME_BYTES, SizePart, check_model_fits
-from qkv.validation import check_positive_int
+from qkv.validation import check_positive_int, describe
 
 __all__ = ["BertForPreTraining", "BertForSequenceClassification", "MaskedLMHead"]
 

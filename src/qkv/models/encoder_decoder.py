@@ -27,7 +27,7 @@ from torch import nn
 from qkv.layers import DecoderBlock, EncoderBlock, LayerNorm
 from qkv.layers._dropout import make_dropout
 from qkv.layers.torch_interop import copy_weight_and_bias
-from qkv.models._inputs import check_ids, describe, key_mask
+from qkv.models._inputs import check_ids, key_mask
 from qkv.models.decoder_cache import DecoderCache
 from qkv.models.encoder_decoder_config import TRANSFORMER_PRESETS, TransformerConfig
 from qkv.models.losses import IGNORE_INDEX, sequence_cross_entropy
@@ -35,6 +35,7 @@ from qkv.models.outputs import Seq2SeqOutput
 from qkv.models.serialization import register_model_class
 from qkv.models.sizes import check_model_fits
 from qkv.positional import SinusoidalPositionalEncoding
+from qkv.validation import describe
 
 __all__ = [
     "TRANSFORMER_PRESETS",
@@ -301,30 +302,19 @@ class Transformer(nn.Module):
 
 
 def _encoder_blocks(config: TransformerConfig) -> list[EncoderBlock]:
-    return [
-        EncoderBlock(
-            config.embed_dim,
-            config.num_heads,
-            config.ffn_dim,
-            dropout=config.dropout,
-            activation="relu",
-            norm_first=config.norm_first,
-        )
-        for _ in range(config.num_encoder_layers)
-    ]
+    return _blocks(EncoderBlock, config, config.num_encoder_layers)
 
 
 def _decoder_blocks(config: TransformerConfig) -> list[DecoderBlock]:
+    return _blocks(DecoderBlock, config, config.num_decoder_layers)
+
+
+def _blocks(block: type, config: TransformerConfig, count: int) -> list:
+    """`count` blocks of the paper's sizes: ReLU FFN, post-norm unless config.norm_first."""
+    E, H, F = config.embed_dim, config.num_heads, config.ffn_dim
     return [
-        DecoderBlock(
-            config.embed_dim,
-            config.num_heads,
-            config.ffn_dim,
-            dropout=config.dropout,
-            activation="relu",
-            norm_first=config.norm_first,
-        )
-        for _ in range(config.num_decoder_layers)
+        block(E, H, F, dropout=config.dropout, activation="relu", norm_first=config.norm_first)
+        for _ in range(count)
     ]
 
 

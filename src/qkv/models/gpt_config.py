@@ -22,6 +22,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from qkv.layers.attention import check_heads
 from qkv.validation import check_positive_int, check_probability
 
 __all__ = ["FFN_KINDS", "GPTConfig", "NORM_KINDS", "POSITION_KINDS", "PRESETS"]
@@ -69,7 +70,7 @@ class GPTConfig:
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)  # frozen: resolve once
         check_positive_int("num_kv_heads", self.num_kv_heads)
-        _check_heads(self.embed_dim, self.num_heads, self.num_kv_heads)
+        check_heads(self.embed_dim, self.num_heads, self.num_kv_heads)
         _check_choice("position", self.position, POSITION_KINDS)
         _check_choice("norm", self.norm, NORM_KINDS)
         _check_choice("ffn", self.ffn, FFN_KINDS)
@@ -115,19 +116,6 @@ def _check_positive_float(name: str, value: object) -> None:
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
-
-
-def _check_heads(embed_dim: int, num_heads: int, num_kv_heads: int) -> None:
-    if embed_dim % num_heads:
-        raise ValueError(
-            f"embed_dim: {embed_dim} is not divisible by num_heads={num_heads}; expected a "
-            f"multiple of num_heads (head_dim = embed_dim // num_heads)"
-        )
-    if num_heads % num_kv_heads:
-        raise ValueError(
-            f"num_kv_heads: {num_kv_heads} does not divide num_heads={num_heads}; expected a "
-            f"divisor (MHA: equal, GQA: a divisor, MQA: 1)"
-        )
 
 
 def _check_rope(config: GPTConfig) -> None:
