@@ -13,10 +13,11 @@ One call, timed as a user sees it (prefill included), batch 1, a 32-token prompt
 no attention_mask for either), 128 new tokens:
     qkv            qkv.generation.generate(model, ids, max_new_tokens=128)    (greedy)
     qkv packed     the same on a copy inside `with qkv.acceleration.packed_linears(model):`
-                   (oneDNN-packed, fused weights, what `qkv generate` does on the CPU); the
-                   block stays open for the whole row, so the weights are packed once, by
-                   the warm-up call, as in a program that loads a model and generates many
-                   times; the time spent packing is reported beside ("pack ms")
+                   (oneDNN-packed weights, fused where they read one input, what `qkv
+                   generate` does on the CPU); the block stays open for the whole row, so
+                   the weights are packed once, by the warm-up call, as in a program that
+                   loads a model and generates many times; the time spent packing is
+                   reported beside ("pack ms")
     qkv compiled   the same packed copy with generate(..., compile=True): every step after the
                    prefill runs the model's forward compiled by torch.compile (inductor, C++
                    kernels for everything around the packed products); compiled once per
@@ -90,7 +91,7 @@ from common import (
 )
 from torch import nn
 
-from qkv.acceleration import PackedLinear, packed_linears
+from qkv.acceleration import PackedLinear, SharedInputMember, packed_linears
 from qkv.generation import generate
 from qkv.models import GPT
 
@@ -226,17 +227,21 @@ def read_floor(model: GPT) -> Callable[[], None]:
 
 
 def packed_matvec_floor(model: GPT, ids: torch.Tensor) -> Callable[[], None]:
-    """One token through exactly the packed products a packed decoding step calls (the fused
-    q|k|v and gate|up, out_proj, down_proj, lm_head), nothing else; packing happens here,
-    outside the timing. The fastest this machine's kernels can make a step."""
+    """One token through exactly the packed products a packed decoding step calls (q|k|v and
+    gate|up fused once the first call has shown they read one input, out_proj, down_proj,
+    lm_head), nothing else; packing happens here, outside the timing. The fastest this
+    machine's kernels can make a step."""
     called: list[PackedLinear] = []
 
     def record(module, inputs, output):
-        if module not in called:
+        if inputs[0].numel() == module.in_features and module not in called:  # one row
             called.append(module)
 
     with packed_linears(model):
-        modules = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        generate(model, ids, max_new_tokens=2)  # the products learn which inputs they share
+        groups = {m.group for m in model.modules() if isinstance(m, SharedInputMember)}
+        fused = [product for group in groups for product in group.fused.values()]
+        modules = [m for m in model.modules() if isinstance(m, PackedLinear)] + fused
         hooks = [m.register_forward_hook(record) for m in modules]
         generate(model, ids, max_new_tokens=2)  # the prefill, then one decoding step
         for hook in hooks:
@@ -253,10 +258,13 @@ def packed_matvec_floor(model: GPT, ids: torch.Tensor) -> Callable[[], None]:
 
 def packing_ms(model: GPT, ids: torch.Tensor) -> float:
     """Milliseconds spent packing the weights a packed generate call uses (packed at their
-    first call: PackedLinear.packing_seconds), in a fresh packed_linears block."""
+    first call: PackedLinear.packing_seconds, the fused products' included), in a fresh
+    packed_linears block."""
     with packed_linears(model):
-        generate(model, ids, max_new_tokens=1)
-        modules = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        generate(model, ids, max_new_tokens=2)
+        groups = {m.group for m in model.modules() if isinstance(m, SharedInputMember)}
+        fused = [product for group in groups for product in group.fused.values()]
+        modules = [m for m in model.modules() if isinstance(m, PackedLinear)] + fused
         return 1e3 * sum(m.packing_seconds for m in modules)
 
 

@@ -7,12 +7,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkv import capabilities
-from qkv.acceleration import PackedLinear, explain_packing, packed_linears
+from qkv.acceleration import PackedLinear, SharedInputMember, explain_packing, packed_linears
 from qkv.acceleration.compiled import _INDUCTOR_OPTIONS
 from qkv.generation import beam_search, generate
 from qkv.layers import MultiHeadAttention, SwiGLU
 from qkv.models import GPT, GPTConfig, Transformer, TransformerConfig
 from tests.layers.helpers import randomize_
+
+STAND_INS = (PackedLinear, SharedInputMember)  # what a packed_linears block swaps a linear for
 
 
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 0.1)])
@@ -44,17 +46,16 @@ def test_a_packed_model_gives_the_same_logits_and_tokens_and_is_given_back(name)
     tokens = generate(model, ids, max_new_tokens=12)
     with packed_linears(model) as same:
         assert same is model and not torch.is_grad_enabled()
-        swapped = {n: m for n, m in model.named_modules() if isinstance(m, PackedLinear)}
-        fused = {f"blocks.{i}.self_attn.fused_qkv" for i in range(model.config.num_layers)}
-        if model.config.ffn == "swiglu":
-            fused |= {f"blocks.{i}.ffn.fused_gate_up" for i in range(model.config.num_layers)}
-        assert set(swapped) == set(linears) | fused
+        stand_ins = {n for n, m in model.named_modules() if isinstance(m, STAND_INS)}
+        members_own = {n for n in stand_ins if n.endswith(".own")}  # a member's own product
+        assert stand_ins - members_own == set(linears)  # every linear, each by its own name
         torch.testing.assert_close(model(ids).logits, logits, atol=1e-5, rtol=0)
         assert torch.equal(generate(model, ids, max_new_tokens=12), tokens)
+        # the first call showed q, k and v reading one tensor: they share a product since
+        assert model.blocks[0].self_attn.k_proj.group.shares_with(1) == ["q_proj", "v_proj"]
     assert torch.is_grad_enabled()
     assert {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)} == linears
-    assert not any(isinstance(m, PackedLinear) for m in model.modules())
-    assert all(block.self_attn.fused_qkv is None for block in model.blocks)
+    assert not any(isinstance(m, STAND_INS) for m in model.modules())
     assert model.state_dict().keys() == state.keys()
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     if model.config.tie_embeddings:
@@ -119,29 +120,43 @@ def test_stacked_linears_equal_their_outputs_concatenated(bias):
     assert spent > 0 and stacked.packing_seconds == spent  # packed once
 
 
-def test_fused_projections_give_what_the_separate_ones_give():
+def test_projections_that_read_one_input_share_one_product_from_the_second_call_on():
+    """The layers declare nothing: the first call shows which linears read one tensor. In
+    self-attention q, k and v are then one product; in cross-attention k and v (the memory)
+    are, q (the queries' input) is not; out_proj and SwiGLU's down_proj read other tensors.
+    Every output stays the product of the member's own input."""
     torch.manual_seed(0)
-    attention = MultiHeadAttention(64, 8, 2, bias=True).eval()  # GQA: q 64, k and v 16 wide
+    self_attention = MultiHeadAttention(64, 8, 2, bias=True).eval()  # GQA: q 64, k, v 16 wide
+    cross_attention = MultiHeadAttention(64, 8, 2, bias=True).eval()
     ffn = SwiGLU(64, 96).eval()
     x, context = torch.randn(2, 5, 64), torch.randn(2, 7, 64)
+    calls = {
+        "self": lambda: self_attention(x, causal=True),
+        "cross": lambda: cross_attention(x, context),
+        "ffn": lambda: ffn(x),
+    }
     with torch.no_grad():
-        expected = attention(x, causal=True), attention(x, context), ffn(x)
-    with packed_linears(attention), packed_linears(ffn):
-        assert isinstance(attention.fused_qkv, PackedLinear)
-        assert isinstance(ffn.fused_gate_up, PackedLinear)
-        got = attention(x, causal=True), attention(x, context), ffn(x)
-        # self-attention took the fused product; cross-attention the separate q, k and v
-        assert "oneDNN-packed" in repr(attention.fused_qkv)
-        assert "oneDNN-packed" in repr(attention.k_proj)
-        assert "packed at its first call" in repr(ffn.gate_proj)  # never needed
-    for a, b in zip(got, expected, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
-    assert attention.fused_qkv is None and ffn.fused_gate_up is None
-    assert "fused_qkv" not in dict(attention.named_children())
+        expected = {name: call() for name, call in calls.items()}
+    with packed_linears(self_attention), packed_linears(cross_attention), packed_linears(ffn):
+        for _ in range(3):  # learn, then fused twice
+            for name, call in calls.items():
+                torch.testing.assert_close(call(), expected[name], atol=1e-5, rtol=0)
+        group = self_attention.q_proj.group
+        assert group.shares_with(0) == ["k_proj", "v_proj"] and group.shares_with(3) == []
+        assert list(group.fused) == [(0, 1, 2)] and group.fused[(0, 1, 2)]._packed
+        cross = cross_attention.q_proj.group
+        assert cross.shares_with(0) == [] and cross.shares_with(1) == ["v_proj"]
+        assert ffn.gate_proj.group.shares_with(0) == ["up_proj"]
+        assert "fused with k_proj, v_proj" in repr(self_attention.q_proj)
+        # a slice is kept for its own input only: another tensor gets its own product
+        other = torch.randn(2, 5, 64)
+        assert torch.equal(self_attention.k_proj(other), self_attention.k_proj.own(other))
+    assert type(self_attention.q_proj) is nn.Linear and type(ffn.up_proj) is nn.Linear
 
 
 def test_packed_encoder_decoder_gives_the_same_beams():
-    """Self-attention fused, cross-attention separate: beam search finds the same targets."""
+    """Self-attention's q, k, v fused, cross-attention's k, v: beam search finds the same
+    targets."""
     torch.manual_seed(0)
     config = TransformerConfig(
         src_vocab_size=40, tgt_vocab_size=50, embed_dim=32, num_heads=4, num_encoder_layers=2,
@@ -230,21 +245,23 @@ def test_compiled_bf16_row_is_the_rounded_row_as_eagerly():
     torch.testing.assert_close(got, expected, atol=0, rtol=2**-8)
 
 
-def test_explain_packing_lists_what_is_packed_fused_and_left_with_the_reason():
+def test_explain_packing_lists_what_is_packed_grouped_and_left_with_the_reason():
     model = GPT(GPTConfig.from_name("tiny-llama")).eval()
     plan = explain_packing(model)
     layers = model.config.num_layers
-    linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
-    assert sorted(label for *_, label in plan.swaps) == sorted(linears)
-    assert len(plan.fused) == 2 * layers and plan.left == []
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    assert sorted(map(id, plan.packed())) == sorted(map(id, linears)) and plan.left == []
+    assert len(plan.groups) == 2 * layers  # q, k, v, out; gate, up (down reads ffn_dim wide)
     text = str(plan)
     assert f"{len(linears)} linears packed for oneDNN (torch.float32)" in text
-    assert "blocks.0.self_attn.fused_qkv = q_proj + k_proj + v_proj" in text
+    assert "group blocks.0.self_attn: q_proj + k_proj + v_proj + out_proj" in text
+    assert "group blocks.0.ffn: gate_proj + up_proj" in text
     assert "under CPU autocast to bf16" in text
-    # float64 is never packed: every linear and every group is left, each with its reason
+    assert explain_packing(model, fuse=False).groups == []
+    # float64 is never packed: every linear is left, each with its reason
     plan = explain_packing(model.double())
-    assert plan.swaps == [] and plan.fused == []
-    assert len(plan.left) == len(linears) + 2 * layers
+    assert plan.swaps == [] and plan.groups == []
+    assert len(plan.left) == len(linears)
     assert all("float64" in reason for _, reason in plan.left)
     with pytest.raises(TypeError, match="model: expected an nn.Module"):
         explain_packing("gpt2")

@@ -10,15 +10,19 @@ Each asks `qkv.capabilities` what this CPU and PyTorch build support and falls b
 PyTorch op where they do not: the same results, slower.
 """
 
+from qkv.acceleration.block import packed_linears
 from qkv.acceleration.compiled import CompiledSteps, GuardedSteps, compiled_steps
-from qkv.acceleration.packing import PackedLinear, packed_linears
+from qkv.acceleration.packing import PackedLinear
 from qkv.acceleration.plan import PackingPlan, can_pack, explain_packing
+from qkv.acceleration.shared_input import SharedInputGroup, SharedInputMember
 
 __all__ = [
     "CompiledSteps",
     "GuardedSteps",
     "PackedLinear",
     "PackingPlan",
+    "SharedInputGroup",
+    "SharedInputMember",
     "can_pack",
     "compiled_steps",
     "explain_packing",

@@ -11,11 +11,8 @@ weight reordered into oneDNN's layout, for as long as the `with` block lasts:
         tokens = qkv.generate(model, prompt, max_new_tokens=128)
     print(qkv.acceleration.explain_packing(model))   # what the block packs and fuses, and why
 
-It also fuses the projections that read the same input into one product: a module lists them
-in a class attribute `FUSABLE` (attribute -> linear names), e.g. MultiHeadAttention's q, k and
-v (`fused_qkv`) and SwiGLU's gate and up (`fused_gate_up`); inside the block the module finds a
-`PackedLinear` over the stacked weights in that attribute and makes one call where it made
-three (or two): fewer, larger products are faster.
+`packed_linears` (qkv.acceleration.block) also computes the projections that read one input as
+one product (qkv.acceleration.shared_input): fewer, larger products are faster.
 
 Weights are packed at their first call, not on entry: a projection the model never calls (the
 separate q, k, v of a self-attention layer once fused) costs neither time nor memory, while
@@ -42,21 +39,18 @@ Under `torch.compile` (`qkv.generate(..., compile=True)`), everything around the
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import time
 import weakref
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from qkv import capabilities
-from qkv.acceleration.plan import can_pack, explain_packing
 
-__all__ = ["PackedLinear", "can_pack", "explain_packing", "packed_linears"]
+__all__ = ["PackedLinear"]
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 logger = logging.getLogger(__name__)
@@ -216,77 +210,3 @@ def _check_linears(linears: tuple[nn.Linear, ...]) -> None:
                 f"{first.in_features} {first.weight.dtype} and {linear.in_features} "
                 f"{linear.weight.dtype}"
             )
-
-
-@contextlib.contextmanager
-def packed_linears(
-    model: nn.Module, *, batch_hint: int = 1, fuse: bool = True
-) -> Iterator[nn.Module]:
-    """Inside the block, every packable `nn.Linear` of `model` is a `PackedLinear` (same
-    outputs) and, with `fuse`, every module's `FUSABLE` projections have their stacked
-    `PackedLinear`; on exit the original modules are back, even after an exception. A weight
-    shared by two linears (or tied to an embedding) is packed once per linear; the model's own
-    tensors are never modified. Gradients are off inside the block (torch.no_grad). Yields the
-    model. A later block on the same model reuses its PackedLinear modules (not their packed
-    copies, which are dropped on exit), so compiled decoding compiles once per model, not once
-    per block.
-
-    What cannot be packed on this machine (see `qkv.capabilities`) keeps its nn.Linear; the
-    plan is `explain_packing(model, fuse=fuse)`, and its summary is logged at INFO."""
-    plan = explain_packing(model, fuse=fuse)
-    logger.info("%s", plan.summary())
-    for label, reason in plan.left:
-        logger.debug("packed_linears: %s left as it is: %s", label, reason)
-    swapped: list[tuple[nn.Module, str, nn.Linear]] = []
-    previous = _LAST_BLOCK.get(model, {})
-    used: dict[tuple[nn.Linear, ...], PackedLinear] = {}  # one per distinct group of linears
-
-    def packed(*linears: nn.Linear) -> PackedLinear:
-        if linears not in used:
-            used[linears] = _reuse(previous.get(linears), linears, batch_hint)
-        return used[linears]
-
-    try:
-        for module, attribute, linears, _ in plan.fused:
-            setattr(module, attribute, packed(*linears))
-        for parent, name, child, _ in plan.swaps:
-            setattr(parent, name, packed(child))
-            swapped.append((parent, name, child))
-        if used:  # a block nested in another finds nothing left to pack
-            _LAST_BLOCK[model] = used
-        with torch.no_grad():
-            yield model
-    finally:
-        for parent, name, child in reversed(swapped):
-            setattr(parent, name, child)
-        for module, attribute, _, _ in plan.fused:
-            delattr(module, attribute)  # drops the registered submodule ...
-            setattr(module, attribute, None)  # ... and leaves the plain None it was
-        for module in used.values():
-            module._packed.clear()  # the packed copies live only inside the block
-
-
-# model -> the PackedLinears of its last packed_linears block, by the linears they hold. The
-# next block reuses those that still fit, so that what torch.compile compiled for them (its
-# guards name these very modules) serves again, where new modules compiled anew (20-40 s for
-# the 55M Llama of benchmarks/decode.py). Their packed copies are dropped on exit: weights
-# changed between blocks are packed afresh. Weak: a dropped model takes its entry with it.
-_LAST_BLOCK: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
-
-
-def _reuse(module: PackedLinear | None, linears: tuple[nn.Linear, ...], batch_hint: int):
-    """`module` if it still describes `linears` (their dtype and sizes, the batch hint), with its
-    packing time reset and no packed copy (one made by a call outside any block, from a
-    module kept past its block, may hold weights changed since); a new PackedLinear
-    otherwise."""
-    fits = module is not None and (
-        module.batch_hint == batch_hint
-        and module._dtype == linears[0].weight.dtype
-        and module.in_features == linears[0].in_features
-        and module.out_features == sum(linear.out_features for linear in linears)
-    )
-    if not fits:
-        return PackedLinear(*linears, batch_hint=batch_hint)
-    module.packing_seconds = 0.0
-    module._packed.clear()
-    return module

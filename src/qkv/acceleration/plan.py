@@ -36,28 +36,39 @@ def can_pack(linear: nn.Linear) -> bool:
 
 @dataclass
 class PackingPlan:
-    """fused: (module, attribute, linears, label) per FUSABLE group packed as one product.
-    swaps: (parent, child name, linear, label) per nn.Linear swapped for a PackedLinear.
-    left: (label, reason) per linear or group left as it is."""
+    """groups: (module, child names, linears, label) per set of a module's packable linears of
+    one input width and dtype, each linear a `SharedInputMember` (those that read one tensor are
+    fused once a call has shown it). swaps: (parent, child name, linear, label) per other
+    packable nn.Linear, swapped for a PackedLinear. left: (label, reason) per linear left as
+    it is."""
 
-    fused: list[tuple[nn.Module, str, tuple[nn.Linear, ...], str]] = field(default_factory=list)
+    groups: list[tuple[nn.Module, tuple[str, ...], tuple[nn.Linear, ...], str]] = field(
+        default_factory=list
+    )
     swaps: list[tuple[nn.Module, str, nn.Linear, str]] = field(default_factory=list)
     left: list[tuple[str, str]] = field(default_factory=list)
 
+    def packed(self) -> list[nn.Linear]:
+        """Every linear the block packs, grouped or not."""
+        return [m for *_, linears, _ in self.groups for m in linears] + [
+            linear for _, _, linear, _ in self.swaps
+        ]
+
     def summary(self) -> str:
-        """One line: how many linears are packed and fused, how many are left."""
-        dtypes = sorted({str(linear.weight.dtype) for _, _, linear, _ in self.swaps})
+        """One line: how many linears are packed, in how many groups, how many are left."""
+        packed = self.packed()
+        dtypes = sorted({str(linear.weight.dtype) for linear in packed})
         return (
-            f"packed_linears: {len(self.swaps)} linears packed for oneDNN "
-            f"({', '.join(dtypes) or 'none'}), {len(self.fused)} projection groups fused, "
-            f"{len(self.left)} left as they are"
+            f"packed_linears: {len(packed)} linears packed for oneDNN "
+            f"({', '.join(dtypes) or 'none'}), {len(self.groups)} groups that may share an "
+            f"input, {len(self.left)} left as they are"
         )
 
     def __str__(self) -> str:
         lines = [self.summary()]
-        lines += [f"  fused {label}" for _, _, _, label in self.fused]
+        lines += [f"  group {label}" for *_, label in self.groups]
         lines += [f"  left {label}: {reason}" for label, reason in self.left]
-        if any(linear.weight.dtype == torch.float32 for _, _, linear, _ in self.swaps):
+        if any(linear.weight.dtype == torch.float32 for linear in self.packed()):
             bf16 = capabilities.onednn_linear(torch.bfloat16)
             how = "packed as bf16 copies" if bf16 else "computed by F.linear, as autocast does"
             lines.append(f"  under CPU autocast to bf16, products are {how} ({bf16.reason})")
@@ -66,39 +77,31 @@ class PackingPlan:
 
 def explain_packing(model: nn.Module, *, fuse: bool = True) -> PackingPlan:
     """The plan `packed_linears(model, fuse=fuse)` carries out on this machine; print it to
-    read it. Nothing is packed or changed."""
+    read it. Nothing is packed or changed. With `fuse`, a module's packable linears of one input
+    width and dtype form a group (`qkv.acceleration.shared_input`): the members a call shows
+    to read one tensor are then computed as one product."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     plan = PackingPlan()
     names = {module: name or "(model)" for name, module in model.named_modules()}
-    if fuse:
-        _plan_fusions(model, names, plan)
     for parent in list(model.modules()):
+        prefix = f"{names[parent]}." if parent is not model else ""
+        packable: dict[tuple, list[tuple[str, nn.Linear]]] = {}
         for child_name, child in parent.named_children():
             if type(child) is not nn.Linear:
                 continue
-            label = f"{names[parent]}.{child_name}" if parent is not model else child_name
             support = packing_support(child)
-            if support:
-                plan.swaps.append((parent, child_name, child, label))
-            else:
-                plan.left.append((label, support.reason))
+            if not support:
+                plan.left.append((prefix + child_name, support.reason))
+                continue
+            key = (child.in_features, child.weight.dtype) if fuse else (child_name,)
+            packable.setdefault(key, []).append((child_name, child))
+        for members in packable.values():
+            if len(members) == 1:
+                ((child_name, child),) = members
+                plan.swaps.append((parent, child_name, child, prefix + child_name))
+                continue
+            child_names = tuple(name for name, _ in members)
+            label = f"{names[parent]}: {' + '.join(child_names)}"
+            plan.groups.append((parent, child_names, tuple(m for _, m in members), label))
     return plan
-
-
-def _plan_fusions(model: nn.Module, names: dict[nn.Module, str], plan: PackingPlan) -> None:
-    """Every `FUSABLE` group that can be packed as one: plain nn.Linears, packable, of the
-    same input width and dtype."""
-    for module in model.modules():
-        for attribute, linear_names in getattr(type(module), "FUSABLE", {}).items():
-            linears = tuple(getattr(module, name) for name in linear_names)
-            label = f"{names[module]}.{attribute} = {' + '.join(linear_names)}"
-            if not all(type(m) is nn.Linear for m in linears):
-                continue  # already packed by an enclosing block, or not linears at all
-            reasons = [packing_support(m).reason for m in linears if not can_pack(m)]
-            if len({(m.in_features, m.weight.dtype) for m in linears}) != 1:
-                reasons.append("their input widths or dtypes differ")
-            if reasons:
-                plan.left.append((label, reasons[0]))
-            else:
-                plan.fused.append((module, attribute, linears, label))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import ClassVar
 
 import torch
 from torch import nn
@@ -48,14 +47,10 @@ class MultiHeadAttention(nn.Module):
         backend: the `qkv.attention` backend ("auto" picks the fastest that serves the call).
 
     Parameters: q_proj (E -> H * D), k_proj and v_proj (context_dim -> H_kv * D),
-    out_proj (H * D -> E). `register_attention_hook` sees what each call attends with (what
-    `qkv.analysis.record_attention` reads its exact maps from).
-    `fused_qkv`, when set (`qkv.acceleration.packed_linears` does), computes the three projections
-    of a self-attention call in one product: x -> (..., (H + 2 H_kv) D), q then k then v.
+    out_proj (H * D -> E), ordinary submodules that an accelerator may swap
+    (`qkv.acceleration.packed_linears` does). `register_attention_hook` sees what each call
+    attends with (what `qkv.analysis.record_attention` reads its exact maps from).
     """
-
-    # Projections that read the same input and may be computed as one: attribute -> linears.
-    FUSABLE: ClassVar[dict[str, tuple[str, ...]]] = {"fused_qkv": ("q_proj", "k_proj", "v_proj")}
 
     def __init__(
         self,
@@ -95,7 +90,6 @@ class MultiHeadAttention(nn.Module):
         # register_attention_hook's hooks, by handle id (an OrderedDict: the handle holds a
         # weak reference to it, as nn.Module's own hooks do); empty: one truth test per call
         self._attention_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
-        self.fused_qkv: nn.Module | None = None  # set by qkv.acceleration.packed_linears
 
     def register_attention_hook(self, hook: Callable[..., None]) -> RemovableHandle:
         """Call `hook(module, q, k, *, mask, causal, window, bias, cross)` before each attention
@@ -141,18 +135,10 @@ class MultiHeadAttention(nn.Module):
         source = x if context is None else context
         L_k = source.shape[1]
         H, H_kv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        if context is None and self.fused_qkv is not None:  # one product for q, k and v
-            q, k, v = self.fused_qkv(x).split((H * D, H_kv * D, H_kv * D), dim=-1)
-            projected = (k, v)  # each (B, L, H_kv * D)
-        else:
-            q, projected = self.q_proj(x), None
-        q = q.view(B, L_q, H, D).transpose(1, 2)  # (B, H, L_q, D)
+        q = self.q_proj(x).view(B, L_q, H, D).transpose(1, 2)  # (B, H, L_q, D)
 
         def project_keys_values() -> tuple[torch.Tensor, torch.Tensor]:
-            if projected is not None:  # the fused product's k and v
-                k, v = projected  # each (B, L_k, H_kv * D)
-            else:
-                k, v = self.k_proj(source), self.v_proj(source)
+            k, v = self.k_proj(source), self.v_proj(source)  # each (B, L_k, H_kv * D)
             k = k.view(B, L_k, H_kv, D).transpose(1, 2)  # (B, H_kv, L_k, D)
             v = v.view(B, L_k, H_kv, D).transpose(1, 2)  # (B, H_kv, L_k, D)
             return k, v

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -75,12 +74,8 @@ class SwiGLU(nn.Module):
 
     The gate decides, per hidden unit, how much of the linear `up_proj` branch passes. Llama has
     no biases (`bias=False`); hidden_dim is usually about 8/3 * E so that the three matrices cost
-    what the two of a 4 * E FFN do. Input (..., E), output (..., E). `fused_gate_up`, when set
-    (`qkv.acceleration.packed_linears` does), computes gate and up in one product.
+    what the two of a 4 * E FFN do. Input (..., E), output (..., E).
     """
-
-    # Projections that read the same input and may be computed as one: attribute -> linears.
-    FUSABLE: ClassVar[dict[str, tuple[str, ...]]] = {"fused_gate_up": ("gate_proj", "up_proj")}
 
     def __init__(
         self,
@@ -98,11 +93,7 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(embed_dim, hidden_dim, bias=bias, **factory)
         self.up_proj = nn.Linear(embed_dim, hidden_dim, bias=bias, **factory)
         self.down_proj = nn.Linear(hidden_dim, embed_dim, bias=bias, **factory)
-        self.fused_gate_up: nn.Module | None = None  # set by qkv.acceleration.packed_linears
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_gate_up is not None:  # one product for both: (..., 2 * hidden_dim)
-            gate, up = self.fused_gate_up(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)  # each (..., hidden_dim)
+        gate, up = self.gate_proj(x), self.up_proj(x)  # each (..., hidden_dim)
         return self.down_proj(F.silu(gate) * up)  # (..., E)

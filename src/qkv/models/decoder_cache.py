@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from qkv.layers.kv_cache import CrossAttentionCache, LayerCache, StaticKVCache
+from qkv.validation import check_int
 
 __all__ = ["DecoderCache"]
 
@@ -50,9 +51,8 @@ class DecoderCache:
     def for_decoder(cls, decoder: nn.Module, *, batch_size: int, max_length: int) -> DecoderCache:
         """An empty cache for `decoder` (a `DecoderStack`): `batch_size` rows of up to
         `max_length` target tokens, in the dtype and on the device of its parameters."""
-        for name, value, minimum in (("batch_size", batch_size, 1), ("max_length", max_length, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+        check_int("batch_size", batch_size, minimum=1)
+        check_int("max_length", max_length, minimum=1)
         attention = decoder.blocks[0].self_attn
         # Any parameter: its projections may be swapped for weightless modules
         # (qkv.acceleration.packed_linears), its norms keep theirs.
