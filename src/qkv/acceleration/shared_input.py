@@ -65,6 +65,8 @@ class SharedInputGroup:
         """Forget what was learned, the kept slices and every packed copy (a block's exit)."""
         self.subsets: dict[int, tuple[int, ...]] | None = None  # index -> who shares its input
         self.fused: dict[tuple[int, ...], PackedLinear] = {}
+        # index -> (its subset, the subset's fused product or None, the subset's widths)
+        self._plans: dict[int, tuple[tuple[int, ...], PackedLinear | None, list[int]]] = {}
         self._round: dict[int, torch.Tensor] = {}  # the learning round: index -> its input
         self._input: torch.Tensor | None = None  # the input of the kept slices
         self._version = -1
@@ -77,19 +79,22 @@ class SharedInputGroup:
         return [self.names[j] for j in subset if j != index]
 
     def product(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        """Member `index`'s product of x: a kept slice, a new fused product, or its own."""
-        if index in self._kept and self._input is x and x._version == self._version:
-            return self._kept.pop(index)
+        """Member `index`'s product of x: a kept slice, a new fused product, or its own. The
+        products are called through `_linear` (no module call, no shape check: the member
+        stands where a linear of these sizes was), as this runs for every projection of a
+        decoding step."""
+        kept = self._kept
+        if kept and self._input is x and index in kept and x._version == self._version:
+            return kept.pop(index)
         if self.subsets is None:
             if index not in self._round:
                 self._round[index] = x
-                return self.members[index].own(x)
+                return self.members[index].own._linear(x)
             self._learn()
-        subset = self.subsets.get(index, (index,))
-        if len(subset) == 1:
-            return self.members[index].own(x)
-        widths = [self.linears[j].out_features for j in subset]
-        outputs = self.fused[subset](x).split(widths, dim=-1)  # one product, then its slices
+        subset, fused, widths = self._plans[index]
+        if fused is None:
+            return self.members[index].own._linear(x)
+        outputs = fused._linear(x).split(widths, dim=-1)  # one product, then its slices
         self._input, self._version = x, x._version
         self._kept = {j: out for j, out in zip(subset, outputs, strict=True) if j != index}
         return outputs[subset.index(index)]
@@ -103,7 +108,12 @@ class SharedInputGroup:
         for indices in readers.values():
             subset = tuple(sorted(indices))
             self.subsets.update({j: subset for j in subset})
+            fused = None
             if len(subset) > 1:
                 stacked = [self.linears[j] for j in subset]
-                self.fused[subset] = PackedLinear(*stacked, batch_hint=self.batch_hint)
+                fused = self.fused[subset] = PackedLinear(*stacked, batch_hint=self.batch_hint)
+            widths = [self.linears[j].out_features for j in subset]
+            self._plans.update({j: (subset, fused, widths) for j in subset})
+        for index in range(len(self.members)):  # never called in the round: alone
+            self._plans.setdefault(index, ((index,), None, [self.linears[index].out_features]))
         self._round = {}
