@@ -34,7 +34,7 @@ from qkv.analysis.inspection.heads import (
 )
 from qkv.layers import MultiHeadAttention
 from qkv.models import GPT, BertConfig, BertModel, GPTConfig, Transformer, TransformerConfig
-from tests.analysis.heads_helpers import make_bert_pair, random_ids
+from tests.analysis.inspection.heads_helpers import make_bert_pair, random_ids
 from tests.layers.helpers import randomize_
 
 pytestmark = [

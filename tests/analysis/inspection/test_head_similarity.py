@@ -11,7 +11,7 @@ import qkv
 from qkv.analysis.inspection.heads import position_cosine_similarity
 from qkv.layers import MultiHeadAttention
 from qkv.models import BertConfig, BertModel, Transformer, TransformerConfig
-from tests.analysis.heads_helpers import make_bert_pair, random_ids
+from tests.analysis.inspection.heads_helpers import make_bert_pair, random_ids
 from tests.layers.helpers import randomize_
 
 pytestmark = [
