@@ -47,7 +47,7 @@ LAYERS = [
 TOP_LAYER = "top"  # the root `qkv` (src/qkv/__init__.py), above every layer
 
 # The command-line modules import what a sub-command needs when it runs, so that `qkv --help`
-# or `qkv cost` start without importing torch, the models and the analysis they do not use.
+# or `qkv cost` do not import the training, analysis and application layers they do not use.
 LAZY_IMPORTERS = ("qkv.commands.",)
 
 # (importer, imported): why the import has to wait until the function runs

@@ -52,10 +52,11 @@ def _run(args: argparse.Namespace) -> int:
 
     from qkv.training import LossNotFiniteError, TrainingConfig, train
     from qkv.training.distributed import OtherProcessFailedError
+    from qkv.validation import check_int
 
     task_class, options_class = _tasks()[args.task]
     try:
-        _check_threads(args.threads)
+        check_int("threads", args.threads, minimum=1)
         torch.set_num_threads(args.threads)
         check_device(args.device)  # before the data: preparing it can take a minute
         config = TrainingConfig(**_fields(args, TrainingConfig))
@@ -75,11 +76,6 @@ def _run(args: argparse.Namespace) -> int:
         print(f"qkv train: error: {error}", file=sys.stderr)
         return 1
     return 0
-
-
-def _check_threads(threads: int) -> None:
-    if threads < 1:
-        raise ValueError(f"threads: expected an int >= 1, got {threads}")
 
 
 def _prepare_and_train(task_class: type, options, config, args: argparse.Namespace, train):
