@@ -194,10 +194,18 @@ def test_a_kill_while_writing_a_checkpoint_leaves_a_resumable_folder(tmp_path, c
 def test_only_our_temporaries_are_removed_at_start(task, run):
     ours = [ORPHAN, ".metrics.jsonl.fedcba9876543210fedcba9876543210.tmp"]
     theirs = [".checkpoint.safetensors.notes.tmp", "checkpoint.tmp", ".other.0123.tmp"]
+    model_ours = [".model.safetensors.00112233445566778899aabbccddeeff.tmp"]
+    model_ours += [".config.json.00112233445566778899aabbccddeeff.tmp"]
+    model_theirs = [".tokenizer.json.backup.tmp", "weights.tmp"]
+    (run / "model").mkdir(exist_ok=True)
     for name in ours + theirs:
         (run / name).write_bytes(b"x" * 100)
+    for name in model_ours + model_theirs:
+        (run / "model" / name).write_bytes(b"x" * 100)
     train(task, CONFIG, out_dir=run, resume=True)
     assert sorted(p.name for p in run.iterdir() if p.name.endswith(".tmp")) == sorted(theirs)
+    left = sorted(p.name for p in (run / "model").iterdir() if p.name.endswith(".tmp"))
+    assert left == sorted(model_theirs)
 
 
 HOLD_THE_LOCK = """

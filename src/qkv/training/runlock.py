@@ -15,7 +15,8 @@ to an NFS lock only where the server supports them, so two machines should not s
 Every write of a checkpoint goes through a temporary, `.checkpoint.safetensors.<32 hex>.tmp`
 (`qkv.models.safetensors_io.write_atomically`), which a kill leaves behind; once the lock is held
 no other run can be writing one, and `remove_temporaries` deletes those that match that exact
-pattern for the files a run writes, nothing else.
+pattern for the files a run writes (its checkpoint and metrics, and the model it saves in its
+`model` subfolder), nothing else.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ logger = logging.getLogger(__name__)
 LOCK_NAME = ".qkv-train.lock"
 # write_atomically's temporaries for the files a run writes: ".<name>.<uuid4 hex>.tmp"
 _TEMPORARY = re.compile(r"\.(checkpoint\.safetensors|metrics\.jsonl)\.[0-9a-f]{32}\.tmp")
+# ... and those of the model the run saves in its `model` subfolder (qkv.models.save)
+MODEL_FOLDER = "model"
+_MODEL_TEMPORARY = re.compile(r"\.(model\.safetensors|config\.json)\.[0-9a-f]{32}\.tmp")
 
 
 class RunFolderBusyError(OSError):
@@ -91,11 +95,20 @@ class RunLock:
 
 
 def remove_temporaries(folder: str | os.PathLike) -> list[Path]:
-    """Delete the checkpoint and metrics temporaries that killed runs left in `folder`; call it
-    only while holding the folder's RunLock. Returns what was deleted."""
+    """Delete the checkpoint and metrics temporaries that killed runs left in `folder`, and the
+    saved model's in its `model` subfolder; call it only while holding the folder's RunLock.
+    Returns what was deleted."""
+    folder = Path(folder)
+    removed = _remove_matching(folder, _TEMPORARY)
+    if (folder / MODEL_FOLDER).is_dir():
+        removed += _remove_matching(folder / MODEL_FOLDER, _MODEL_TEMPORARY)
+    return removed
+
+
+def _remove_matching(folder: Path, pattern: re.Pattern) -> list[Path]:
     removed = []
-    for path in sorted(Path(folder).iterdir()):
-        if _TEMPORARY.fullmatch(path.name) and path.is_file():
+    for path in sorted(folder.iterdir()):
+        if pattern.fullmatch(path.name) and path.is_file():
             path.unlink(missing_ok=True)
             logger.warning("removed %s, left by a run killed while writing", path)
             removed.append(path)
