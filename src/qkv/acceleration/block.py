@@ -96,13 +96,13 @@ def _reuse_group(
         and group.names == names
         and group.batch_hint == batch_hint
         and all(
-            _reuse(member.own, (linear,), batch_hint) is member.own
+            _describes(member.own, (linear,), batch_hint)
             for member, linear in zip(group.members, linears, strict=True)
         )
     )
     if not fits:
         return SharedInputGroup(names, linears, batch_hint)
-    group.reset()
+    group.reset()  # drops packed copies and packing times too
     return group
 
 
@@ -111,14 +111,18 @@ def _reuse(module: PackedLinear | None, linears: tuple[nn.Linear, ...], batch_hi
     packing time reset and no packed copy (one made by a call outside any block, from a
     module kept past its block, may hold weights changed since); a new PackedLinear
     otherwise."""
-    fits = isinstance(module, PackedLinear) and (
+    if not _describes(module, linears, batch_hint):
+        return PackedLinear(*linears, batch_hint=batch_hint)
+    module.packing_seconds = 0.0
+    module._packed.clear()
+    return module
+
+
+def _describes(module: object, linears: tuple[nn.Linear, ...], batch_hint: int) -> bool:
+    """Whether `module` is a PackedLinear of `linears`' dtype and sizes, for `batch_hint`."""
+    return isinstance(module, PackedLinear) and (
         module.batch_hint == batch_hint
         and module._dtype == linears[0].weight.dtype
         and module.in_features == linears[0].in_features
         and module.out_features == sum(linear.out_features for linear in linears)
     )
-    if not fits:
-        return PackedLinear(*linears, batch_hint=batch_hint)
-    module.packing_seconds = 0.0
-    module._packed.clear()
-    return module

@@ -63,9 +63,9 @@ class SharedInputGroup:
 
     def reset(self) -> None:
         """Forget what was learned, the kept slices and every packed copy (a block's exit)."""
-        self.subsets: dict[int, tuple[int, ...]] | None = None  # index -> who shares its input
         self.fused: dict[tuple[int, ...], PackedLinear] = {}
-        # index -> (its subset, the subset's fused product or None, the subset's widths)
+        # what the first round taught, empty until then: index -> (the members that read its
+        # input, their fused product or None, their widths)
         self._plans: dict[int, tuple[tuple[int, ...], PackedLinear | None, list[int]]] = {}
         self._round: dict[int, torch.Tensor] = {}  # the learning round: index -> its input
         self._input: torch.Tensor | None = None  # the input of the kept slices
@@ -73,9 +73,10 @@ class SharedInputGroup:
         self._kept: dict[int, torch.Tensor] = {}  # index -> its slice of the last fused product
         for member in self.members:
             member.own._packed.clear()
+            member.own.packing_seconds = 0.0
 
     def shares_with(self, index: int) -> list[str]:
-        subset = (self.subsets or {}).get(index, (index,))
+        subset = self._plans[index][0] if self._plans else (index,)
         return [self.names[j] for j in subset if j != index]
 
     def product(self, index: int, x: torch.Tensor) -> torch.Tensor:
@@ -86,7 +87,7 @@ class SharedInputGroup:
         kept = self._kept
         if kept and self._input is x and index in kept and x._version == self._version:
             return kept.pop(index)
-        if self.subsets is None:
+        if not self._plans:
             if index not in self._round:
                 self._round[index] = x
                 return self.members[index].own._linear(x)
@@ -104,10 +105,8 @@ class SharedInputGroup:
         readers: dict[int, list[int]] = {}
         for index, x in self._round.items():
             readers.setdefault(id(x), []).append(index)
-        self.subsets = {}
         for indices in readers.values():
             subset = tuple(sorted(indices))
-            self.subsets.update({j: subset for j in subset})
             fused = None
             if len(subset) > 1:
                 stacked = [self.linears[j] for j in subset]
