@@ -1,4 +1,5 @@
-"""Generation: KV-cached decoding (its options in one `DecodeOptions`), sampling, beam search,
+"""Generation: KV-cached decoding for decoder-only and encoder-decoder models, one loop in which
+greedy search, sampling and beam search are strategies (its options in one `DecodeOptions`),
 attention sinks, text in and out."""
 
 from qkv.generation.beam import beam_search, greedy_decode

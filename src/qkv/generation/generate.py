@@ -1,28 +1,27 @@
-"""`qkv.generate`: autoregressive decoding for decoder-only models with a KV cache.
+"""`qkv.generate`: autoregressive decoding with a KV cache, for decoder-only and
+encoder-decoder models, by greedy search, sampling or beam search.
 
-One prefill pass over the prompt fills every layer's cache, then each step feeds only the newest
-token, whose query attends over the cache: O(t) per step instead of O(t^2).
+One loop does all of it (qkv.generation.loop): a step source feeds the model (steps.py: the
+prefill of a decoder-only model's prompt, or the encoder and the decoder's start token), a
+strategy chooses the tokens (strategies.py: greedy, sampling, beam search). Three entry points
+share that loop and one `DecodeOptions`: `decode_steps` yields a `DecodeStep` (tokens, the logits
+they were chosen from, the cache) per step; `stream` yields only the tokens; `generate` returns
+the whole sequences. All three check their arguments when called, before any decoding.
 
-Batches of prompts of different lengths are left-padded: the pad tokens are masked out as keys
-and every row's position ids count only its real tokens, so row b's tokens get the same
-positions (and RoPE angles) as if it were alone.
+Decoder-only prompts of different lengths are left-padded, with an attention_mask; the output is
+the prompt followed by the new tokens. An encoder-decoder `Transformer` takes the source ids
+(padded on either side, with an attention_mask) and returns the target: its start token
+(config.bos_token_id) followed by the new tokens; its end token defaults to config.eos_token_id.
 
-`compile=True` runs every step after the prefill through the model's forward compiled by
-`torch.compile` (dynamic shapes, one graph for every step and cache length): the norms, RoPE, casts
-and cache writes between the matrix products fuse into a few kernels, which on the CPU is most of a
-step's time outside the products themselves. Compiling costs tens of seconds once per model (its
-later calls, and later `packed_linears` blocks, reuse the graphs), and needs what torch.compile's
-inductor needs on the CPU: a C++ compiler. Inside `qkv.acceleration.packed_linears` the products of
-one row compile to streaming reductions too (see qkv.acceleration.packing), for several times
-transformers' tokens/s on the CPU (benchmarks/decode.py). Once two steps have passed a graph's
-guards, later steps call it without checking them again (`CompiledSteps`, through torch.compile's
-ahead-of-time compilation); `compile="guarded"` keeps to torch.compile's public API and checks every
-guard at every step (`GuardedSteps`), the same tokens, a little slower per step; `compile=True`
-falls back to it where this torch lacks what the faster path calls.
-
-Three entry points, one loop: `decode_steps` yields a `DecodeStep` (tokens, the logits they were
-chosen from, the cache) per step; `stream` yields only the tokens; `generate` returns the whole
-sequences. All three check their arguments when called, before any decoding.
+`compile=True` runs every step after a decoder-only model's prefill through its forward
+compiled by `torch.compile` (dynamic shapes, one graph for every step and cache length): the
+norms, RoPE, casts and cache writes between the matrix products fuse into a few kernels.
+Compiling takes a while once per model (later calls, and later `packed_linears` blocks, reuse
+the graphs) and needs what torch.compile's inductor needs on the CPU: a C++ compiler. Once two
+steps have passed a graph's guards, later steps call it without checking them again
+(`CompiledSteps`); `compile="guarded"` keeps to torch.compile's public API and checks every guard
+at every step (`GuardedSteps`); `compile=True` falls back to it where this torch lacks what the
+guard-free path calls (qkv.acceleration.compiled; speed in benchmarks/decode.py).
 """
 
 from __future__ import annotations
@@ -34,9 +33,11 @@ import torch
 from torch import nn
 
 from qkv.acceleration.compiled import compiled_steps, mark_cache_dynamic
+from qkv.generation.loop import DecodeStep, decode_loop
 from qkv.generation.options import DecodeOptions, decode_options
-from qkv.generation.sampling import LogitsCheck, next_token
-from qkv.layers.kv_cache import SinkKVCache, StaticKVCache
+from qkv.generation.steps import DecoderOnlySteps, EncoderDecoderSteps, make_cache, prompt_mask
+from qkv.generation.strategies import BeamSearch, TokenChoice
+from qkv.models.encoder_decoder import Transformer
 
 __all__ = [
     "DecodeOptions",
@@ -48,22 +49,6 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class DecodeStep:
-    """One decoding step.
-
-    tokens (B,) int64: the token chosen for each row (`eos_token_id` for rows already done).
-    logits (B, V) fp32: the model's next-token logits that step, before temperature and
-    filtering (what transformers' `generate(output_logits=True)` returns).
-    cache: the KV cache decoding writes into, to inspect (its length, its memory); not to
-    modify.
-    """
-
-    tokens: torch.Tensor
-    logits: torch.Tensor
-    cache: StaticKVCache | SinkKVCache
-
-
 def generate(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -73,29 +58,42 @@ def generate(
     on_token: Callable[[torch.Tensor], None] | None = None,
     **fields: object,
 ) -> torch.Tensor:
-    """Prompt followed by up to `max_new_tokens` new tokens, (B, L + new).
+    """The prompt followed by up to `max_new_tokens` new tokens, (B, L0 + new): L0 is the
+    prompt's length for a decoder-only model, 1 (the start token) for an encoder-decoder.
 
-    input_ids (B, L), left-padded when prompts differ in length, with attention_mask (B, L)
-    (1 = real token, 0 = padding; every row's 0s before its 1s, and at least one 1). How to
+    Decoder-only input_ids (B, L), left-padded when prompts differ in length, with
+    attention_mask (B, L) (1 = real token, 0 = padding; every row's 0s before its 1s, and at
+    least one 1). Encoder-decoder: the source ids (B, L_src) and their attention_mask. How to
     decode is a `DecodeOptions` (max_new_tokens, temperature, top_k, top_p, eos_token_id, seed,
-    sinks, compile), given whole or field by field (`max_new_tokens=32`), or both (the fields
-    replace the object's). Greedy unless temperature > 0. Rows that emit `eos_token_id` are
-    padded with it afterwards; decoding stops when every row has. `sinks=(num_sinks, window)`
-    decodes with a StreamingLLM cache of that size, past the model's context.
-    `on_token(tokens (B,))` streams each step. `compile=True` decodes with the model's forward
-    compiled (see the module doc): the same tokens, faster steps after a one-time compilation;
-    `compile="guarded"` with torch.compile's public API alone, every guard checked every step.
+    sinks, compile, num_beams, length_penalty, early_stopping), given whole or field by field
+    (`max_new_tokens=32`), or both (the fields replace the object's). Greedy unless
+    temperature > 0 or num_beams > 1 (then the best hypothesis of each prompt). Rows that emit
+    `eos_token_id` are padded with it afterwards; decoding stops when every row has (beam
+    search: when every prompt is done). `sinks=(num_sinks, window)` decodes a decoder-only model
+    with a StreamingLLM cache of that size, past its context. `on_token(tokens (B,))` streams
+    each step (not with beam search, whose tokens are known only at the end). `compile=True`
+    decodes with the model's forward compiled (see the module doc): the same tokens, faster
+    steps after a one-time compilation; `compile="guarded"` with torch.compile's public API
+    alone, every guard checked every step.
 
     Raises ValueError naming `model` when its logits stop being finite (NaN, +inf, or -inf
     for every token), with the step where they did: see `LogitsCheck` for when it is seen.
     """
-    steps = stream(model, input_ids, options, attention_mask=attention_mask, **fields)
+    options = decode_options(options, fields)
+    if options.num_beams > 1 and on_token is not None:
+        raise ValueError(
+            "on_token: beam search knows its tokens only at the end; expected on_token=None "
+            "with num_beams > 1 (or num_beams=1 to stream)"
+        )
+    decoding = start_decoding(model, input_ids, options, attention_mask)
     new_tokens = []
-    for tokens in steps:
-        new_tokens.append(tokens)
+    for step in decoding.steps:
+        new_tokens.append(step.tokens.unsqueeze(1))
         if on_token is not None:
-            on_token(tokens)
-    return torch.cat([input_ids, *[t.unsqueeze(1) for t in new_tokens]], dim=1)
+            on_token(step.tokens)
+    if isinstance(decoding.strategy, BeamSearch):
+        return decoding.strategy.result(1)[0]
+    return torch.cat([decoding.prompt, *new_tokens], dim=1)
 
 
 def stream(
@@ -106,8 +104,15 @@ def stream(
     attention_mask: torch.Tensor | None = None,
     **fields: object,
 ) -> Iterator[torch.Tensor]:
-    """The same decoding as `generate`, yielding each step's tokens (B,) as they come."""
-    steps = decode_steps(model, input_ids, options, attention_mask=attention_mask, **fields)
+    """The same decoding as `generate`, yielding each step's tokens (B,) as they come
+    (greedy search or sampling: beam search knows its tokens only at the end)."""
+    options = decode_options(options, fields)
+    if options.num_beams > 1:
+        raise ValueError(
+            f"num_beams: beam search knows its tokens only at the end; expected num_beams=1 to "
+            f"stream, got {options.num_beams} (generate returns the best hypotheses)"
+        )
+    steps = decode_steps(model, input_ids, options, attention_mask=attention_mask)
     return (step.tokens for step in steps)
 
 
@@ -119,16 +124,59 @@ def decode_steps(
     attention_mask: torch.Tensor | None = None,
     **fields: object,
 ) -> Iterator[DecodeStep]:
-    """The same decoding as `generate`, yielding a `DecodeStep` (tokens, logits, cache) per step.
+    """The same decoding as `generate`, yielding a `DecodeStep` (tokens, logits, cache, and with
+    beam search each beam's parent row) per step.
 
     Arguments are checked here, when called; the decoding runs as the iterator is consumed.
     """
     options = decode_options(options, fields)
+    return start_decoding(model, input_ids, options, attention_mask).steps
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """A decoding call, checked and ready: its steps (the loop, not yet started), the strategy
+    that chooses them, and the prompt (B, L0) the new tokens follow."""
+
+    steps: Iterator[DecodeStep]
+    strategy: TokenChoice | BeamSearch
+    prompt: torch.Tensor
+
+
+def start_decoding(
+    model, input_ids, options: DecodeOptions, attention_mask, *, beam: bool | None = None,
+    fill_token_id: int | None = None,
+) -> Decoding:  # fmt: skip
+    """The checked call of `decode_steps`. beam: whether to run BeamSearch (default: when
+    num_beams > 1); fill_token_id: what follows a row's end token (default: the end token)."""
+    if isinstance(model, Transformer):
+        source, prompt, eos = _encoder_decoder(model, input_ids, options, attention_mask)
+    else:
+        source, prompt, eos = _decoder_only(model, input_ids, options, attention_mask)
+    fill = (0 if eos is None else eos) if fill_token_id is None else fill_token_id
+    if (options.num_beams > 1) if beam is None else beam:
+        strategy = BeamSearch(
+            prompt, num_beams=options.num_beams, length_penalty=options.length_penalty,
+            early_stopping=options.early_stopping, eos_token_id=eos, fill_token_id=fill,
+        )  # fmt: skip
+    else:
+        sampled = options.temperature > 0
+        strategy = TokenChoice(
+            prompt.shape[0], input_ids.device, sampling=options.sampling,
+            generator=_generator(options.seed, input_ids.device) if sampled else None,
+            eos_token_id=eos, fill_token_id=fill,
+        )  # fmt: skip
+    steps = decode_loop(source, strategy, options.max_new_tokens, input_ids.device)
+    return Decoding(steps, strategy, prompt)
+
+
+def _decoder_only(model, input_ids, options: DecodeOptions, attention_mask):
+    """(DecoderOnlySteps, the prompt, eos_token_id) of a decoder-only model's call."""
     config = model.config
     B, L = _check_call(config, input_ids, options)
     sinks, compile = options.sinks, options.compile
     step_forward = compiled_steps(model, sinks, guarded=compile == "guarded") if compile else model
-    mask, padded = _prompt_mask(attention_mask, B, L, input_ids.device)
+    mask, padded = prompt_mask(attention_mask, B, L, input_ids.device)
     if sinks is not None and padded:
         raise ValueError(
             "attention_mask: padded prompts are not supported with sinks (a StreamingLLM cache "
@@ -138,125 +186,31 @@ def decode_steps(
     cache = make_cache(model, batch=B, max_length=L + options.max_new_tokens, sinks=sinks)
     if compile:
         mark_cache_dynamic(cache)
-    sampled = options.temperature > 0
-    generator = _generator(options.seed, input_ids.device) if sampled else None
-    # Without padding every key is real: the model gets no mask at all, rather than an all-ones
-    # one that it would inspect (a host sync) and drop at every step.
-    step_mask = mask if padded else None
-    return _decode(
-        model, step_forward, input_ids, step_mask, positions, cache, options.max_new_tokens,
-        options.eos_token_id, options.sampling, generator,
-    )  # fmt: skip
+    source = DecoderOnlySteps(
+        model, step_forward, input_ids, mask if padded else None, positions, cache
+    )
+    return source, input_ids, options.eos_token_id
 
 
-def _decode(
-    model, step_forward, input_ids, mask, positions, cache, max_new_tokens, eos_token_id,
-    sampling, generator,
-):  # fmt: skip
-    """The decoding loop of `decode_steps`, its arguments already checked. mask: (B, L) with
-    padding, or None without; positions (B, L) of the prompt's tokens. The prompt goes through
-    `model`, every later step through `step_forward` (the model, or its compiled forward)."""
-    B = input_ids.shape[0]
-    finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
-    tokens, step_mask, step_positions = input_ids, mask, positions
-    check = LogitsCheck(input_ids.device)
-    for step in range(max_new_tokens):
-        # no_grad per call, not around the loop: a grad mode set inside a generator would leak
-        # into the caller's code between steps.
-        with torch.no_grad():
-            # Only the prompt needs its ids checked: later tokens are this loop's own choices.
-            prefill = tokens is input_ids
-            forward = model if prefill else step_forward
-            logits = _forward(forward, tokens, step_mask, step_positions, cache, prefill)  # (B, V)
-        chosen = next_token(check.choosable(logits, step), **sampling, generator=generator)
-        done = False
-        if eos_token_id is not None:
-            chosen = torch.where(finished, eos_token_id, chosen)
-            finished = finished | (chosen == eos_token_id)
-            done = check.all_done(finished)  # a host sync, with an eos only
-        yield DecodeStep(tokens=chosen, logits=logits, cache=cache)
-        if done:
-            return
-        tokens = chosen.unsqueeze(1)  # (B, 1)
-        step_positions = step_positions[:, -1:] + 1  # (B, 1)
-        if step_mask is not None:
-            step_mask = torch.cat([step_mask, step_mask.new_ones(B, 1)], dim=1)
-    check.finish()
-
-
-def _forward(model, tokens, mask, positions, cache, check_ids: bool) -> torch.Tensor:
-    """Logits of the last position of each row, (B, V), in fp32: the only ones computed."""
-    options = {"logits_to_keep": 1, "check_ids": check_ids}
-    if isinstance(cache, SinkKVCache):  # one token at a time; every cached token is real
-        for i in range(tokens.shape[1]):
-            logits = model(tokens[:, i : i + 1], cache=cache, **options).logits
-        return logits[:, -1].float()
-    output = model(tokens, attention_mask=mask, position_ids=positions, cache=cache, **options)
-    return output.logits[:, -1].float()
-
-
-def make_cache(
-    model: nn.Module,
-    *,
-    batch: int,
-    max_length: int,
-    sinks: tuple[int, int] | None = None,
-    dtype: torch.dtype | None = None,
-    device: torch.device | str | None = None,
-) -> StaticKVCache | SinkKVCache:
-    """The KV cache `generate` decodes `model` with: `max_length` slots per row, or a
-    StreamingLLM cache of num_sinks + window slots when `sinks=(num_sinks, window)`.
-
-    Sized by the model's key/value heads H_kv, not its query heads (GQA/MQA shrink it);
-    dtype and device default to those of the model's parameters.
-    """
+def _encoder_decoder(model, input_ids, options: DecodeOptions, attention_mask):
+    """(EncoderDecoderSteps, the start tokens, eos_token_id) of an encoder-decoder's call."""
     config = model.config
-    parameter = next(model.parameters())
-    shape = {
-        "num_layers": config.num_layers, "batch": batch, "num_kv_heads": config.num_kv_heads,
-        "head_dim": config.head_dim, "dtype": parameter.dtype if dtype is None else dtype,
-        "device": parameter.device if device is None else device,
-    }  # fmt: skip
-    if sinks is not None:
-        return SinkKVCache(num_sinks=sinks[0], window=sinks[1], **shape)
-    return StaticKVCache(max_length=max_length, **shape)
-
-
-def _prompt_mask(attention_mask, B: int, L: int, device) -> tuple[torch.Tensor, bool]:
-    """The prompt's key mask (B, L) bool, and whether any row is padded (one host sync, here
-    rather than in every step). A mask must be 0/1, left-padded, with a real token per row:
-    decoding reads each row's last position as its newest token."""
-    if attention_mask is None:
-        return torch.ones(B, L, dtype=torch.bool, device=device), False
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != (B, L):
-        raise ValueError(f"attention_mask: expected shape ({B}, {L}), got {attention_mask!r}")
-    if attention_mask.device != device:
+    if options.sinks is not None or options.compile:
+        name = "sinks" if options.sinks is not None else "compile"
         raise ValueError(
-            f"attention_mask: on device {attention_mask.device}, expected input_ids' device "
-            f"{device}"
+            f"{name}: StreamingLLM caches and compiled steps are for decoder-only models; "
+            f"expected sinks=None and compile=False for an encoder-decoder Transformer"
         )
-    mask = attention_mask.bool()
-    binary = ((attention_mask == 0) | (attention_mask == 1)).all()
-    empty = ~mask.any(dim=1)  # (B,): no real token
-    gap = (mask[:, :-1] & ~mask[:, 1:]).any(dim=1)  # (B,): a 0 after a 1
-    flags = torch.stack((binary, mask.all(), empty.any(), gap.any())).tolist()
-    if not flags[0]:
+    eos = config.eos_token_id if options.eos_token_id is None else options.eos_token_id
+    _check_tokens(options, config.tgt_vocab_size, eos)
+    if 1 + options.max_new_tokens > config.max_positions:
         raise ValueError(
-            f"attention_mask: expected 0/1 (or bool) values, 1 on real tokens, got the values "
-            f"{attention_mask.unique()[:8].tolist()}"
+            f"max_new_tokens: the start token + {options.max_new_tokens} new tokens exceed the "
+            f"model's target context of {config.max_positions}; expected at most "
+            f"{config.max_positions - 1}"
         )
-    if flags[2]:
-        raise ValueError(
-            f"attention_mask: rows {empty.nonzero().flatten().tolist()} are all 0 (a prompt "
-            f"with no real token); expected at least one 1 in every row"
-        )
-    if flags[3]:
-        raise ValueError(
-            f"attention_mask: rows {gap.nonzero().flatten().tolist()} have a 0 after a 1 (right "
-            f"padding, or a gap); expected left padding, every row's 0s before its 1s, e.g. "
-            f"[0, 0, 1, 1, 1]"
-        )
-    return mask, not flags[1]
+    source = EncoderDecoderSteps(model, input_ids, attention_mask, options.max_new_tokens)
+    return source, source.start, eos
 
 
 def _generator(seed: int | None, device) -> torch.Generator | None:
@@ -271,12 +225,9 @@ def _check_call(config, input_ids, options: DecodeOptions) -> tuple[int, int]:
     """What the options ask of this model and prompt; (B, L)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids: expected a non-empty (B, L) tensor, got {input_ids!r}")
-    eos, top_k, max_new_tokens = options.eos_token_id, options.top_k, options.max_new_tokens
-    if eos is not None and not 0 <= eos < config.vocab_size:
-        raise ValueError(f"eos_token_id: {eos} is outside the vocabulary [0, {config.vocab_size})")
-    if top_k is not None and top_k > config.vocab_size:
-        raise ValueError(f"top_k: {top_k} exceeds the vocabulary size {config.vocab_size}")
+    _check_tokens(options, config.vocab_size, options.eos_token_id)
     B, L = input_ids.shape
+    max_new_tokens = options.max_new_tokens
     if options.sinks is None and L + max_new_tokens > config.max_positions:
         raise ValueError(
             f"input_ids: {L} prompt tokens + max_new_tokens={max_new_tokens} exceed the model's "
@@ -286,6 +237,13 @@ def _check_call(config, input_ids, options: DecodeOptions) -> tuple[int, int]:
     if options.sinks is not None:
         _check_sinks(config, options.sinks)
     return B, L
+
+
+def _check_tokens(options: DecodeOptions, vocab_size: int, eos: int | None) -> None:
+    if eos is not None and not 0 <= eos < vocab_size:
+        raise ValueError(f"eos_token_id: {eos} is outside the vocabulary [0, {vocab_size})")
+    if options.top_k is not None and options.top_k > vocab_size:
+        raise ValueError(f"top_k: {options.top_k} exceeds the vocabulary size {vocab_size}")
 
 
 def _check_sinks(config, sinks) -> None:

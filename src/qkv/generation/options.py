@@ -12,6 +12,7 @@ the new tokens within its context, sinks needing RoPE) is checked by the call, w
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from qkv.validation import check_int
@@ -31,7 +32,11 @@ class DecodeOptions:
     et al. 2020), from a generator seeded with `seed` (None: torch's global generator).
     eos_token_id: a row that emits it is finished, and padded with it afterwards.
     sinks: (num_sinks, window), a StreamingLLM cache (Xiao et al. 2024) that decodes past the
-    model's context. compile: one of COMPILE_MODES."""
+    model's context. compile: one of COMPILE_MODES.
+    num_beams > 1: beam search (qkv.generation.strategies.BeamSearch), deterministic
+    (temperature 0) and eager (compile False); its hypotheses are ranked by sum of
+    log-probabilities / new tokens ** length_penalty, and a prompt stops searching once it has
+    num_beams finished ones (early_stopping) or once none of its beams can beat them."""
 
     max_new_tokens: int
     temperature: float = 0.0
@@ -41,6 +46,9 @@ class DecodeOptions:
     seed: int | None = None
     sinks: tuple[int, int] | None = None
     compile: bool | str = False
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool = True
 
     def __post_init__(self) -> None:
         check_int("max_new_tokens", self.max_new_tokens, minimum=0)
@@ -54,6 +62,7 @@ class DecodeOptions:
             object.__setattr__(self, "sinks", tuple(self.sinks))
         if not (isinstance(self.compile, bool) or self.compile == "guarded"):
             raise TypeError(f'compile: expected a bool or "guarded", got {self.compile!r}')
+        _check_beams(self)
 
     @property
     def sampling(self) -> dict:
@@ -106,4 +115,27 @@ def _check_sinks(sinks: object) -> None:
         raise ValueError(
             f"sinks: expected (num_sinks, window), ints with num_sinks >= 0 and window >= 1, "
             f"got {sinks!r}"
+        )
+
+
+def _check_beams(options: DecodeOptions) -> None:
+    check_int("num_beams", options.num_beams, minimum=1)
+    length_penalty, early_stopping = options.length_penalty, options.early_stopping
+    if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)):
+        raise TypeError(f"length_penalty: expected a float, got {type(length_penalty).__name__}")
+    if not math.isfinite(length_penalty):
+        raise ValueError(f"length_penalty: expected a finite float, got {length_penalty}")
+    if not isinstance(early_stopping, bool):
+        raise TypeError(f"early_stopping: expected a bool, got {type(early_stopping).__name__}")
+    if options.num_beams == 1:
+        return
+    if options.temperature > 0:
+        raise ValueError(
+            f"num_beams: beam search is deterministic; expected temperature=0 with "
+            f"num_beams={options.num_beams}, got temperature={options.temperature}"
+        )
+    if options.compile:
+        raise ValueError(
+            f"compile: compiled steps decode a fixed set of rows, which beam search reorders; "
+            f"expected compile=False with num_beams={options.num_beams}"
         )

@@ -64,6 +64,12 @@ class _KVStorage:
         """Every layer has written `num_tokens` more: move the write slot."""
         self.length += num_tokens
 
+    def reorder(self, index: torch.Tensor) -> None:
+        """Beam search: keep the batch rows `index` (B',), in that order (one gather per
+        tensor); repeats expand B prompts into B * num_beams rows."""
+        self.keys = tuple(keys.index_select(0, index) for keys in self.keys)
+        self.values = tuple(values.index_select(0, index) for values in self.values)
+
 
 class StaticKVCache(_KVStorage):
     """Preallocated keys and values for every layer: (B, H_kv, max_length, D) each."""
@@ -109,11 +115,6 @@ class StaticKVCache(_KVStorage):
         keys[:, :, self.length : end] = k
         values[:, :, self.length : end] = v
         return q, keys[:, :, :end], values[:, :, :end]
-
-    def reorder(self, index: torch.Tensor) -> None:
-        """Beam search: keep the batch rows `index` (B,), in that order (one gather)."""
-        self.keys = tuple(keys.index_select(0, index) for keys in self.keys)
-        self.values = tuple(values.index_select(0, index) for values in self.values)
 
 
 class SinkKVCache(_KVStorage):

@@ -214,12 +214,15 @@ def _train(
             lr = scheduler.get_last_lr()[0]
             records.append({"step": done, "kind": "train", **loss_terms, "lr": lr,
                             **step_timer.read()})  # fmt: skip
-        if _due(done, config.eval_every, config.steps):
+        evaluate = _due(done, config.eval_every, config.steps)
+        checkpoint = _due(done, config.checkpoint_every, config.steps)
+        if evaluate or checkpoint:  # first: decoding with inf weights would fail less clearly
+            _check_weights(model, done, out_dir)
+        if evaluate:
             metrics = _evaluate(task, model, context)
             records.append({"step": done, "kind": "eval", **metrics})
         save = None
-        if _due(done, config.checkpoint_every, config.steps):
-            _check_weights(model, done, out_dir)
+        if checkpoint:
             extra = {**run_info, "metrics": metrics}
             save = functools.partial(
                 save_checkpoint, out_dir / CHECKPOINT_NAME, model=model, optimizer=optimizer,

@@ -1,0 +1,170 @@
+"""Step sources: a model being decoded, one step at a time, with its caches.
+
+The decoding loop (qkv.generation.loop) asks a source for the logits after the prompt
+(`first()`), then hands it each step's `Choice` (`next(choice)`): the source feeds the chosen
+tokens and returns the logits after them. A choice with `parents` (beam search) moves rows: the
+source reorders its caches so that row i continues row parents[i].
+
+- `DecoderOnlySteps` (GPT-2, Llama, Mistral): one prefill pass over the prompt fills every
+  layer's KV cache, then each step feeds only the newest token, whose query attends over the
+  cache: O(t) per step instead of O(t^2). Prompts of different lengths are left-padded: pad
+  tokens are masked out as keys and each row's position ids count only its real tokens, so a
+  row's tokens get the positions (and RoPE angles) they would have alone.
+- `EncoderDecoderSteps` (the encoder-decoder `Transformer`): the encoder runs once; the decoder
+  starts from the start token and keeps a `DecoderCache`, whose cross-attention keys/values are
+  projected from the memory once per source and shared by every row of that source.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qkv.generation.loop import Choice
+from qkv.layers.kv_cache import SinkKVCache, StaticKVCache
+
+__all__ = ["DecoderOnlySteps", "EncoderDecoderSteps", "make_cache", "prompt_mask"]
+
+
+class DecoderOnlySteps:
+    """A decoder-only model and its KV cache.
+
+    input_ids (B, L); mask (B, L) bool with padding, or None without (every key real: the model
+    then gets no mask, rather than an all-ones one it would inspect, a host sync, and drop at
+    every step); positions (B, L) of the prompt's tokens. The prompt goes through `model` (its
+    ids checked), every later step through `step_forward` (the model, or its compiled forward).
+    """
+
+    def __init__(self, model, step_forward, input_ids, mask, positions, cache) -> None:
+        self.model, self.step_forward, self.cache = model, step_forward, cache
+        self.input_ids, self.mask, self.positions = input_ids, mask, positions
+
+    def first(self) -> torch.Tensor:
+        return self._logits(self.model, self.input_ids, check_ids=True)  # (B, V)
+
+    def next(self, choice: Choice) -> torch.Tensor:
+        if choice.parents is not None:  # rows follow their parents: keys, mask and positions
+            self.cache.reorder(choice.parents)
+            self.positions = self.positions[choice.parents]
+            if self.mask is not None:
+                self.mask = self.mask[choice.parents]
+        rows = choice.tokens.shape[0]
+        self.positions = self.positions[:, -1:] + 1  # (R, 1)
+        if self.mask is not None:
+            self.mask = torch.cat([self.mask, self.mask.new_ones(rows, 1)], dim=1)
+        # Only the prompt needs its ids checked: later tokens are the loop's own choices.
+        return self._logits(self.step_forward, choice.tokens.unsqueeze(1), check_ids=False)
+
+    def _logits(self, forward, tokens, check_ids: bool) -> torch.Tensor:
+        """Logits of the last position of each row, (R, V), in fp32: the only ones computed."""
+        options = {"logits_to_keep": 1, "check_ids": check_ids}
+        if isinstance(self.cache, SinkKVCache):  # one token at a time; every cached one is real
+            for i in range(tokens.shape[1]):
+                logits = forward(tokens[:, i : i + 1], cache=self.cache, **options).logits
+            return logits[:, -1].float()
+        output = forward(
+            tokens, attention_mask=self.mask, position_ids=self.positions, cache=self.cache,
+            **options,
+        )  # fmt: skip
+        return output.logits[:, -1].float()
+
+
+class EncoderDecoderSteps:
+    """An encoder-decoder `Transformer`: the source encoded once (here, under no_grad, which
+    also checks its ids), then the target from the config's start token, cached.
+
+    input_ids (B, L_src) with attention_mask (B, L_src) (1/True on real tokens) or None.
+    """
+
+    def __init__(self, model, input_ids, attention_mask, max_new_tokens: int) -> None:
+        with torch.no_grad():
+            self.memory = model.encode(input_ids, attention_mask)  # (B, L_src, E)
+        B = self.memory.shape[0]
+        self.model, self.memory_mask = model, attention_mask
+        self.cache = model.new_decoder_cache(B, max(1, max_new_tokens))
+        bos = model.config.bos_token_id
+        self.start = torch.full((B, 1), bos, dtype=torch.long, device=self.memory.device)
+
+    def first(self) -> torch.Tensor:
+        return self._logits(self.start)  # (B, V)
+
+    def next(self, choice: Choice) -> torch.Tensor:
+        if choice.prompts is not None:  # rows of one source share its memory's keys/values
+            self.memory = self.memory[choice.prompts]
+            if self.memory_mask is not None:
+                self.memory_mask = self.memory_mask[choice.prompts]
+            self.cache.reorder_cross_attention(choice.prompts)
+        if choice.parents is not None:
+            self.cache.reorder_self_attention(choice.parents)
+        return self._logits(choice.tokens.unsqueeze(1))
+
+    def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed each row's newest token: logits of the token after it, (R, V), fp32."""
+        logits = self.model.decode(
+            tokens, self.memory, memory_mask=self.memory_mask, cache=self.cache
+        )
+        return logits[:, -1].float()
+
+
+def make_cache(
+    model: nn.Module,
+    *,
+    batch: int,
+    max_length: int,
+    sinks: tuple[int, int] | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> StaticKVCache | SinkKVCache:
+    """The KV cache `generate` decodes a decoder-only `model` with: `max_length` slots per row,
+    or a StreamingLLM cache of num_sinks + window slots when `sinks=(num_sinks, window)`.
+
+    Sized by the model's key/value heads H_kv, not its query heads (GQA/MQA shrink it);
+    dtype and device default to those of the model's parameters.
+    """
+    config = model.config
+    parameter = next(model.parameters())
+    shape = {
+        "num_layers": config.num_layers, "batch": batch, "num_kv_heads": config.num_kv_heads,
+        "head_dim": config.head_dim, "dtype": parameter.dtype if dtype is None else dtype,
+        "device": parameter.device if device is None else device,
+    }  # fmt: skip
+    if sinks is not None:
+        return SinkKVCache(num_sinks=sinks[0], window=sinks[1], **shape)
+    return StaticKVCache(max_length=max_length, **shape)
+
+
+def prompt_mask(attention_mask, B: int, L: int, device) -> tuple[torch.Tensor, bool]:
+    """A decoder-only prompt's key mask (B, L) bool, and whether any row is padded (one host
+    sync, here rather than in every step). A mask must be 0/1, left-padded, with a real token
+    per row: decoding reads each row's last position as its newest token."""
+    if attention_mask is None:
+        return torch.ones(B, L, dtype=torch.bool, device=device), False
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != (B, L):
+        raise ValueError(f"attention_mask: expected shape ({B}, {L}), got {attention_mask!r}")
+    if attention_mask.device != device:
+        raise ValueError(
+            f"attention_mask: on device {attention_mask.device}, expected input_ids' device "
+            f"{device}"
+        )
+    mask = attention_mask.bool()
+    binary = ((attention_mask == 0) | (attention_mask == 1)).all()
+    empty = ~mask.any(dim=1)  # (B,): no real token
+    gap = (mask[:, :-1] & ~mask[:, 1:]).any(dim=1)  # (B,): a 0 after a 1
+    flags = torch.stack((binary, mask.all(), empty.any(), gap.any())).tolist()
+    if not flags[0]:
+        raise ValueError(
+            f"attention_mask: expected 0/1 (or bool) values, 1 on real tokens, got the values "
+            f"{attention_mask.unique()[:8].tolist()}"
+        )
+    if flags[2]:
+        raise ValueError(
+            f"attention_mask: rows {empty.nonzero().flatten().tolist()} are all 0 (a prompt "
+            f"with no real token); expected at least one 1 in every row"
+        )
+    if flags[3]:
+        raise ValueError(
+            f"attention_mask: rows {gap.nonzero().flatten().tolist()} have a 0 after a 1 (right "
+            f"padding, or a gap); expected left padding, every row's 0s before its 1s, e.g. "
+            f"[0, 0, 1, 1, 1]"
+        )
+    return mask, not flags[1]
