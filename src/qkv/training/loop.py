@@ -14,12 +14,11 @@ big batch on one process would give, whatever the accumulation and the number of
 After backward the step's loss is checked, then the gradient's global norm (the one clipping
 computes, or computed for the check when clip_norm is None): NaN or inf stops the run with
 `LossNotFiniteError` (`GradientNotFiniteError` for a finite loss with a poisoned gradient)
-before the optimizer touches the weights. The run stops rather than skipping the step: a
-skipped step would make the run silently differ from the one its options describe, and hide an
-overflow that comes back. Then the AdamW step and the learning-rate schedule; every
-`checkpoint_every` steps, once the weights are checked finite too, an atomic checkpoint
-(`qkv.training.checkpoint`), which `resume=True` continues from. So the checkpoint on disk is
-always the last good state.
+before the optimizer touches the weights, rather than skipping the step (which would make the
+run silently differ from the one its options describe, and hide an overflow that comes back).
+Before an evaluation or a checkpoint the weights are checked finite too. Every
+`checkpoint_every` steps an atomic checkpoint (`qkv.training.checkpoint`), which `resume=True`
+continues from: the checkpoint on disk is always the last good state.
 
 One run per folder: `out_dir` is locked for the run (`qkv.training.runlock`; a second run is
 refused with the holder's pid), and the temporaries of checkpoints that killed runs were
@@ -211,9 +210,8 @@ def _train(
         step_timer.add(tokens)
         records = []
         if _due(done, config.log_every, config.steps):
-            lr = scheduler.get_last_lr()[0]
-            records.append({"step": done, "kind": "train", **loss_terms, "lr": lr,
-                            **step_timer.read()})  # fmt: skip
+            records.append({"step": done, "kind": "train", **loss_terms,
+                            "lr": scheduler.get_last_lr()[0], **step_timer.read()})  # fmt: skip
         evaluate = _due(done, config.eval_every, config.steps)
         checkpoint = _due(done, config.checkpoint_every, config.steps)
         if evaluate or checkpoint:  # first: decoding with inf weights would fail less clearly
