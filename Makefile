@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 RUN_STAMP := $(VENV)/.qkv-installed
 STAMP := $(VENV)/.qkv-test-installed
 
-.PHONY: install run test test-masked lint browser bench clean
+.PHONY: install run test test-masked lint browser bench bench-peers clean
 
 # `make run` needs qkv and matplotlib only; `make test` adds the references and test tools.
 $(RUN_STAMP): pyproject.toml
@@ -37,6 +37,13 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { \
 		echo "installing Debian's chromium for the viewer's browser test"; \
 		apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
+
+# The peers of benchmarks/decode.py: llama.cpp through llama-cpp-python, which pip compiles from
+# source for this CPU (minutes to tens of minutes on 2 cores), and the gguf package that writes
+# its model file. Not part of `make test` or `make run`.
+bench-peers: $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF" \
+		$(BIN)/python -m pip install --quiet -e '.[peers]'
 
 test: lint browser
 	$(BIN)/python -m pytest

@@ -1,4 +1,4 @@
-"""Benchmark: greedy decoding, qkv.generation.generate against transformers' generate.
+"""Benchmark: greedy decoding, qkv.generation.generate against transformers and llama.cpp.
 
     .venv/bin/python benchmarks/decode.py            # fp32 and bf16, 128 new tokens (1-4 min)
     .venv/bin/python benchmarks/decode.py --quick    # smoke run: 16 new tokens, 2 rounds
@@ -30,6 +30,13 @@ no attention_mask for either), 128 new tokens:
                    the guards buys (qkv keeps its private path only while it is >= 5%)
     transformers   model.generate(ids, do_sample=False, max_new_tokens=128,
                                   min_new_tokens=128, eos_token_id=None)
+The peers a CPU user would run instead (benchmarks/peers.py), timed in the same rounds:
+    transformers compiled   the same generate on a copy with a static cache and its forward
+                   compiled by torch.compile(fullgraph=True) (compiled before the timing,
+                   "hf compile s")
+    llama.cpp      llama-cpp-python on the same weights written as GGUF (fp32 or bf16
+                   matrices), greedy by argmax; its fp32 tokens must equal transformers' or it
+                   is not timed; absent (with how to install it) without `make bench-peers`
 The config has no eos token, so neither stops early and min_new_tokens masks nothing: both
 produce exactly 128 tokens, which are compared (the first divergent step is reported, with each
 model's top-2 logit margin and ties there: bf16 may flip near-ties). tokens/s = 128 / the
@@ -89,6 +96,7 @@ from common import (
     time_interleaved,
     write_json,
 )
+from peers import peer_calls
 from torch import nn
 
 from qkv.acceleration import PackedLinear, SharedInputMember, packed_linears
@@ -340,8 +348,22 @@ def bench_dtype(base_ours, base_theirs, dtype: str, bandwidth: Bandwidth, args) 
             ids, do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None
         ),
     }
+    peer_dir = tempfile.TemporaryDirectory(prefix="qkv-decode-peers-")
+    log(f"{dtype}: preparing the peers (transformers compiled, llama.cpp's GGUF) ...")
+    peers, peer_info = peer_calls(theirs, dtype, ids, n, Path(peer_dir.name))
+    if isinstance(peer_info.get("llama_cpp"), str):
+        log(peer_info["llama_cpp"])
+    calls.update(peers)
     log(f"{dtype}: checking tokens ...")
     check = check_tokens(ours, theirs, ids, n, calls)
+    reference = calls["transformers"]()[0, args.prompt :]
+    peer_info["first_divergence_from_transformers"] = {
+        name: first_divergence(calls[name]()[0, args.prompt :], reference) for name in peers
+    }  # None: the same n tokens
+    llama_step = peer_info["first_divergence_from_transformers"].get("llama_cpp")
+    if dtype == "fp32" and llama_step is not None:  # fp32 must agree before anything is timed
+        log(f"llama.cpp's fp32 tokens differ from transformers' from step {llama_step}: not timed")
+        del calls["llama_cpp"]
     if not check["equal"]:
         log(f"NOTE: {dtype}: greedy tokens differ from step {check['first_divergence_step']}")
     check["packed_equals_qkv"] = bool(torch.equal(calls["qkv_packed"](), calls["qkv"]()))
@@ -376,6 +398,7 @@ def bench_dtype(base_ours, base_theirs, dtype: str, bandwidth: Bandwidth, args) 
         budget_s=args.budget,
     )
     packed_block.close()
+    peer_dir.cleanup()
     probe = timings.pop("bandwidth_probe")
     bandwidth.read_samples += probe.samples
     element = next(ours.parameters()).element_size()
@@ -404,6 +427,13 @@ def bench_dtype(base_ours, base_theirs, dtype: str, bandwidth: Bandwidth, args) 
         # what calling the graphs without their guards buys over torch.compile's public path
         "guard_free_paired_gain": paired_ratio(timings["qkv_guarded"], timings["qkv_compiled"]),
         "guarded_compile_s": guarded_compile_s,
+        # the peers: qkv's fastest path over llama.cpp and over transformers compiled (paired)
+        "peers": peer_info,
+        "peer_paired_ratios": {
+            name: paired_ratio(timings[name], timings["qkv_compiled"])
+            for name in ("llama_cpp", "transformers_compiled")
+            if name in timings
+        },
         "packing_ms": packing_ms(ours, ids),
         "compile_s": compile_s,
         "bytes_per_token": {"weights": weights, "kv_cache_mean": kv, "total": weights + kv},
@@ -430,7 +460,8 @@ def add_limits(row: dict, read_bandwidth: float, probe_bytes: int) -> None:
             row["new_tokens"] / (ms / 1e3) / limit_r
             for ms, limit_r in zip(row["timings"][name]["samples_ms"], round_limits, strict=True)
         )
-        for name in ("qkv", "qkv_packed", "qkv_compiled", "qkv_guarded", "transformers")
+        for name in row["tokens_per_s"]
+        if name in row["timings"] and not name.endswith("_floor")
     }
 
 
@@ -478,6 +509,38 @@ def table(rows: list[dict]) -> str:
                 f"{r['packing_ms']:.0f}",
                 f"{r['compile_s']:.1f}",
                 same,
+            ]
+        )
+    return format_table(body, header)
+
+
+def peers_table(rows: list[dict]) -> str:
+    """qkv's fastest path beside what a user would run instead, in the same rounds."""
+    header = ["dtype", "qkv compiled tok/s", "llama.cpp tok/s", "hf compiled tok/s"]
+    header += ["compiled/llama.cpp paired", "compiled/hf compiled paired", "llama.cpp %lim"]
+    header += ["hf compile s", "tokens vs hf (llama.cpp, hf compiled)"]
+    body = []
+    for r in rows:
+        s, ratios, info = r["tokens_per_s"], r["peer_paired_ratios"], r["peers"]
+        steps = info["first_divergence_from_transformers"]
+        same = {
+            name: "equal" if steps.get(name, "-") is None else f"from step {steps.get(name, '-')}"
+            for name in ("llama_cpp", "transformers_compiled")
+        }
+
+        body.append(
+            [
+                r["dtype"],
+                f"{s['qkv_compiled']:.1f}",
+                f"{s['llama_cpp']:.1f}" if "llama_cpp" in s else "-",
+                f"{s['transformers_compiled']:.1f}",
+                f"{ratios['llama_cpp']:.3f}" if "llama_cpp" in ratios else "-",
+                f"{ratios['transformers_compiled']:.3f}",
+                f"{100 * r['fraction_of_round_limit']['llama_cpp']:.1f}%"
+                if "llama_cpp" in s
+                else "-",
+                f"{info['hf_compile_s']:.1f}",
+                f"{same['llama_cpp']}, {same['transformers_compiled']}",
             ]
         )
     return format_table(body, header)
@@ -561,6 +624,7 @@ def main(argv=None) -> None:
         f"copy (read + write) {summary['copy_peak'] / 1e9:.1f} GB/s peak"
     )
     print(table(rows))
+    print(peers_table(rows))
     print(
         f"# limit = read peak / (weights + mean K/V bytes per token); targets: qkv/hf >= "
         f"{TARGET_RATIO}, qkv >= {TARGET_FRACTION:.0%} of the limit ('!' = missed by qkv's "

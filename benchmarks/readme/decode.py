@@ -238,6 +238,59 @@ def decode_section(data: dict) -> list[str]:
             ]
         )
     lines += ["The diagnostics:", "", *md_table(header, body), ""]
+    lines += _peers(rows)
     lines += ["Tokens compared with transformers':", ""]
     lines += [line for r in rows for line in prose(f"- {_tokens_note(r)}")]
     return lines
+
+
+PEERS_TEXT = """\
+Against what a CPU user would run instead, in the same interleaved rounds: llama.cpp
+(llama-cpp-python {version}) decoding the same weights written as a GGUF file ({gguf}; q/k rows
+interleaved for its RoPE; greedy by argmax over its logits, one `eval` per token), and
+transformers with a static cache and its forward compiled by `torch.compile` (fullgraph), as its
+documentation speeds generation up. llama.cpp is timed only if its fp32 tokens equal
+transformers'."""
+
+
+def _peers(rows: list[dict]) -> list[str]:
+    if not any("peers" in r for r in rows):
+        return []
+    info = next(r["peers"] for r in rows if "peers" in r)
+    llama = info.get("llama_cpp")
+    version = llama.get("version", NOT_RECORDED) if isinstance(llama, dict) else NOT_RECORDED
+    lines = [*prose(PEERS_TEXT.format(version=version, gguf="fp32 or bf16 matrices")), ""]
+    if isinstance(llama, str):
+        lines += [*prose(llama), ""]
+    header = [
+        "dtype",
+        "qkv compiled",
+        "llama.cpp",
+        "transformers compiled",
+        "qkv compiled / llama.cpp (paired)",
+        "qkv compiled / transformers compiled (paired)",
+        "llama.cpp % of limit (paired)",
+        "transformers compile s",
+        "tokens vs transformers: llama.cpp; transformers compiled",
+    ]
+    body = []
+    for r in rows:
+        steps = get(r, "peers", "first_divergence_from_transformers") or {}
+        same = [
+            "equal" if steps.get(name, "-") is None else f"from step {steps.get(name, '-')}"
+            for name in ("llama_cpp", "transformers_compiled")
+        ]
+        body.append(
+            [
+                dtype_name(r.get("dtype")),
+                num(get(r, "tokens_per_s", "qkv_compiled"), ".1f"),
+                num(get(r, "tokens_per_s", "llama_cpp"), ".1f"),
+                num(get(r, "tokens_per_s", "transformers_compiled"), ".1f"),
+                num(get(r, "peer_paired_ratios", "llama_cpp"), ".2f"),
+                num(get(r, "peer_paired_ratios", "transformers_compiled"), ".2f"),
+                pct(get(r, "fraction_of_round_limit", "llama_cpp"), ".1f"),
+                num(get(r, "peers", "hf_compile_s"), ".1f"),
+                "; ".join(same),
+            ]
+        )
+    return [*lines, "Tokens/s (median call):", "", *md_table(header, body), ""]

@@ -1,0 +1,159 @@
+"""The peers of benchmarks/decode.py: llama.cpp and transformers' static cache + torch.compile.
+
+llama.cpp (through llama-cpp-python) decodes the same weights, written here as a GGUF file with
+the `gguf` package: Hugging Face's Llama keeps each head's rotary pairs as (first half, second
+half) of its rows (`rotate_half`), llama.cpp's "normal" RoPE rotates adjacent rows (2i, 2i + 1),
+so the rows of q_proj and k_proj are interleaved per head before writing. Norm weights stay fp32
+(llama.cpp keeps 1-D tensors in fp32 in every file type); matrices are fp32 or bf16. The file
+declares no vocabulary (tokenizer model "no_vocab"): the harness feeds token ids and reads
+logits, greedy by argmax, as qkv and transformers are timed.
+
+Both are optional: installing llama-cpp-python compiles llama.cpp from source (minutes to tens of
+minutes on 2 cores), so `make bench-peers` installs it, and `missing()` says how when absent.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+INSTALL = "make bench-peers (pip install llama-cpp-python gguf; compiles llama.cpp)"
+
+
+def missing() -> str | None:
+    """None when llama.cpp can run here, else what is missing and how to install it."""
+    try:
+        import gguf  # noqa: F401
+        import llama_cpp  # noqa: F401
+    except ImportError as error:
+        return f"llama.cpp skipped: {error.name} is not installed; {INSTALL}"
+    return None
+
+
+def interleave_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """(num_heads * D, E) rows ordered [h][half][i] -> [h][i][half]: head h's row i of the first
+    half and row i of the second half become rows 2i and 2i + 1 (llama.cpp's RoPE pairs)."""
+    rows, columns = weight.shape
+    D = rows // num_heads
+    return weight.reshape(num_heads, 2, D // 2, columns).transpose(1, 2).reshape(rows, columns)
+
+
+def write_gguf(model: nn.Module, path: Path, dtype: str) -> Path:
+    """A transformers LlamaForCausalLM as a llama.cpp GGUF file; dtype "fp32" or "bf16"."""
+    import gguf
+
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(config.hidden_size // heads)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_tokenizer_model("no_vocab")
+    file_type = gguf.LlamaFileType.ALL_F32 if dtype == "fp32" else gguf.LlamaFileType.MOSTLY_BF16
+    writer.add_file_type(file_type)
+    for name, tensor in _gguf_tensors(model.state_dict(), config, heads, kv_heads):
+        if tensor.dim() == 1 or dtype == "fp32":
+            writer.add_tensor(name, tensor.float().numpy())
+        else:
+            bits = tensor.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            writer.add_tensor(name, bits, raw_dtype=gguf.GGMLQuantizationType.BF16)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _gguf_tensors(state: dict, config, heads: int, kv_heads: int):
+    """(GGUF name, tensor) for every weight of a Hugging Face Llama state dict."""
+    yield "token_embd.weight", state["model.embed_tokens.weight"]
+    yield "output_norm.weight", state["model.norm.weight"]
+    yield "output.weight", state["lm_head.weight"]
+    names = {
+        "input_layernorm": "attn_norm", "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    }  # fmt: skip
+    for layer in range(config.num_hidden_layers):
+        prefix = f"model.layers.{layer}."
+        q = state[prefix + "self_attn.q_proj.weight"]
+        k = state[prefix + "self_attn.k_proj.weight"]
+        yield f"blk.{layer}.attn_q.weight", interleave_rope_rows(q, heads)
+        yield f"blk.{layer}.attn_k.weight", interleave_rope_rows(k, kv_heads)
+        for theirs, ours in names.items():
+            yield f"blk.{layer}.{ours}.weight", state[f"{prefix}{theirs}.weight"]
+
+
+class LlamaCpp:
+    """Greedy decoding of a GGUF file by llama.cpp, batch 1: the prompt in one call, then one
+    token per call, each chosen by argmax over the last logits (as `generate` chooses)."""
+
+    def __init__(self, path: Path, *, context: int, threads: int) -> None:
+        import llama_cpp
+
+        self._api = llama_cpp
+        self.llm = llama_cpp.Llama(
+            model_path=str(path), n_ctx=context, n_batch=context, n_threads=threads,
+            n_threads_batch=threads, logits_all=False, verbose=False,
+        )  # fmt: skip
+        self.vocab = self.llm.n_vocab()
+
+    def generate(self, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        """ids (1, L) -> (1, L + new_tokens), as `qkv.generate` returns them."""
+        self.llm.reset()
+        self.llm.eval(ids[0].tolist())
+        chosen = []
+        for step in range(new_tokens):
+            pointer = self._api.llama_get_logits_ith(self.llm.ctx, -1)
+            logits = np.ctypeslib.as_array(pointer, shape=(self.vocab,))
+            chosen.append(int(logits.argmax()))
+            if step + 1 < new_tokens:
+                self.llm.eval([chosen[-1]])
+        return torch.cat([ids, torch.tensor([chosen], dtype=ids.dtype)], dim=1)
+
+
+def transformers_compiled(model: nn.Module) -> nn.Module:
+    """A copy of a transformers causal LM as its documentation speeds up generation: a static
+    cache (fixed shapes) and its forward compiled by torch.compile (fullgraph)."""
+    compiled = copy.deepcopy(model)
+    compiled.generation_config.cache_implementation = "static"
+    compiled.forward = torch.compile(compiled.forward, fullgraph=True)
+    return compiled
+
+
+def peer_calls(theirs: nn.Module, dtype: str, ids: torch.Tensor, n: int, directory: Path):
+    """The peers' calls for one row of decode.py, each returning (1, L + n) tokens, and what
+    preparing them cost: ({name: call}, {"hf_compile_s": ..., "llama_cpp": ... or a note})."""
+    import time
+
+    compiled = transformers_compiled(theirs)
+    calls = {
+        "transformers_compiled": lambda: compiled.generate(
+            ids, do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None
+        )
+    }
+    start = time.perf_counter()
+    calls["transformers_compiled"]()  # the first call compiles
+    info = {"hf_compile_s": time.perf_counter() - start}
+    absent = missing()
+    if absent is not None:
+        info["llama_cpp"] = absent
+        return calls, info
+    path = write_gguf(theirs, directory / f"model-{dtype}.gguf", dtype)
+    llama = LlamaCpp(path, context=ids.shape[1] + n, threads=torch.get_num_threads())
+    calls["llama_cpp"] = lambda: llama.generate(ids, n)
+    import llama_cpp
+
+    info["llama_cpp"] = {"version": llama_cpp.__version__, "gguf_bytes": path.stat().st_size}
+    return calls, info
