@@ -9,6 +9,10 @@ Candidates, all on (B, H, L, D) = (1, 12, L, 64) self-attention (L_q = L_k = L):
     sdpa   F.scaled_dot_product_attention(q, k, v, is_causal=c)
     naive  softmax(q k^T / sqrt(D) + causal -inf mask) v    in eager PyTorch, scores materialized
            (the boolean causal mask is built once per configuration, outside the timed call)
+    flex   torch.compile(flex_attention)(q, k, v, block_mask=causal BlockMask or None): PyTorch's
+           FlexAttention, the peer for attention patterns (compiled once per shape and dtype,
+           its BlockMask built outside the timed call); forward only on the CPU, where torch 2.13
+           has no FlexAttention backward
 
 Timing: warm-up calls, then rounds that each call every candidate once, in a rotating order, so
 that machine noise hits all equally; the median per candidate is reported (common.py). Repeats
@@ -53,7 +57,11 @@ from common import (
 import qkv
 
 RESULTS = Path(__file__).resolve().parent / "results"
-CANDIDATES = ("qkv", "sdpa", "naive")
+CANDIDATES = ("qkv", "sdpa", "naive", "flex")
+FLEX = {}  # the compiled flex_attention, made on first use
+# One compile per shape, dtype and pattern: more than torch.compile's default of 8 recompiles of
+# a function, past which it would silently run flex_attention eagerly (unfused, many times slower).
+torch._dynamo.config.recompile_limit = 64
 TARGET_RATIO = 1.05  # qkv / sdpa
 BATCH, HEADS, HEAD_DIM = 1, 12, 64
 # Largest acceptable max |output - sdpa output| per dtype, for the sanity check before timing.
@@ -89,6 +97,8 @@ def make_candidates(q, k, v, *, causal: bool, backward: bool) -> dict:
         "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
         "naive": lambda q, k, v: naive_attention(q, k, v, hidden),
     }
+    if not backward or q.device.type != "cpu":  # FlexAttention: no backward on the CPU
+        forwards["flex"] = flex(q.shape[-2], causal, q.device)
     if not backward:
         return {name: (lambda f=f: f(q, k, v)) for name, f in forwards.items()}
     grad_out = torch.randn_like(q)
@@ -101,6 +111,25 @@ def make_candidates(q, k, v, *, causal: bool, backward: bool) -> dict:
         return call
 
     return {name: forward_backward(f) for name, f in forwards.items()}
+
+
+def causal_pattern(b, h, q_index, k_index):
+    return q_index >= k_index
+
+
+def flex(L: int, causal: bool, device):
+    """FlexAttention (compiled once per shape, dtype and pattern) with the causal BlockMask (or
+    none). The pattern is a module-level function: a new function object per call would fail
+    the compiled graph's guards and compile again."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    block_mask = None
+    if causal:
+        block_mask = create_block_mask(causal_pattern, None, None, L, L, device=device)
+    if "compiled" not in FLEX:
+        FLEX["compiled"] = torch.compile(flex_attention, dynamic=False)
+    compiled = FLEX["compiled"]
+    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
 
 
 def check_outputs(q, k, v, *, causal: bool) -> dict[str, float]:
@@ -116,6 +145,7 @@ def check_outputs(q, k, v, *, causal: bool) -> dict[str, float]:
         errors = {
             "qkv": (qkv.attention(q, k, v, causal=causal).float() - ref).abs().max().item(),
             "naive": (naive_attention(q, k, v, hidden).float() - ref).abs().max().item(),
+            "flex": (flex(q.shape[-2], causal, q.device)(q, k, v).float() - ref).abs().max().item(),
         }
     return errors
 
@@ -142,6 +172,7 @@ def bench_one(L: int, dtype: torch.dtype, causal: bool, args) -> dict:
         budget_s=args.budget,
     )
     flops = attention_flops(L, L, causal=causal, backward=args.backward)
+    names = tuple(timings)  # flex is absent from f+b rows on the CPU
     row = {
         "L": L,
         "causal": causal,
@@ -149,12 +180,15 @@ def bench_one(L: int, dtype: torch.dtype, causal: bool, args) -> dict:
         "flops": flops,
         "repeats": len(timings["sdpa"].samples),
         "max_abs_diff_vs_sdpa": errors,
-        "ms": {n: timings[n].median * 1e3 for n in CANDIDATES},
-        "ratio_vs_sdpa": {n: timings[n].median / timings["sdpa"].median for n in CANDIDATES},
+        "ms": {n: timings[n].median * 1e3 for n in names},
+        "ratio_vs_sdpa": {n: timings[n].median / timings["sdpa"].median for n in names},
         # Median of the per-round ratios: rounds are interleaved, so pairing cancels slow drift.
-        "paired_ratio_vs_sdpa": {n: paired_ratio(timings[n], timings["sdpa"]) for n in CANDIDATES},
-        "gflops": {n: flops / timings[n].median / 1e9 for n in CANDIDATES},
-        "timings": {n: timings[n].as_dict() for n in CANDIDATES},
+        "paired_ratio_vs_sdpa": {n: paired_ratio(timings[n], timings["sdpa"]) for n in names},
+        "paired_ratio_vs_flex": {n: paired_ratio(timings[n], timings["flex"]) for n in names}
+        if "flex" in timings
+        else {},
+        "gflops": {n: flops / timings[n].median / 1e9 for n in names},
+        "timings": {n: timings[n].as_dict() for n in names},
     }
     del q, k, v, timings
     gc.collect()
@@ -178,8 +212,10 @@ def table(rows: list[dict]) -> str:
         "qkv ms",
         "sdpa ms",
         "naive ms",
+        "flex ms",
         "qkv/sdpa",
         "naive/sdpa",
+        "qkv/flex",
         "qkv GF/s",
         "qkv %mm",
         "sdpa %mm",
@@ -193,11 +229,12 @@ def table(rows: list[dict]) -> str:
                 r["L"],
                 "yes" if r["causal"] else "no",
                 r["dtype"],
-                *(f"{r['ms'][n]:.2f}" for n in CANDIDATES),
+                *(f"{r['ms'][n]:.2f}" if n in r["ms"] else "-" for n in CANDIDATES),
                 f"{ratio:.3f}" + ("!" if ratio > TARGET_RATIO else " "),
                 f"{r['ratio_vs_sdpa']['naive']:.2f}",
+                f"{r['ms']['qkv'] / r['ms']['flex']:.2f}" if "flex" in r["ms"] else "-",
                 f"{r['gflops']['qkv']:.1f}",
-                *(f"{100 * r['fraction_of_matmul'][n]:.1f}%" for n in CANDIDATES),
+                *(f"{100 * r['fraction_of_matmul'][n]:.1f}%" for n in ("qkv", "sdpa", "naive")),
             ]
         )
     return format_table(body, header)
@@ -223,7 +260,9 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
             (r for r in rows if (r["dtype"], r["causal"]) == (dtype, causal)), key=lambda r: r["L"]
         )
         for name in CANDIDATES:
-            ax.plot([r["L"] for r in sel], [r["ms"][name] for r in sel], marker="o", label=name)
+            points = [(r["L"], r["ms"][name]) for r in sel if name in r["ms"]]
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", label=name)
         ax.set(xscale="log", yscale="log", xlabel="L", ylabel="ms (median)")
         ax.set_title(f"{dtype}, {'causal' if causal else 'full'}")
         ax.set_xticks([r["L"] for r in sel], [str(r["L"]) for r in sel])
@@ -313,7 +352,7 @@ def main(argv=None) -> None:
     mm_rates = {dtype: max(run["peak"] for run in runs) for dtype, runs in mm_runs.items()}
     for row in rows:
         rate = mm_rates[DTYPES[_short(row["dtype"])]]
-        row["fraction_of_matmul"] = {n: row["gflops"][n] * 1e9 / rate for n in CANDIDATES}
+        row["fraction_of_matmul"] = {n: row["gflops"][n] * 1e9 / rate for n in row["gflops"]}
 
     shape = f"B={BATCH}, H={HEADS}, D={HEAD_DIM}, self-attention"
     rates = ", ".join(f"{str(d).removeprefix('torch.')} {r / 1e9:.1f}" for d, r in mm_rates.items())

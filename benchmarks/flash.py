@@ -11,6 +11,11 @@ Shapes: (B, H, L, D) = (1, 8, L, 64), self-attention. Two settings, side by side
     window 1024  sdpa   qkv.attention(window=1024, backend="sdpa"): SDPA with the dense
                         (L, L) mask qkv builds for it, every hidden score still computed
                  tiled  qkv.flash_attention(window=1024): hidden tiles skipped
+    both         flex   PyTorch's FlexAttention, compiled (torch.compile(flex_attention)), with
+                        the BlockMask of the same pattern, built once outside the timing: what a
+                        PyTorch user writes for a custom pattern; its output is checked against
+                        the tiled path's before timing. On the CPU it has no backward (torch
+                        2.13 refuses it), so its f+b and memory columns stay empty there.
 Each is timed forward ("fwd") and forward + backward ("f+b"), interleaved (common.py), and its
 peak memory of forward + backward is measured once with the PyTorch profiler's allocation
 events (CPU) or max_memory_allocated (CUDA): bytes beyond the inputs, at the worst moment.
@@ -49,6 +54,12 @@ from qkv.analysis.cost.memory import peak_bytes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HEADS, HEAD_DIM, WINDOW = 8, 64, 1024
+FLEX = {}  # the compiled flex_attention, made on first use
+# One compile per shape, dtype and pattern: more than torch.compile's default of 8 recompiles of
+# a function, past which it would silently run flex_attention eagerly (unfused, many times slower).
+torch._dynamo.config.recompile_limit = 64
+# Largest acceptable max |flex - tiled| per dtype, checked before timing.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-3}
 
 
 def naive(q, k, v, mask):
@@ -68,11 +79,40 @@ def candidates(setting: str, L: int, dtype: torch.dtype, device: str, naive_max:
         if naive_max >= L:
             mask = qkv.masks.causal(L, device=device)
             found["naive"] = lambda q, k, v: naive(q, k, v, mask)
-        return found
-    return {
-        "sdpa": lambda q, k, v: qkv.attention(q, k, v, window=WINDOW, backend="sdpa"),
-        "tiled": lambda q, k, v: qkv.flash_attention(q, k, v, window=WINDOW),
-    }
+    else:
+        found = {
+            "sdpa": lambda q, k, v: qkv.attention(q, k, v, window=WINDOW, backend="sdpa"),
+            "tiled": lambda q, k, v: qkv.flash_attention(q, k, v, window=WINDOW),
+        }
+    found["flex"] = flex(setting, L, device)
+    return found
+
+
+def differentiable(name: str, device: str) -> bool:
+    """FlexAttention has no backward on the CPU (torch 2.13)."""
+    return name != "flex" or device != "cpu"
+
+
+def causal_pattern(b, h, q_index, k_index):
+    return q_index >= k_index
+
+
+def window_pattern(b, h, q_index, k_index):  # keys j with i - W < j <= i, as qkv's window=W
+    return (q_index >= k_index) & (q_index - k_index < WINDOW)
+
+
+def flex(setting: str, L: int, device: str):
+    """FlexAttention (compiled once per shape, dtype and pattern) with the BlockMask of
+    `setting`. The patterns are module-level functions: a new function object per call would
+    fail the compiled graph's guards and compile again."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    pattern = causal_pattern if setting == "causal" else window_pattern
+    block_mask = create_block_mask(pattern, None, None, L, L, device=device)
+    if "compiled" not in FLEX:
+        FLEX["compiled"] = torch.compile(flex_attention, dynamic=False)
+    compiled = FLEX["compiled"]
+    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
 
 
 def inputs(L: int, dtype: torch.dtype, device: str, grad: bool):
@@ -99,6 +139,9 @@ def useful_flops(setting: str, L: int, backward: bool) -> float:
 def bench(setting: str, L: int, dtype: torch.dtype, args) -> dict:
     fns = candidates(setting, L, dtype, args.device, args.naive_max)
     q, k, v = inputs(L, dtype, args.device, grad=False)
+    flex_error = float((fns["flex"](q, k, v) - fns["tiled"](q, k, v)).abs().max())
+    if flex_error > TOLERANCE[dtype]:
+        raise RuntimeError(f"{setting} L={L} {dtype}: flex differs from tiled by {flex_error}")
     fwd = time_interleaved(
         {n: (lambda f=f: f(q, k, v)) for n, f in fns.items()},
         device=args.device,
@@ -108,23 +151,28 @@ def bench(setting: str, L: int, dtype: torch.dtype, args) -> dict:
         budget_s=args.budget,
     )
     qg, kg, vg = inputs(L, dtype, args.device, grad=True)
+    backward = {n: f for n, f in fns.items() if differentiable(n, args.device)}
     fb = time_interleaved(
-        {n: forward_backward(f, qg, kg, vg) for n, f in fns.items()},
+        {n: forward_backward(f, qg, kg, vg) for n, f in backward.items()},
         device=args.device,
         warmup=1,
         repeats=args.repeats,
         min_repeats=3,
         budget_s=args.budget,
     )
-    memory = {n: peak_bytes(forward_backward(f, qg, kg, vg), args.device) for n, f in fns.items()}
+    memory = {
+        n: peak_bytes(forward_backward(f, qg, kg, vg), args.device) for n, f in backward.items()
+    }
     row = {"setting": setting, "L": L, "dtype": str(dtype).removeprefix("torch."), "by": {}}
+    row["flex_max_abs_diff_vs_tiled"] = flex_error
     for name in fns:
+        fb_s = fb[name].median if name in fb else None
         row["by"][name] = {
             "fwd_s": fwd[name].median,
-            "fb_s": fb[name].median,
-            "peak_fb_bytes": memory[name],
+            "fb_s": fb_s,
+            "peak_fb_bytes": memory.get(name),
             "fwd_gflops": useful_flops(setting, L, False) / fwd[name].median / 1e9,
-            "fb_gflops": useful_flops(setting, L, True) / fb[name].median / 1e9,
+            "fb_gflops": useful_flops(setting, L, True) / fb_s / 1e9 if fb_s else None,
         }
     log(
         f"{setting} L={L} {row['dtype']}: "
@@ -216,7 +264,7 @@ def table(rows: list[dict]) -> str:
                     f"{c['fwd_s'] * 1e3:.1f}",
                     f"{c['fb_s'] * 1e3:.1f}" if c["fb_s"] else "-",
                     f"{c['fwd_gflops']:.1f}",
-                    f"{c['peak_fb_bytes'] / 2**20:.1f}",
+                    f"{c['peak_fb_bytes'] / 2**20:.1f}" if c["peak_fb_bytes"] else "-",
                     _ratio(c, sdpa, "fwd_s"),
                     _ratio(c, sdpa, "fb_s"),
                 ]
@@ -271,6 +319,14 @@ def verdicts(rows: list[dict], dtypes: list[str]) -> list[str]:
                 f"{dtype}: window {WINDOW} at L={last['L']}: tiled {speedup:.1f}x faster "
                 f"than SDPA with its dense mask (target >= 3 at 16k)"
             )
+        with_flex = [r for r in rows if r["dtype"] == dtype and "flex" in r["by"]]
+        if with_flex:
+            ratio = {id(r): r["by"]["tiled"]["fwd_s"] / r["by"]["flex"]["fwd_s"] for r in with_flex}
+            worst = max(with_flex, key=lambda r: ratio[id(r)])
+            out.append(
+                f"{dtype}: tiled fwd / FlexAttention fwd: worst {ratio[id(worst)]:.2f} "
+                f"({worst['setting']} L={worst['L']}; > 1: FlexAttention is faster)"
+            )
     return out
 
 
@@ -280,7 +336,7 @@ def plot(rows: list[dict], path: Path) -> None:
         return
     fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(11, 4))
     for setting in ("causal", "window"):
-        for name in ("naive", "sdpa", "tiled"):
+        for name in ("naive", "sdpa", "tiled", "flex"):
             points = [
                 (r["L"], r["by"][name])
                 for r in rows
@@ -292,7 +348,7 @@ def plot(rows: list[dict], path: Path) -> None:
             ax_time.loglog(
                 [L for L, _ in points], [c["fwd_s"] for _, c in points], "o-", label=label
             )
-            if setting == "causal":
+            if setting == "causal" and all(c["peak_fb_bytes"] for _, c in points):
                 ax_mem.loglog(
                     [L for L, _ in points],
                     [c["peak_fb_bytes"] / 2**20 for _, c in points],

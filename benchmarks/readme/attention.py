@@ -31,7 +31,10 @@ outside the timed call). qkv/sdpa is what the wrapper costs (target: at most {ta
 is what the fused kernel buys. Throughput counts the useful FLOPs of exact attention,
 4 * B * H * L^2 * D for the forward pass (half of it when causal), and is given as a fraction of
 the measured rate of a 2048 x 2048 matmul of the same dtype (the best of the measurements before
-and after the rows). Before timing, each configuration compares the outputs with SDPA's."""
+and after the rows). Before timing, each configuration compares the outputs with SDPA's. The
+peer for attention patterns is PyTorch's FlexAttention: `torch.compile(flex_attention)` with the
+causal `BlockMask` (or none), compiled once per shape and dtype, its mask built outside the timed
+call; qkv/flex above 1 means FlexAttention is faster."""
 
 
 def attention_section(data: dict) -> list[str]:
@@ -94,8 +97,10 @@ def attention_section(data: dict) -> list[str]:
         "qkv ms",
         "sdpa ms",
         "naive ms",
+        "flex ms",
         "qkv / sdpa (paired)",
         "naive / sdpa",
+        "qkv / flex (paired)",
         "qkv GFLOP/s",
         "qkv % of matmul",
         "sdpa % of matmul",
@@ -109,8 +114,10 @@ def attention_section(data: dict) -> list[str]:
             num(get(r, "ms", "qkv"), ".2f"),
             num(get(r, "ms", "sdpa"), ".2f"),
             num(get(r, "ms", "naive"), ".2f"),
+            num(get(r, "ms", "flex"), ".2f"),
             paired(get(r, "ratio_vs_sdpa", "qkv"), get(r, "paired_ratio_vs_sdpa", "qkv")),
             num(get(r, "ratio_vs_sdpa", "naive"), ".2f"),
+            _vs_flex(r),
             num(get(r, "gflops", "qkv"), ".1f"),
             pct(get(r, "fraction_of_matmul", "qkv")),
             pct(get(r, "fraction_of_matmul", "sdpa")),
@@ -121,3 +128,11 @@ def attention_section(data: dict) -> list[str]:
     lines += md_table(header, body)
     lines += ["", "Times are medians in ms per call; the samples are in the JSON file."]
     return lines
+
+
+def _vs_flex(row: dict) -> str:
+    """qkv's time over FlexAttention's (median and paired), or "-" without a flex column."""
+    qkv, flex = get(row, "ms", "qkv"), get(row, "ms", "flex")
+    if not (isinstance(qkv, int | float) and isinstance(flex, int | float) and flex):
+        return "-"
+    return paired(qkv / flex, get(row, "paired_ratio_vs_flex", "qkv"))

@@ -26,6 +26,10 @@ self-attention, in two settings:
 - a sliding window of {window} keys: SDPA gets the dense (L, L) mask that
   `qkv.attention(window={window}, backend="sdpa")` builds for it and computes every hidden
   score, while the tiled path skips the tiles the window hides.
+In both, PyTorch's FlexAttention (`torch.compile(flex_attention)` with the `BlockMask` of the same
+pattern, built outside the timing; its output checked against the tiled path's) is the peer a
+PyTorch user would write for a pattern; torch 2.13 has no FlexAttention backward on the CPU, so
+its rows are forward only there.
 
 Each candidate is timed forward ("fwd") and forward + backward ("f+b"), and its peak memory of
 forward + backward is measured once (the profiler's allocation events on the CPU): the bytes
@@ -94,10 +98,10 @@ def _mib(value: object) -> str:
     return num(value / 2**20, ",.0f") if isinstance(value, int | float) else "-"
 
 
-def _ratio_of(row: dict, key: str) -> str:
-    tiled, sdpa = get(row, "by", "tiled", key), get(row, "by", "sdpa", key)
-    if isinstance(tiled, int | float) and isinstance(sdpa, int | float) and sdpa:
-        return f"{tiled / sdpa:.2f}"
+def _ratio_of(row: dict, key: str, other: str = "sdpa") -> str:
+    tiled, theirs = get(row, "by", "tiled", key), get(row, "by", other, key)
+    if isinstance(tiled, int | float) and isinstance(theirs, int | float) and theirs:
+        return f"{tiled / theirs:.2f}"
     return "-"
 
 
@@ -109,7 +113,9 @@ def flash_table(rows: list[dict], all_rows: list[dict]) -> list[str]:
         "sdpa fwd ms",
         "tiled fwd ms",
         "naive fwd ms",
+        "flex fwd ms",
         "tiled / sdpa fwd",
+        "tiled / flex fwd",
         "tiled / sdpa f+b",
         "sdpa f+b peak MiB",
         "tiled f+b peak MiB",
@@ -136,7 +142,9 @@ def flash_table(rows: list[dict], all_rows: list[dict]) -> list[str]:
                 num(1e3 * (get(r, "by", "sdpa", "fwd_s") or math.nan), ".1f"),
                 num(1e3 * (get(r, "by", "tiled", "fwd_s") or math.nan), ".1f"),
                 naive_ms,
+                num(1e3 * (get(r, "by", "flex", "fwd_s") or math.nan), ".1f"),
                 _ratio_of(r, "fwd_s"),
+                _ratio_of(r, "fwd_s", "flex"),
                 _ratio_of(r, "fb_s"),
                 _mib(get(r, "by", "sdpa", "peak_fb_bytes")),
                 _mib(get(r, "by", "tiled", "peak_fb_bytes")),
