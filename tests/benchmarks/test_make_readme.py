@@ -113,7 +113,8 @@ def test_the_page_shows_the_figures_and_the_machine_of_the_files(results):
     page = make_readme.render(results)
     # attention: the rows sorted by L, each figure as the file has it
     assert "| 512 | no | fp32 | 6.00 | 6.00 | 18.00 | - | 1.000 (1.012) |" in page
-    row = "| 1024 | no | fp32 | 20.50 | 20.00 | 60.00 | - | 1.025 (1.012) | 3.00 | - | 123.5 | 73% |"
+    row = "| 1024 | no | fp32 | 20.50 | 20.00 | 60.00 | - | 1.025 (1.012) | 3.00 | - | 123.5 | "
+    row += "73% |"
     assert row in page
     assert page.index("| 512 | no |") < page.index("| 1024 | no |")
     assert "median **1.012**, worst **1.025** over 2 rows (target <= 1.05: met)" in page
