@@ -15,6 +15,7 @@ minutes on 2 cores), so `make bench-peers` installs it, and `missing()` says how
 from __future__ import annotations
 
 import copy
+import time
 from pathlib import Path
 
 import numpy as np
@@ -108,6 +109,7 @@ class LlamaCpp:
             n_threads_batch=threads, logits_all=False, verbose=False,
         )  # fmt: skip
         self.vocab = self.llm.n_vocab()
+        self.version = llama_cpp.__version__
 
     def generate(self, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
         """ids (1, L) -> (1, L + new_tokens), as `qkv.generate` returns them."""
@@ -135,8 +137,6 @@ def transformers_compiled(model: nn.Module) -> nn.Module:
 def peer_calls(theirs: nn.Module, dtype: str, ids: torch.Tensor, n: int, directory: Path):
     """The peers' calls for one row of decode.py, each returning (1, L + n) tokens, and what
     preparing them cost: ({name: call}, {"hf_compile_s": ..., "llama_cpp": ... or a note})."""
-    import time
-
     compiled = transformers_compiled(theirs)
     calls = {
         "transformers_compiled": lambda: compiled.generate(
@@ -153,7 +153,5 @@ def peer_calls(theirs: nn.Module, dtype: str, ids: torch.Tensor, n: int, directo
     path = write_gguf(theirs, directory / f"model-{dtype}.gguf", dtype)
     llama = LlamaCpp(path, context=ids.shape[1] + n, threads=torch.get_num_threads())
     calls["llama_cpp"] = lambda: llama.generate(ids, n)
-    import llama_cpp
-
-    info["llama_cpp"] = {"version": llama_cpp.__version__, "gguf_bytes": path.stat().st_size}
+    info["llama_cpp"] = {"version": llama.version, "gguf_bytes": path.stat().st_size}
     return calls, info

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qkv.generation.generate import start_decoding
+from qkv.generation.generate import beam_strategy, prepare, token_strategy
 from qkv.generation.options import DecodeOptions
 from qkv.models.encoder_decoder import Transformer
 from qkv.models.gpt import GPT
@@ -53,13 +53,12 @@ def beam_search(
         early_stopping=early_stopping, eos_token_id=eos_token_id,
     )  # fmt: skip
     _check_return_count(num_return_sequences, num_beams)
+    prepared = prepare(model, input_ids, options, attention_mask)
     # one beam still runs BeamSearch (not generate's greedy TokenChoice): the result is its own
-    decoding = start_decoding(
-        model, input_ids, options, attention_mask, beam=True, fill_token_id=_fill(model)
-    )
-    for _ in decoding.steps:
+    strategy = beam_strategy(prepared, options, _fill(model, prepared.eos_token_id))
+    for _ in prepared.run(strategy, options):
         pass
-    return decoding.strategy.result(num_return_sequences)
+    return strategy.result(num_return_sequences)
 
 
 def greedy_decode(
@@ -80,14 +79,15 @@ def greedy_decode(
     options = DecodeOptions(
         max_new_tokens=max_new_tokens, length_penalty=length_penalty, eos_token_id=eos_token_id
     )
-    decoding = start_decoding(model, input_ids, options, attention_mask, fill_token_id=_fill(model))
-    eos = decoding.strategy.eos_token_id
-    B = decoding.prompt.shape[0]
-    alive = torch.ones(B, dtype=torch.bool, device=decoding.prompt.device)  # before the step
+    prepared = prepare(model, input_ids, options, attention_mask)
+    eos = prepared.eos_token_id
+    strategy = token_strategy(prepared, options, _fill(model, eos))
+    B = prepared.prompt.shape[0]
+    alive = torch.ones(B, dtype=torch.bool, device=prepared.prompt.device)  # before the step
     sum_logprobs = torch.zeros(B, device=alive.device)
     lengths = torch.zeros(B, dtype=torch.long, device=alive.device)
-    tokens = [decoding.prompt]
-    for step in decoding.steps:
+    tokens = [prepared.prompt]
+    for step in prepared.run(strategy, options):
         logprobs = torch.log_softmax(step.logits, dim=-1)  # (B, V) fp32
         chosen = logprobs.gather(1, step.tokens[:, None])[:, 0]  # (B,)
         sum_logprobs += torch.where(alive, chosen, 0.0)
@@ -99,10 +99,12 @@ def greedy_decode(
     return torch.cat(tokens, dim=1), scores
 
 
-def _fill(model) -> int | None:
+def _fill(model, eos: int | None) -> int:
     """What follows a hypothesis's end: an encoder-decoder's pad_token_id; for a decoder-only
-    model, None (generate's rule: its eos_token_id)."""
-    return model.config.pad_token_id if isinstance(model, Transformer) else None
+    model, its end token (generate's rule; 0 where there is none, never seen)."""
+    if isinstance(model, Transformer):
+        return model.config.pad_token_id
+    return 0 if eos is None else eos
 
 
 def _check_model(model: object) -> None:

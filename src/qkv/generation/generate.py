@@ -134,6 +134,20 @@ def decode_steps(
 
 
 @dataclass(frozen=True)
+class Prepared:
+    """A decoding call's model side, checked: its step source, the prompt (B, L0) the new tokens
+    follow, and the end token (None: rows end only at max_new_tokens)."""
+
+    source: DecoderOnlySteps | EncoderDecoderSteps
+    prompt: torch.Tensor
+    eos_token_id: int | None
+
+    def run(self, strategy, options: DecodeOptions) -> Iterator[DecodeStep]:
+        """The decoding loop over this source with `strategy` (not yet started)."""
+        return decode_loop(self.source, strategy, options.max_new_tokens, self.prompt.device)
+
+
+@dataclass(frozen=True)
 class Decoding:
     """A decoding call, checked and ready: its steps (the loop, not yet started), the strategy
     that chooses them, and the prompt (B, L0) the new tokens follow."""
@@ -143,31 +157,42 @@ class Decoding:
     prompt: torch.Tensor
 
 
-def start_decoding(
-    model, input_ids, options: DecodeOptions, attention_mask, *, beam: bool | None = None,
-    fill_token_id: int | None = None,
-) -> Decoding:  # fmt: skip
-    """The checked call of `decode_steps`. beam: whether to run BeamSearch (default: when
-    num_beams > 1); fill_token_id: what follows a row's end token (default: the end token)."""
+def start_decoding(model, input_ids, options: DecodeOptions, attention_mask) -> Decoding:
+    """The checked call of `decode_steps`: beam search when num_beams > 1, else greedy search or
+    sampling; finished rows are filled with the end token."""
+    prepared = prepare(model, input_ids, options, attention_mask)
+    eos = prepared.eos_token_id
+    fill = 0 if eos is None else eos
+    if options.num_beams > 1:
+        strategy = beam_strategy(prepared, options, fill)
+    else:
+        strategy = token_strategy(prepared, options, fill)
+    return Decoding(prepared.run(strategy, options), strategy, prepared.prompt)
+
+
+def prepare(model, input_ids, options: DecodeOptions, attention_mask) -> Prepared:
+    """The step source of a decoder-only or encoder-decoder model's call, its arguments checked."""
     if isinstance(model, Transformer):
-        source, prompt, eos = _encoder_decoder(model, input_ids, options, attention_mask)
-    else:
-        source, prompt, eos = _decoder_only(model, input_ids, options, attention_mask)
-    fill = (0 if eos is None else eos) if fill_token_id is None else fill_token_id
-    if (options.num_beams > 1) if beam is None else beam:
-        strategy = BeamSearch(
-            prompt, num_beams=options.num_beams, length_penalty=options.length_penalty,
-            early_stopping=options.early_stopping, eos_token_id=eos, fill_token_id=fill,
-        )  # fmt: skip
-    else:
-        sampled = options.temperature > 0
-        strategy = TokenChoice(
-            prompt.shape[0], input_ids.device, sampling=options.sampling,
-            generator=_generator(options.seed, input_ids.device) if sampled else None,
-            eos_token_id=eos, fill_token_id=fill,
-        )  # fmt: skip
-    steps = decode_loop(source, strategy, options.max_new_tokens, input_ids.device)
-    return Decoding(steps, strategy, prompt)
+        return Prepared(*_encoder_decoder(model, input_ids, options, attention_mask))
+    return Prepared(*_decoder_only(model, input_ids, options, attention_mask))
+
+
+def beam_strategy(prepared: Prepared, options: DecodeOptions, fill_token_id: int) -> BeamSearch:
+    return BeamSearch(
+        prepared.prompt, num_beams=options.num_beams, length_penalty=options.length_penalty,
+        early_stopping=options.early_stopping, eos_token_id=prepared.eos_token_id,
+        fill_token_id=fill_token_id,
+    )  # fmt: skip
+
+
+def token_strategy(prepared: Prepared, options: DecodeOptions, fill_token_id: int) -> TokenChoice:
+    device = prepared.prompt.device
+    sampled = options.temperature > 0
+    return TokenChoice(
+        prepared.prompt.shape[0], device, sampling=options.sampling,
+        generator=_generator(options.seed, device) if sampled else None,
+        eos_token_id=prepared.eos_token_id, fill_token_id=fill_token_id,
+    )  # fmt: skip
 
 
 def _decoder_only(model, input_ids, options: DecodeOptions, attention_mask):
