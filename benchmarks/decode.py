@@ -11,7 +11,9 @@ so both hold the same weights. Each dtype casts both models with .to(dtype).
 
 One call, timed as a user sees it (prefill included), batch 1, a 32-token prompt (no padding,
 no attention_mask for either), 128 new tokens:
-    qkv            qkv.generation.generate(model, ids, max_new_tokens=128)    (greedy)
+    qkv            qkv.generation.generate(model, ids, max_new_tokens=128, compile=False)
+                   (greedy, eager; the default, compile="auto", switches to the compiled
+                   steps below once they pay for themselves: qkv.acceleration.auto)
     qkv packed     the same on a copy inside `with qkv.acceleration.packed_linears(model):`
                    (oneDNN-packed weights, fused where they read one input, what `qkv
                    generate` does on the CPU); the block stays open for the whole row, so
@@ -23,7 +25,9 @@ no attention_mask for either), 128 new tokens:
                    kernels for everything around the packed products); compiled once per
                    dtype before the timing, with torch.compile's on-disk caches empty (a
                    directory of this run's own) so that the compile time reported beside
-                   ("compile s", the first call's wall time) is what a first run pays; once
+                   ("compile s", the first call's wall time) is what a first run pays, and
+                   a new process then pays its first call with what that compile left
+                   (torch.compile's caches, qkv's compile store): "next process"; once
                    two steps passed a graph's guards, later steps call it without them
     qkv guarded    the same with compile="guarded": torch.compile's public API alone, every
                    guard checked at every step; "guard-free gain" (paired) is what skipping
@@ -76,8 +80,11 @@ import argparse
 import contextlib
 import copy
 import gc
+import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -99,7 +106,7 @@ from common import (
 from peers import peer_calls
 from torch import nn
 
-from qkv.acceleration import PackedLinear, SharedInputMember, packed_linears
+from qkv.acceleration import PackedLinear, SharedInputMember, compiled, packed_linears
 from qkv.generation import generate
 from qkv.models import GPT
 
@@ -276,6 +283,46 @@ def packing_ms(model: GPT, ids: torch.Tensor) -> float:
         return 1e3 * sum(m.packing_seconds for m in modules)
 
 
+def second_process_first_call(dtype: str, args) -> dict:
+    """`first_call` run by a new process (this script with --first-call), which inherits this
+    one's TORCHINDUCTOR_CACHE_DIR and QKV_COMPILE_CACHE: what a later run on this machine pays."""
+    command = [sys.executable, __file__, "--first-call", dtype, "--prompt", str(args.prompt)]
+    command += ["--new-tokens", str(args.new_tokens), "--device", args.device]
+    command += ["--threads", str(torch.get_num_threads())]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1200)
+    if done.returncode != 0:
+        return {"error": done.stderr[-2000:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def first_call(dtype: str, args) -> dict:
+    """A process's first `generate(..., compile=True)` on the packed model of this dtype: its
+    seconds, its compilations (0 when the compile store served it), the same call again, and
+    whether its tokens equal eager decoding's."""
+    ours, _ = build_models(args.device)
+    ours = ours.to(DTYPES[dtype])
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, LLAMA["vocab_size"], (1, args.prompt), generator=generator)
+    ids = ids.to(args.device)
+    compilations = []
+    real = compiled.compile_forward
+    compiled.compile_forward = lambda *a: compilations.append(1) or real(*a)
+    with packed_linears(ours):
+        eager = generate(ours, ids, max_new_tokens=args.new_tokens, compile=False)
+        start = time.perf_counter()
+        output = generate(ours, ids, max_new_tokens=args.new_tokens, compile=True)
+        first_s = time.perf_counter() - start
+        start = time.perf_counter()
+        generate(ours, ids, max_new_tokens=args.new_tokens, compile=True)
+        again_s = time.perf_counter() - start
+    return {
+        "first_call_s": first_s,
+        "second_call_s": again_s,
+        "compilations": len(compilations),
+        "equals_eager": bool(torch.equal(output, eager)),
+    }
+
+
 def first_divergence(a: torch.Tensor, b: torch.Tensor) -> int | None:
     """Index of the first differing element of two 1-D token tensors, or None."""
     differ = (a != b).nonzero()
@@ -340,8 +387,8 @@ def bench_dtype(base_ours, base_theirs, dtype: str, bandwidth: Bandwidth, args) 
     packed_block = contextlib.ExitStack()
     packed_block.enter_context(packed_linears(packed_model))
     calls = {
-        "qkv": lambda: generate(ours, ids, max_new_tokens=n),
-        "qkv_packed": lambda: generate(packed_model, ids, max_new_tokens=n),
+        "qkv": lambda: generate(ours, ids, max_new_tokens=n, compile=False),
+        "qkv_packed": lambda: generate(packed_model, ids, max_new_tokens=n, compile=False),
         "qkv_compiled": lambda: generate(packed_model, ids, max_new_tokens=n, compile=True),
         "qkv_guarded": lambda: generate(packed_model, ids, max_new_tokens=n, compile="guarded"),
         "transformers": lambda: theirs.generate(
@@ -371,6 +418,8 @@ def bench_dtype(base_ours, base_theirs, dtype: str, bandwidth: Bandwidth, args) 
     start = time.perf_counter()
     compiled_output = calls["qkv_compiled"]()  # the first call compiles
     compile_s = time.perf_counter() - start
+    log(f"{dtype}: a second process's first compiled call ...")
+    warm = second_process_first_call(dtype, args)
     check["compiled_equals_qkv"] = bool(torch.equal(compiled_output, calls["qkv"]()))
     start = time.perf_counter()
     guarded_output = calls["qkv_guarded"]()  # torch.compile's public API alone: compiles again
@@ -436,6 +485,9 @@ def bench_dtype(base_ours, base_theirs, dtype: str, bandwidth: Bandwidth, args) 
         },
         "packing_ms": packing_ms(ours, ids),
         "compile_s": compile_s,
+        # a new process, the same architecture, torch.compile's caches and qkv's compile store
+        # as the first compile left them: its first call (loading, not compiling)
+        "warm_compile": warm,
         "bytes_per_token": {"weights": weights, "kv_cache_mean": kv, "total": weights + kv},
         "bandwidth_probe_ms": [t * 1e3 for t in probe.samples],
         "tokens": check,
@@ -475,7 +527,7 @@ def table(rows: list[dict]) -> str:
     header += ["packed/hf", "compiled/hf", "compiled/hf paired", "MB/token", "limit tok/s"]
     header += ["compiled %lim", "compiled %lim paired", "hf %lim", "packed matvec %lim"]
     header += ["weights .sum() %lim"]
-    header += ["pack ms", "compile s", "tokens equal"]
+    header += ["pack ms", "compile s: cold / next process", "tokens equal"]
     body = []
     for r in rows:
         s, f, t = r["tokens_per_s"], r["fraction_of_limit"], r["tokens"]
@@ -507,11 +559,20 @@ def table(rows: list[dict]) -> str:
                 f"{100 * f['packed_matvec_floor']:.1f}%",
                 f"{100 * f['read_floor']:.1f}%",
                 f"{r['packing_ms']:.0f}",
-                f"{r['compile_s']:.1f}",
+                f"{r['compile_s']:.1f} / {warm_compile(r)}",
                 same,
             ]
         )
     return format_table(body, header)
+
+
+def warm_compile(row: dict) -> str:
+    """The next process's first compiled call, in seconds, or why there is none."""
+    warm = row.get("warm_compile", {})
+    if "first_call_s" not in warm:
+        return "failed" if "error" in warm else "-"
+    loaded = "" if warm["compilations"] == 0 else f" ({warm['compilations']} compiled)"
+    return f"{warm['first_call_s']:.1f}{loaded}"
 
 
 def peers_table(rows: list[dict]) -> str:
@@ -581,6 +642,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--budget", type=float, default=35.0, help="seconds of timing per dtype")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--out", type=Path, default=RESULTS / "decode.json")
+    parser.add_argument("--first-call", choices=["fp32", "bf16"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         args.new_tokens, args.repeats, args.budget = 16, 2, 5.0
@@ -590,13 +652,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    # A cold compile, as a first run pays it: torch.compile's caches (inductor's kernels and
-    # graphs, AOTAutograd's) start empty, in a directory of this run's own. (Not
-    # force_disable_caches: the ahead-of-time compilation that compile=True uses needs them.)
-    cache_dir = tempfile.TemporaryDirectory(prefix="qkv-decode-compile-")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir.name
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.first_call:  # the second process of `second_process_first_call`
+        print(json.dumps(first_call(args.first_call, args)))
+        return
+    # A cold compile, as a first run pays it: torch.compile's caches (inductor's kernels and
+    # graphs, AOTAutograd's) and qkv's compile store start empty, in directories of this run's
+    # own. (Not force_disable_caches: the ahead-of-time compilation of compile=True needs them.)
+    cache_dir = tempfile.TemporaryDirectory(prefix="qkv-decode-compile-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir.name, "inductor")
+    os.environ["QKV_COMPILE_CACHE"] = os.path.join(cache_dir.name, "qkv")
     log("measuring the memory bandwidth (1 GiB fp32 .sum() and copy_) ...")
     bandwidth = Bandwidth(args.device)
     bandwidth.measure(repeats=3 if args.quick else 10)

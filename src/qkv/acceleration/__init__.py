@@ -4,7 +4,9 @@
   the projections that read one input fused into one product, for the length of a `with`
   block (inference); `explain_packing(model)` says what it packs on this machine, and why.
 - `compiled_steps`: decoding steps through the model's forward compiled by torch.compile,
-  what `qkv.generate(..., compile=True)` runs.
+  what `qkv.generate(..., compile=True)` runs; its graphs are kept on disk for later processes
+  (`compile_store`), and `qkv.generate`'s default, compile="auto", switches to them once they
+  pay for themselves (`auto`).
 
 Each asks `qkv.capabilities` what this CPU and PyTorch build support and falls back to the plain
 PyTorch op where they do not: the same results, slower.

@@ -8,6 +8,7 @@ what the products of one row compile to.
 from __future__ import annotations
 
 import logging
+import time
 import types
 import weakref
 from typing import Any
@@ -16,21 +17,22 @@ import torch
 from torch import nn
 
 from qkv import capabilities
+from qkv.acceleration.compile_store import GraphStore, model_key, store_directory
 
 __all__ = [
     "CompiledSteps",
     "GuardFreeUnavailableError",
     "GuardedSteps",
     "compiled_steps",
-    "mark_cache_dynamic",
 ]
 
 logger = logging.getLogger(__name__)
 
 # A model's compiled forwards (torch.compile's AOTCompiledFunction: a graph, its guards, and the
-# bytecode that gathers its inputs and replays the forward's side effects). Weak keys: a model
-# dropped by its user takes its graphs with it.
-_GRAPHS: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+# bytecode that gathers its inputs and replays the forward's side effects), by the model's key in
+# the compile store (its form: packed or not, its dtype). Weak keys: a model dropped by its user
+# takes its graphs with it.
+_GRAPHS: weakref.WeakKeyDictionary[nn.Module, dict[str, list[Any]]] = weakref.WeakKeyDictionary()
 
 # -ffp-contract=fast: a product and the running sum it feeds compile to one fused multiply-add
 # (one rounding instead of two) rather than two vector instructions. A one-row product's
@@ -69,7 +71,48 @@ def compiled_steps(
         return model
     if guarded:
         return GuardedSteps(model)
-    return CompiledSteps(model, _GRAPHS.setdefault(model, []))
+    return CompiledSteps(model, _graphs_of(model), compile=compile_and_store)
+
+
+def _graphs_of(model: nn.Module) -> list[Any]:
+    """The graphs of the model in its present form: those compiled or loaded in this process,
+    and, the first time the model is seen in this form, those stored for it."""
+    key = model_key(model, _INDUCTOR_OPTIONS)
+    by_key = _GRAPHS.setdefault(model, {})
+    if key not in by_key:
+        directory = store_directory()
+        stored = [] if directory is None else GraphStore(directory).load(key, _globals(model))
+        by_key[key] = stored
+    return by_key[key]
+
+
+def _globals(model: nn.Module) -> dict[str, Any]:
+    return type(model).forward.__globals__
+
+
+def compile_seconds(model: nn.Module) -> float | None:
+    """What compiled steps would cost the model before their first step, in seconds: 0 with
+    graphs in memory, a load from the compile store's estimate with graphs stored, else the
+    compile it measured for this model here, or None where nothing is known."""
+    key = model_key(model, _INDUCTOR_OPTIONS)
+    if _GRAPHS.get(model, {}).get(key):
+        return 0.0
+    directory = store_directory()
+    if directory is None:
+        return None
+    return GraphStore(directory).seconds(key)
+
+
+def compile_and_store(model: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """`compile_forward`, the graph then written to the compile store (if one is configured),
+    for later processes to load instead of compiling."""
+    started = time.perf_counter()
+    graph = compile_forward(model, args, kwargs)
+    seconds = time.perf_counter() - started
+    directory = store_directory()
+    if directory is not None:
+        GraphStore(directory).save(model_key(model, _INDUCTOR_OPTIONS), graph, seconds)
+    return graph
 
 
 def _warn_once(message: str) -> None:
@@ -93,7 +136,13 @@ def compile_forward(model: nn.Module, args: tuple, kwargs: dict) -> Any:
 
     Python floats (an eps, a RoPE base) are compiled as constants, guarded like any attribute:
     with dynamic shapes torch.compile otherwise turns them into graph inputs, then retraces
-    when one of them cannot be one, which aot_compile does not do (it raises)."""
+    when one of them cannot be one, which aot_compile does not do (it raises).
+
+    Sizes are not duck-typed: two sizes equal in the first call (a cache of head_dim slots,
+    say) stay two symbols, rather than one that a later call with other sizes fails and
+    compiles again. That, not `torch._dynamo.mark_dynamic` on the cache, keeps one graph for
+    every cache length: a marked tensor's guards do not survive the graph's serialization
+    (qkv.acceleration.compile_store), and a stored graph would fail them in every process."""
     if torch._inductor.config.force_disable_caches:
         raise RuntimeError(
             "compile=True: torch._inductor.config.force_disable_caches is set, and the ahead-of-"
@@ -107,7 +156,10 @@ def compile_forward(model: nn.Module, args: tuple, kwargs: dict) -> Any:
         raise GuardFreeUnavailableError(
             f"torch {torch.__version__} has no torch.compile(...).aot_compile"
         )
-    with torch._dynamo.config.patch(specialize_float=True):
+    with (
+        torch._dynamo.config.patch(specialize_float=True),
+        torch.fx.experimental._config.patch(use_duck_shape=False),
+    ):
         graph = forward.aot_compile(((model, *args), kwargs))
     missing = [name for name in ("fn", "guard_check") if not hasattr(graph, name)]
     if missing:
@@ -117,16 +169,6 @@ def compile_forward(model: nn.Module, args: tuple, kwargs: dict) -> Any:
 
 class GuardFreeUnavailableError(RuntimeError):
     """This torch lacks what `CompiledSteps` calls beyond torch.compile's public API."""
-
-
-def mark_cache_dynamic(cache) -> None:
-    """Compile the steps for any batch size and cache length. Unmarked, torch.compile may take
-    the sizes of the cache's keys and values as constants (it did for a cache of head_dim
-    slots, unified with the head size) and compile again for a call with another
-    max_new_tokens."""
-    for tensor in cache.keys + cache.values:  # (B, H_kv, slots, D) each
-        torch._dynamo.maybe_mark_dynamic(tensor, 0)
-        torch._dynamo.maybe_mark_dynamic(tensor, 2)
 
 
 class CompiledSteps:

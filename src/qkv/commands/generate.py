@@ -31,7 +31,8 @@ def _generate(args: argparse.Namespace) -> int:
         pieces = stream_text(
             model, after_prompt, prompt, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-            sinks=None if args.sinks is None else tuple(args.sinks), compile=args.compile,
+            sinks=None if args.sinks is None else tuple(args.sinks),
+            compile="auto" if args.compile is None else args.compile,
         )  # fmt: skip
         with packed_linears(model) if args.pack else contextlib.nullcontext():
             started = time.perf_counter()
@@ -131,9 +132,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     generate.add_argument(
         "--compile",
-        action="store_true",
-        help="decode with the model compiled by torch.compile (qkv.generate(compile=True)): "
-        "faster steps on the CPU with --pack, after a one-time compilation of tens of seconds "
-        "(benchmarks/README.md has the figures); worth it for long outputs (off by default)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="decode with the model's forward compiled by torch.compile (faster steps after a "
+        "compilation of tens of seconds, paid once per machine: later runs load it in a few); "
+        "--no-compile: eagerly. Default: compiled once it pays for itself, at once where this "
+        'machine has compiled the model (qkv.generate\'s compile="auto")',
     )
     generate.set_defaults(run=_generate)

@@ -16,8 +16,11 @@ the prompt followed by the new tokens. An encoder-decoder `Transformer` takes th
 `compile=True` runs every step after a decoder-only model's prefill through its forward
 compiled by `torch.compile` (dynamic shapes, one graph for every step and cache length): the
 norms, RoPE, casts and cache writes between the matrix products fuse into a few kernels.
-Compiling takes a while once per model (later calls, and later `packed_linears` blocks, reuse
-the graphs) and needs what torch.compile's inductor needs on the CPU: a C++ compiler. Once two
+Compiling takes a while once per machine and architecture (later calls, later `packed_linears`
+blocks and later processes reuse the graphs: qkv.acceleration.compile_store) and needs what
+torch.compile's inductor needs on the CPU: a C++ compiler. The default, `compile="auto"`, starts
+eagerly and switches to the compiled steps once they pay for themselves
+(qkv.acceleration.auto): at once when the model's graphs are in memory. Once two
 steps have passed a graph's guards, later steps call it without checking them again
 (`CompiledSteps`); `compile="guarded"` keeps to torch.compile's public API and checks every guard
 at every step (`GuardedSteps`); `compile=True` falls back to it where this torch lacks what the
@@ -32,7 +35,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from qkv.acceleration.compiled import compiled_steps, mark_cache_dynamic
+from qkv.acceleration.auto import auto_steps
+from qkv.acceleration.compiled import compiled_steps
 from qkv.generation.loop import DecodeStep, decode_loop
 from qkv.generation.options import DecodeOptions, decode_options
 from qkv.generation.steps import DecoderOnlySteps, EncoderDecoderSteps, make_cache, prompt_mask
@@ -74,7 +78,8 @@ def generate(
     each step (not with beam search, whose tokens are known only at the end). `compile=True`
     decodes with the model's forward compiled (see the module doc): the same tokens, faster
     steps after a one-time compilation; `compile="guarded"` with torch.compile's public API
-    alone, every guard checked every step.
+    alone, every guard checked every step; `compile="auto"` (the default) eagerly until the
+    compiled steps pay, `compile=False` eagerly.
 
     Raises ValueError naming `model` when its logits stop being finite (NaN, +inf, or -inf
     for every token), with the step where they did: see `LogitsCheck` for when it is seen.
@@ -199,8 +204,7 @@ def _decoder_only(model, input_ids, options: DecodeOptions, attention_mask):
     """(DecoderOnlySteps, the prompt, eos_token_id) of a decoder-only model's call."""
     config = model.config
     B, L = _check_call(config, input_ids, options)
-    sinks, compile = options.sinks, options.compile
-    step_forward = compiled_steps(model, sinks, guarded=compile == "guarded") if compile else model
+    sinks = options.sinks
     mask, padded = prompt_mask(attention_mask, B, L, input_ids.device)
     if sinks is not None and padded:
         raise ValueError(
@@ -209,22 +213,31 @@ def _decoder_only(model, input_ids, options: DecodeOptions, attention_mask):
         )
     positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, L): real tokens count
     cache = make_cache(model, batch=B, max_length=L + options.max_new_tokens, sinks=sinks)
-    if compile:
-        mark_cache_dynamic(cache)
+    step_forward = _step_forward(model, options)
     source = DecoderOnlySteps(
         model, step_forward, input_ids, mask if padded else None, positions, cache
     )
     return source, input_ids, options.eos_token_id
 
 
+def _step_forward(model, options: DecodeOptions):
+    """What runs a decoder-only model's steps after the prefill (see the module doc)."""
+    if options.compiles:
+        return compiled_steps(model, options.sinks, guarded=options.compile == "guarded")
+    if options.compile == "auto" and options.sinks is None and options.num_beams == 1:
+        return auto_steps(model, max(options.max_new_tokens - 1, 0))
+    return model
+
+
 def _encoder_decoder(model, input_ids, options: DecodeOptions, attention_mask):
     """(EncoderDecoderSteps, the start tokens, eos_token_id) of an encoder-decoder's call."""
     config = model.config
-    if options.sinks is not None or options.compile:
+    if options.sinks is not None or options.compiles:
         name = "sinks" if options.sinks is not None else "compile"
         raise ValueError(
             f"{name}: StreamingLLM caches and compiled steps are for decoder-only models; "
-            f"expected sinks=None and compile=False for an encoder-decoder Transformer"
+            f'expected sinks=None and compile="auto" or False for an encoder-decoder '
+            f"Transformer"
         )
     eos = config.eos_token_id if options.eos_token_id is None else options.eos_token_id
     _check_tokens(options, config.tgt_vocab_size, eos)

@@ -19,9 +19,10 @@ from qkv.validation import check_int
 
 __all__ = ["COMPILE_MODES", "DecodeOptions", "decode_options"]
 
-# compile: False (eager), True (compiled, guard-free steps where torch allows), "guarded"
-# (torch.compile's public API alone): see qkv.acceleration.compiled
-COMPILE_MODES = (False, True, "guarded")
+# compile: "auto" (compiled steps once they pay: qkv.acceleration.auto), False (eager), True
+# (compiled, guard-free steps where torch allows), "guarded" (torch.compile's public API alone):
+# see qkv.acceleration.compiled
+COMPILE_MODES = ("auto", False, True, "guarded")
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class DecodeOptions:
     sinks: (num_sinks, window), a StreamingLLM cache (Xiao et al. 2024) that decodes past the
     model's context. compile: one of COMPILE_MODES.
     num_beams > 1: beam search (qkv.generation.strategies.BeamSearch), deterministic
-    (temperature 0) and eager (compile False); its hypotheses are ranked by sum of
+    (temperature 0) and eager (compile "auto" or False); its hypotheses are ranked by sum of
     log-probabilities / new tokens ** length_penalty, and a prompt stops searching once it has
     num_beams finished ones (early_stopping) or once none of its beams can beat them."""
 
@@ -45,7 +46,7 @@ class DecodeOptions:
     eos_token_id: int | None = None
     seed: int | None = None
     sinks: tuple[int, int] | None = None
-    compile: bool | str = False
+    compile: bool | str = "auto"
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool = True
@@ -60,9 +61,14 @@ class DecodeOptions:
         if self.sinks is not None:
             _check_sinks(self.sinks)
             object.__setattr__(self, "sinks", tuple(self.sinks))
-        if not (isinstance(self.compile, bool) or self.compile == "guarded"):
-            raise TypeError(f'compile: expected a bool or "guarded", got {self.compile!r}')
+        if not (isinstance(self.compile, bool) or self.compile in ("auto", "guarded")):
+            raise TypeError(f'compile: expected "auto", a bool or "guarded", got {self.compile!r}')
         _check_beams(self)
+
+    @property
+    def compiles(self) -> bool:
+        """Whether compiled steps were asked for explicitly (compile=True or "guarded")."""
+        return self.compile is True or self.compile == "guarded"
 
     @property
     def sampling(self) -> dict:
@@ -134,7 +140,7 @@ def _check_beams(options: DecodeOptions) -> None:
             f"num_beams: beam search is deterministic; expected temperature=0 with "
             f"num_beams={options.num_beams}, got temperature={options.temperature}"
         )
-    if options.compile:
+    if options.compiles:
         raise ValueError(
             f"compile: compiled steps decode a fixed set of rows, which beam search reorders; "
             f"expected compile=False with num_beams={options.num_beams}"

@@ -74,7 +74,7 @@ def stream_text(
     top_p: float | None = None,
     seed: int | None = None,
     sinks: tuple[int, int] | None = None,
-    compile: bool = False,
+    compile: bool | str = "auto",
 ) -> Iterator[str]:
     """The continuation of `prompt`, as pieces of text in the order they are generated.
 

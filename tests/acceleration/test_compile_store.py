@@ -1,0 +1,119 @@
+"""The compile store (qkv.acceleration.compile_store): a graph compiled once serves later models
+of the same architecture, in this process and in a new one, with their own weights; anything
+its guards do not check changes the key; a damaged file is compiled again."""
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from qkv.acceleration import compiled, packed_linears
+from qkv.acceleration.compile_store import GraphStore, model_key, store_directory
+from qkv.generation import generate
+from tests.generation.reference_models import qkv_model, redraw
+
+NEW_TOKENS = 8
+OPTIONS = {"option": 1}
+
+
+@pytest.fixture
+def store(monkeypatch, tmp_path):
+    """An empty store of this test's own, and a count of the compilations."""
+    monkeypatch.setenv("QKV_COMPILE_CACHE", str(tmp_path))
+    compilations = []
+    real = compiled.compile_forward
+
+    def counted(model, args, kwargs):
+        compilations.append(model)
+        return real(model, args, kwargs)
+
+    monkeypatch.setattr(compiled, "compile_forward", counted)
+    return tmp_path, compilations
+
+
+def _prompt():
+    return torch.arange(3, 9).unsqueeze(0)  # (1, 6)
+
+
+def test_a_stored_graph_serves_other_models_of_the_architecture_here_and_in_a_new_process(
+    store,
+):
+    """Compiled once, for one model: a new model of the same architecture with other weights
+    loads the graph and gets its own eager tokens, in this process and in a subprocess whose
+    compile_forward raises."""
+    directory, compilations = store
+    generate(qkv_model("tiny-llama"), _prompt(), max_new_tokens=NEW_TOKENS, compile=True)
+    assert len(compilations) == 1 and len(list(directory.rglob("*.graph"))) == 1
+    other = redraw(qkv_model("tiny-llama"), seed=7)  # a new model: nothing in memory
+    expected = generate(other, _prompt(), max_new_tokens=NEW_TOKENS)
+    assert torch.equal(generate(other, _prompt(), max_new_tokens=NEW_TOKENS, compile=True),
+                       expected)  # fmt: skip
+    assert len(compilations) == 1  # loaded, not compiled
+
+    script = textwrap.dedent(f"""
+        import torch
+        from qkv.acceleration import compiled
+        from qkv.generation import generate
+        from tests.generation.reference_models import qkv_model, redraw
+
+        def refuse(*args):
+            raise AssertionError("compiled again")
+
+        compiled.compile_forward = refuse
+        model = redraw(qkv_model("tiny-llama"), seed=3)
+        prompt = torch.arange(3, 9).unsqueeze(0)
+        expected = generate(model, prompt, max_new_tokens={NEW_TOKENS})
+        got = generate(model, prompt, max_new_tokens={NEW_TOKENS}, compile=True)
+        assert torch.equal(got, expected), (got, expected)
+        print("loaded")
+    """)
+    environment = {**os.environ, "QKV_COMPILE_CACHE": str(directory)}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+        env=environment,
+    )  # fmt: skip
+    assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-3000:]
+
+
+def test_what_guards_do_not_check_changes_the_key():
+    model = qkv_model("tiny-llama")
+    key = model_key(model, OPTIONS)
+    assert model_key(redraw(qkv_model("tiny-llama"), seed=2), OPTIONS) == key  # weights: no
+    assert model_key(qkv_model("tiny-llama", num_layers=3), OPTIONS) != key
+    assert model_key(qkv_model("tiny-llama").to(torch.bfloat16), OPTIONS) != key
+    assert model_key(model, {"option": 2}) != key
+    with packed_linears(model):
+        generate(model, _prompt(), max_new_tokens=2)  # packs at the first call
+        assert model_key(model, OPTIONS) != key
+    assert model_key(model, OPTIONS) == key
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert model_key(model, OPTIONS) != key
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_damaged_graph_is_skipped_with_a_warning(tmp_path, caplog):
+    """Cut short, say: the store loads nothing (the caller compiles again) and says which."""
+    folder = tmp_path / "key"
+    folder.mkdir()
+    (folder / "cut.graph").write_bytes(b"\x80\x05 not a whole graph")
+    with caplog.at_level(logging.WARNING, logger="qkv.acceleration.compile_store"):
+        assert GraphStore(tmp_path).load("key", {}) == []
+    assert "cut.graph not loaded (compiling again)" in caplog.text
+
+
+def test_the_store_can_be_switched_off_and_says_where_it_is(monkeypatch, tmp_path):
+    monkeypatch.setenv("QKV_COMPILE_CACHE", "off")
+    assert store_directory() is None
+    monkeypatch.setenv("QKV_COMPILE_CACHE", str(tmp_path / "graphs"))
+    assert store_directory() == tmp_path / "graphs"
+    monkeypatch.delenv("QKV_COMPILE_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert store_directory() == tmp_path / "qkv" / "compiled"
+    assert GraphStore(tmp_path / "none").load("key", {}) == []  # nothing stored: nothing loaded
