@@ -18,14 +18,25 @@ machine: `ONEDNN_MAX_CPU_ISA=AVX2` (oneDNN) and `ATEN_CPU_CAPABILITY=avx2` or `d
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Support", "compiler", "cpu_isa", "describe", "onednn_linear"]
+__all__ = [
+    "Support",
+    "bf16_products",
+    "bf16_slowdown",
+    "compiler",
+    "cpu_isa",
+    "describe",
+    "onednn_linear",
+    "warn_if_bf16_is_emulated",
+]
 
 _ONEDNN_OPS = ("_reorder_linear_weight", "_linear_pointwise")
 
@@ -87,6 +98,67 @@ def _packed_product_verdict(dtype: torch.dtype) -> Support:
     return Support(True, f"oneDNN packs {dtype} weights on this CPU")
 
 
+# bf16 products slower than fp32 ones by more than this count as emulated. Measured on an AMD
+# EPYC (2 threads): 0.5x with native bf16 (AVX512-BF16); 1.8x with oneDNN capped at AVX512_CORE
+# (bf16 converted in AVX-512 registers); 5.7x (F.linear) to 72x (matmul) capped at AVX2.
+BF16_SLOWDOWN_LIMIT = 1.5
+
+
+@functools.cache
+def bf16_products() -> Support:
+    """Are bf16 matrix products (several rows: a prefill, training under autocast) at least
+    about as fast as fp32 ones on this CPU? Measured, not looked up: `bf16_slowdown`. One row
+    (a decoding step) is not asked about: PyTorch's own kernel reads bf16 fast on any CPU."""
+    slowdown = bf16_slowdown()
+    if slowdown > BF16_SLOWDOWN_LIMIT:
+        return Support(
+            False,
+            f"bf16 matrix products take {slowdown:.1f}x the time of fp32 ones on this CPU "
+            f"(no native bf16: AVX512-BF16, AMX or AVX-NE-CONVERT)",
+        )
+    return Support(True, f"bf16 matrix products take {slowdown:.1f}x the time of fp32 ones")
+
+
+@functools.cache
+def bf16_slowdown() -> float:
+    """bf16 time over fp32 time of a (256, 256) x (256, 256) product, the slower of F.linear
+    (a model's linears) and matmul (attention's products, which can take another path), each
+    the best of three, outside any autocast region."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(256, 256, generator=generator)
+    b = torch.randn(256, 256, generator=generator)
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    with torch.autocast("cpu", enabled=False), torch.no_grad():
+        linear = _best_seconds(lambda: F.linear(a16, b16)) / _best_seconds(lambda: F.linear(a, b))
+        matmul = _best_seconds(lambda: a16 @ b16) / _best_seconds(lambda: a @ b)
+    return max(linear, matmul)
+
+
+def _best_seconds(product, repeats: int = 3) -> float:
+    product()  # a first call may initialise the kernel
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        product()
+        best = min(best, time.perf_counter() - started)
+    return max(best, 1e-9)
+
+
+def warn_if_bf16_is_emulated(what: str, instead: str = "fp32 runs at full speed here") -> None:
+    """Log, before `what` starts (e.g. "training with bf16 autocast"), once per process, what
+    bf16 products cost on this CPU where they are emulated, and what to do `instead`."""
+    answer = bf16_products()
+    if not answer and what not in _WARNED:
+        _WARNED.add(what)
+        logging.getLogger("qkv").warning(
+            "%s: %s, so its matrix products will run that much slower than in fp32; %s",
+            what, answer.reason, instead,
+        )  # fmt: skip
+
+
+_WARNED: set[str] = set()
+
+
 @functools.cache
 def compiler() -> Support:
     """Can torch.compile's CPU backend (inductor) build its C++ kernels here? It needs a C++
@@ -126,6 +198,8 @@ def describe() -> str:
     for dtype in (torch.float32, torch.bfloat16):
         answer = onednn_linear(dtype)
         lines.append(f"packed {dtype} linears: {'yes' if answer else 'no'} ({answer.reason})")
+    answer = bf16_products()
+    lines.append(f"fast bf16 products: {'yes' if answer else 'no'} ({answer.reason})")
     answer = compiler()
     lines.append(f"compiled decoding: {'yes' if answer else 'no'} ({answer.reason})")
     return "\n".join(lines)

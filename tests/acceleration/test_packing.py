@@ -1,6 +1,10 @@
 """oneDNN-packed linears: the same outputs as F.linear (float64 reference), the same greedy
 tokens and logits in a whole model, and the model given back untouched."""
 
+import copy
+import os
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -280,7 +284,9 @@ def no_onednn_bf16(monkeypatch):
     monkeypatch.setattr(capabilities, "onednn_linear", answer)
 
 
-def test_without_onednn_bf16_a_bf16_model_keeps_its_linears_and_its_outputs(no_onednn_bf16):
+def test_without_onednn_bf16_a_bf16_model_keeps_its_linears_and_its_outputs(
+    no_onednn_bf16, fast_bf16_products
+):
     torch.manual_seed(0)
     model = randomize_(GPT(GPTConfig.from_name("tiny-llama")), std=0.1).to(torch.bfloat16)
     ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator())
@@ -293,7 +299,23 @@ def test_without_onednn_bf16_a_bf16_model_keeps_its_linears_and_its_outputs(no_o
         assert torch.equal(model(ids).logits, expected)
 
 
-def test_without_onednn_bf16_autocast_and_bf16_products_are_f_linears(no_onednn_bf16):
+@pytest.fixture
+def fast_bf16_products(monkeypatch):
+    """This process answers as a CPU whose bf16 matrix products are native (fast)."""
+    answer = capabilities.Support(True, "bf16 matrix products take 0.5x the time of fp32 ones")
+    monkeypatch.setattr(capabilities, "bf16_products", lambda: answer)
+
+
+@pytest.fixture
+def slow_bf16_products(monkeypatch):
+    """This process answers as a CPU whose bf16 matrix products are emulated (slow)."""
+    answer = capabilities.Support(False, "bf16 matrix products take 40x the time of fp32 ones")
+    monkeypatch.setattr(capabilities, "bf16_products", lambda: answer)
+
+
+def test_without_onednn_bf16_autocast_and_bf16_products_are_f_linears(
+    no_onednn_bf16, fast_bf16_products
+):
     """fp32 weights under bf16 autocast, and a PackedLinear built over bf16 weights, compute
     exactly what F.linear computes (it is what runs), where oneDNN cannot pack bf16."""
     torch.manual_seed(0)
@@ -306,6 +328,52 @@ def test_without_onednn_bf16_autocast_and_bf16_products_are_f_linears(no_onednn_
     with torch.no_grad():
         assert torch.equal(PackedLinear(bf16)(x.bfloat16()), bf16(x.bfloat16()))
     assert "computed by F.linear" in repr(PackedLinear(bf16))
+
+
+def test_where_bf16_products_are_emulated_several_rows_compute_in_fp32(
+    no_onednn_bf16, slow_bf16_products, monkeypatch
+):
+    """bf16 storage, fp32 compute: a PackedLinear over bf16 weights, and over fp32 weights
+    under bf16 autocast, gives several rows the bf16 product's values (within one bf16
+    rounding of F.linear's bf16 result) without any bf16 F.linear call; one row (a decoding
+    step, fast in bf16 on any CPU) stays F.linear's."""
+    torch.manual_seed(0)
+    fp32, x = nn.Linear(64, 96), torch.randn(5, 64)
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = F.linear(x.bfloat16(), bf16.weight, bf16.bias)  # (5, 96), bf16 kernels
+        exact = F.linear(x.bfloat16().float(), bf16.weight.float(), bf16.bias.float())
+        one_row = F.linear(x[:1].bfloat16(), bf16.weight, bf16.bias)
+    real_linear, bf16_calls = F.linear, []
+
+    def spy(input, weight, bias=None):
+        bf16_calls.append(input.dtype == torch.bfloat16 or weight.dtype == torch.bfloat16)
+        return real_linear(input, weight, bias)
+
+    monkeypatch.setattr(F, "linear", spy)
+    with torch.no_grad():
+        got = PackedLinear(bf16)(x.bfloat16())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            under_autocast = PackedLinear(fp32)(x)
+        assert not any(bf16_calls)
+        assert torch.equal(PackedLinear(bf16)(x[:1].bfloat16()), one_row)
+    assert got.dtype == under_autocast.dtype == torch.bfloat16
+    assert torch.equal(got, exact.bfloat16()) and torch.equal(under_autocast, got)
+    torch.testing.assert_close(got, expected, rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 answers")
+def test_bf16_products_are_slow_where_onednn_has_no_bf16_and_fast_where_the_cpu_has_it():
+    """The measured answer (a timing ratio, its limit far from either side) agrees with what
+    PyTorch knows on x86-64: oneDNN without bf16 (ONEDNN_MAX_CPU_ISA=AVX2, make test-masked)
+    means slow products; AVX512-BF16 or AMX, unmasked, means fast ones."""
+    answer = capabilities.bf16_products()
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert not answer, answer.reason
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    if native and "ONEDNN_MAX_CPU_ISA" not in os.environ:
+        assert answer, answer.reason
+    assert "fast bf16 products" in capabilities.describe()
 
 
 def test_the_capability_answers_agree_with_what_the_cpu_does():
@@ -336,3 +404,22 @@ def test_the_first_probe_inside_autocast_gives_the_answer_it_gives_outside(dtype
     finally:
         capabilities.onednn_linear.cache_clear()
     assert (bool(inside), inside.reason) == (bool(outside), outside.reason)
+
+
+def test_decoding_a_bf16_model_says_what_its_prompt_costs_where_bf16_is_emulated(
+    slow_bf16_products, monkeypatch, caplog
+):
+    """Unpacked bf16 linears on such a CPU: a warning names the slowdown and the way out
+    (packed_linears, whose products of several rows compute in fp32), once; packed, none."""
+    monkeypatch.setattr(capabilities, "_WARNED", set())
+    model = GPT(GPTConfig.from_name("tiny-llama")).to(torch.bfloat16).eval()
+    prompt = torch.arange(1, 6).unsqueeze(0)  # (1, 5)
+    with caplog.at_level("WARNING", logger="qkv"):
+        with packed_linears(model):
+            packed = generate(model, prompt, max_new_tokens=3, compile=False)
+        assert not caplog.records
+        generate(model, prompt, max_new_tokens=3, compile=False)
+        generate(model, prompt, max_new_tokens=3, compile=False)
+    [warning] = caplog.records
+    assert "decoding a bf16 model's prompt" in warning.message and "40x" in warning.message
+    assert "packed_linears" in warning.message and packed.shape == (1, 8)

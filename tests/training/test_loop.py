@@ -144,3 +144,24 @@ def test_bf16_autocast_trains(task, tmp_path):
     records = map(json.loads, (tmp_path / "metrics.jsonl").open())
     losses = [record["loss"] for record in records if record["kind"] == "train"]
     assert all(map(math.isfinite, losses)) and losses[-1] < 0.7 * losses[0]
+
+
+def test_bf16_training_says_what_it_costs_before_starting_where_bf16_is_emulated(
+    task, tmp_path, monkeypatch, caplog
+):
+    """A CPU without native bf16 products (tens of times slower than fp32): the run warns,
+    with the measured slowdown, before its first step; fp32 runs do not."""
+    from qkv import capabilities
+
+    slow = capabilities.Support(False, "bf16 matrix products take 40x the time of fp32 ones")
+    monkeypatch.setattr(capabilities, "bf16_products", lambda: slow)
+    monkeypatch.setattr(capabilities, "_WARNED", set())
+    steps = []
+    with caplog.at_level("WARNING", logger="qkv"):
+        train(task, TrainingConfig(steps=1, batch_size=4), out_dir=tmp_path / "fp32")
+        assert not caplog.records
+        config = TrainingConfig(steps=1, batch_size=4, bf16=True, log_every=1)
+        train(task, config, out_dir=tmp_path / "bf16", on_log=lambda r: steps.append(r))
+    [warning] = caplog.records
+    assert "training with bf16 autocast" in warning.message and "40x" in warning.message
+    assert "fp32 runs at full speed here" in warning.message and steps  # and it trained

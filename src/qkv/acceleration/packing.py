@@ -129,9 +129,30 @@ class PackedLinear(nn.Module):
 
     def _plain_linear(self, x: torch.Tensor) -> torch.Tensor:
         """F.linear over each stacked linear, concatenated: what runs where oneDNN cannot
-        pack the compute dtype. (..., in_features) -> (..., out_features)."""
+        pack the compute dtype. (..., in_features) -> (..., out_features).
+
+        bf16 where this CPU's bf16 products are emulated (`capabilities.bf16_products`: tens
+        of times slower than fp32) and x has several rows: bf16 storage, fp32 compute. The
+        operands are rounded to bf16 as a bf16 product (or autocast) rounds them, multiplied
+        in fp32 (exact for bf16 values) with fp32 sums, as bf16 kernels accumulate, and the
+        result rounded to bf16: the bf16 product's values, at fp32 speed."""
+        several_rows = x.numel() > x.shape[-1]
+        if x.dtype == torch.bfloat16 and several_rows and not capabilities.bf16_products():
+            return self._fp32_product(x)
         outputs = [F.linear(x, linear.weight, linear.bias) for linear in self._linears]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+
+    def _fp32_product(self, x: torch.Tensor) -> torch.Tensor:
+        """`_plain_linear` of bf16 x, computed in fp32 (outside autocast), rounded to bf16."""
+        h = x.float()
+        outputs = []
+        with torch.autocast("cpu", enabled=False):
+            for linear in self._linears:
+                weight = linear.weight.to(torch.bfloat16).float()
+                bias = None if linear.bias is None else linear.bias.to(torch.bfloat16).float()
+                outputs.append(F.linear(h, weight, bias))
+        y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+        return y.to(torch.bfloat16)
 
     def _compute_dtype(self) -> torch.dtype:
         """The weights' dtype, or CPU autocast's (bf16) for fp32 weights, as F.linear would."""
@@ -160,6 +181,8 @@ class PackedLinear(nn.Module):
         packed = "oneDNN-packed" if self._packed else "packed at its first call"
         if not support:
             packed = f"computed by F.linear: {support.reason}"
+            if self._dtype == torch.bfloat16 and not capabilities.bf16_products():
+                packed = "several rows computed in fp32 (bf16 products are emulated here)"
         stacked = f", {len(self._linears)} linears stacked" if len(self._linears) > 1 else ""
         sizes = f"in_features={self.in_features}, out_features={self.out_features}"
         return f"{sizes}{stacked}, {packed}"

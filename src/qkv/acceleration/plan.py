@@ -26,11 +26,19 @@ def packing_support(linear: nn.Linear) -> Support:
     weight = linear.weight
     if weight.device.type != "cpu":
         return Support(False, f"its weight is on {weight.device}, and packing is for the CPU")
-    return capabilities.onednn_linear(weight.dtype)
+    onednn = capabilities.onednn_linear(weight.dtype)
+    if not onednn and weight.dtype == torch.bfloat16:
+        products = capabilities.bf16_products()
+        if not products:  # PackedLinear computes several rows in fp32 (bf16 storage)
+            return Support(
+                True, f"several rows computed in fp32: {products.reason}; {onednn.reason}"
+            )
+    return onednn
 
 
 def can_pack(linear: nn.Linear) -> bool:
-    """True if the weight is a CPU fp32/bf16 tensor and oneDNN packs that dtype here."""
+    """True if the weight is a CPU fp32/bf16 tensor and oneDNN packs that dtype here, or a bf16
+    one whose products PackedLinear computes faster in fp32 (`packing_support`)."""
     return bool(packing_support(linear))
 
 

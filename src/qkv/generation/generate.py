@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from qkv import capabilities
 from qkv.acceleration.auto import auto_steps
 from qkv.acceleration.compiled import compiled_steps
 from qkv.generation.loop import DecodeStep, decode_loop
@@ -213,11 +214,22 @@ def _decoder_only(model, input_ids, options: DecodeOptions, attention_mask):
         )
     positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, L): real tokens count
     cache = make_cache(model, batch=B, max_length=L + options.max_new_tokens, sinks=sinks)
+    if B * L > 1 and input_ids.device.type == "cpu" and _has_bf16_linears(model):
+        capabilities.warn_if_bf16_is_emulated(
+            "decoding a bf16 model's prompt",
+            "inside qkv.acceleration.packed_linears(model) (as `qkv generate` does), bf16 "
+            "products of several rows compute in fp32 at full speed",
+        )
     step_forward = _step_forward(model, options)
     source = DecoderOnlySteps(
         model, step_forward, input_ids, mask if padded else None, positions, cache
     )
     return source, input_ids, options.eos_token_id
+
+
+def _has_bf16_linears(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.Linear) and m.weight.dtype == torch.bfloat16
+               for m in model.modules())  # fmt: skip
 
 
 def _step_forward(model, options: DecodeOptions):

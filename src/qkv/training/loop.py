@@ -33,7 +33,6 @@ import json
 import logging
 import math
 import os
-import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from qkv import capabilities
 from qkv.training.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from qkv.training.config import TrainingConfig
 from qkv.training.distributed import (
@@ -52,7 +52,7 @@ from qkv.training.distributed import (
     setup_distributed,
     shard,
 )
-from qkv.training.metrics import METRICS_NAME, RunLogger
+from qkv.training.metrics import METRICS_NAME, RunLogger, Throughput
 from qkv.training.optim import build_optimizer
 from qkv.training.runlock import RunLock, remove_temporaries
 from qkv.training.schedule import build_scheduler
@@ -191,13 +191,15 @@ def _train(
     context: Distributed,
     device: torch.device,
 ) -> TrainingResult:
+    if config.bf16 and device.type == "cpu":
+        capabilities.warn_if_bf16_is_emulated("training with bf16 autocast (bf16=True)")
     model, optimizer, scheduler = _build(task, config, device)
     run_info = {"task": task.describe(), "training": config.to_json()}
     start, metrics = _maybe_resume(out_dir, resume, model, optimizer, scheduler, run_info)
     log = RunLogger(out_dir, context, on_log, keep_up_to=start)
     wrapped = context.wrap(model)
     order = DataOrder(len(task), seed=config.seed)
-    step_timer = _Throughput()
+    step_timer = Throughput()
     model.train()
     for step in range(start, config.steps):
         loss_terms, tokens = _train_step(task, wrapped, order, step, config, context)
@@ -382,19 +384,3 @@ def _to(batch: Batch, device: torch.device) -> Batch:
 def _device_type(model: nn.Module) -> str:
     parameter = next(model.parameters(), None)
     return "cpu" if parameter is None else parameter.device.type
-
-
-class _Throughput:
-    """Tokens per second since the last read."""
-
-    def __init__(self) -> None:
-        self.tokens, self.start = 0, time.perf_counter()
-
-    def add(self, tokens: int) -> None:
-        self.tokens += tokens
-
-    def read(self) -> dict[str, float]:
-        now = time.perf_counter()
-        rate = self.tokens / max(now - self.start, 1e-9)
-        self.tokens, self.start = 0, now
-        return {"tokens_per_s": rate}

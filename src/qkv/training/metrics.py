@@ -15,13 +15,21 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from qkv.models.safetensors_io import write_atomically
 from qkv.training.distributed import Distributed
 
-__all__ = ["METRICS_NAME", "MetricsFileError", "RunLogger", "append_record", "kept_lines"]
+__all__ = [
+    "METRICS_NAME",
+    "MetricsFileError",
+    "RunLogger",
+    "Throughput",
+    "append_record",
+    "kept_lines",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -144,3 +152,19 @@ def _tensorboard(folder: Path):
     except ImportError:
         return None
     return SummaryWriter(str(folder))
+
+
+class Throughput:
+    """Tokens per second since the last read."""
+
+    def __init__(self) -> None:
+        self.tokens, self.start = 0, time.perf_counter()
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def read(self) -> dict[str, float]:
+        now = time.perf_counter()
+        rate = self.tokens / max(now - self.start, 1e-9)
+        self.tokens, self.start = 0, now
+        return {"tokens_per_s": rate}
