@@ -18,8 +18,9 @@ builds them again from the graph's source, still without tracing the model.
 The key names everything a graph was compiled for that its guards do not check: qkv's source
 (a changed library never loads an old graph), torch and Python versions, the CPU (its model and
 the instruction set inductor targets), the thread count the kernels were generated for, and
-the model (its class, module tree, config, and each parameter's and buffer's name, shape, dtype
-and device). Weights are not part of it: they are inputs of the graph, not constants.
+the model (its class, its modules' names and types, config, and each parameter's and buffer's
+name, shape, dtype and device). Weights are not part of it: they are inputs of the graph, not
+constants.
 
 A graph file is Python pickle data, read back with the rights of the user who wrote it; like
 torch's own caches, the directory is meant to be the user's own. A file that cannot be read
@@ -74,7 +75,11 @@ def model_key(model: nn.Module, options: dict[str, Any]) -> str:
         "machine": _machine(),
         "threads": torch.get_num_threads(),
         "class": f"{type(model).__module__}.{type(model).__qualname__}",
-        "modules": repr(model),
+        # names and types, not repr(): a module's repr may tell its state (packed yet or not)
+        "modules": [
+            (name, f"{type(m).__module__}.{type(m).__qualname__}")
+            for name, m in model.named_modules()
+        ],  # fmt: skip
         "config": repr(getattr(model, "config", None)),
         "tensors": tensors,
         "options": sorted(options.items()),

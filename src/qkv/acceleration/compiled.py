@@ -92,8 +92,8 @@ def _globals(model: nn.Module) -> dict[str, Any]:
 
 def compile_seconds(model: nn.Module) -> float | None:
     """What compiled steps would cost the model before their first step, in seconds: 0 with
-    graphs in memory, a load from the compile store's estimate with graphs stored, else the
-    compile it measured for this model here, or None where nothing is known."""
+    graphs in memory, else the compile store's estimate (`GraphStore.seconds`: a load, or the
+    compilation measured for this model here), or None where nothing is known."""
     key = model_key(model, _INDUCTOR_OPTIONS)
     if _GRAPHS.get(model, {}).get(key):
         return 0.0
