@@ -104,7 +104,9 @@ def test_auto_decodes_eagerly_where_compiled_steps_do_not_serve(monkeypatch):
     model = qkv_model("tiny-llama")
     missing = capabilities.Support(False, "no C++ compiler was found (install g++)")
     monkeypatch.setattr(capabilities, "compiler", lambda: missing)
-    assert auto.auto_steps(model, 5) is model
+    compiled = []
+    runner = AutoSteps(model, 5, cost=lambda m: 0.0, compile=compiled.append)  # would switch
+    assert runner.compiled is None and not compiled  # asked only then: eager, nothing compiled
     prompt = torch.arange(1, 6).unsqueeze(0)
     beams = generate(model, prompt, max_new_tokens=4, num_beams=2)  # no refusal by default
     assert beams.shape == (1, 9)

@@ -20,7 +20,9 @@ this machine), or COMPILE_SECONDS where nothing is known.
 
 The eager steps are used where compiled ones do not serve the call: an encoder-decoder, beam
 search, a StreamingLLM cache (`generate` decides those), a model off the CPU (timing a step
-there needs a device sync), or a torch.compile without a C++ compiler here.
+there needs a device sync), or a torch.compile without a C++ compiler here. That last one is
+asked only once the rule chose to switch: asking imports torch.compile's machinery (about a
+second), which a call that stays eager should not pay.
 """
 
 from __future__ import annotations
@@ -55,10 +57,9 @@ _SPENT: weakref.WeakKeyDictionary[nn.Module, float] = weakref.WeakKeyDictionary(
 
 def auto_steps(model: nn.Module, steps: int) -> AutoSteps | nn.Module:
     """What runs a decoder-only model's `steps` decoding steps after its prefill under
-    compile="auto": `AutoSteps`, or the model itself where compiled steps cannot serve."""
+    compile="auto": `AutoSteps`, or the model itself off the CPU."""
     parameter = next(model.parameters(), None)
-    on_cpu = parameter is None or parameter.device.type == "cpu"
-    if not on_cpu or not capabilities.compiler():
+    if parameter is not None and parameter.device.type != "cpu":
         return model
     return AutoSteps(model, steps)
 
@@ -78,8 +79,8 @@ class AutoSteps:
         self.cost = cost(model)
         self.eager_seconds: list[float] = []  # of this call's eager steps
         self.compiled: Callable | None = None
-        self.decided = False
-        if self.cost == 0.0:  # graphs in memory: nothing to weigh
+        self.decided = self.cost == 0.0
+        if self.decided:  # graphs in memory: nothing to weigh
             self._switch("the model's graphs are in memory")
 
     def __call__(self, *args, **kwargs):
@@ -107,6 +108,8 @@ class AutoSteps:
             )
 
     def _switch(self, reason: str) -> None:
-        self.decided = True
+        """The compiled steps from here on, where this machine can compile; else eager ones."""
+        if not capabilities.compiler():
+            return
         logger.info("compile='auto': compiled decoding steps from here on (%s)", reason)
         self.compiled = self.compile(self.model)

@@ -131,8 +131,8 @@ class PackedLinear(nn.Module):
         """F.linear over each stacked linear, concatenated: what runs where oneDNN cannot
         pack the compute dtype. (..., in_features) -> (..., out_features).
 
-        bf16 where this CPU's bf16 products are emulated (`capabilities.bf16_products`: tens
-        of times slower than fp32) and x has several rows: bf16 storage, fp32 compute. The
+        bf16 where this CPU's bf16 products are emulated (`capabilities.bf16_products`: slower
+        than fp32, up to tens of times) and x has several rows: bf16 storage, fp32 compute. The
         operands are rounded to bf16 as a bf16 product (or autocast) rounds them, multiplied
         in fp32 (exact for bf16 values) with fp32 sums, as bf16 kernels accumulate, and the
         result rounded to bf16: the bf16 product's values, at fp32 speed."""
