@@ -18,13 +18,22 @@ from .format import dtype_name, dtype_rank, get, num, prose, span
 from .gpu import gpu_section
 from .machine import machine_table
 from .models import best_model_ratio, models_section
+from .patterns import PATTERN_FILES, patterns_section
 
 HERE = Path(__file__).resolve().parents[1]
 RESULTS = HERE / "results"
 README = HERE / "README.md"
 # The files each section reads; any other result file is listed at the end, and smoke runs
 # (*_quick.json) are left out.
-KNOWN = ("attention", "flash", "flash_bf16_recheck", "flash_gpu", "models", "decode")
+KNOWN = (
+    "attention",
+    *PATTERN_FILES,
+    "flash",
+    "flash_bf16_recheck",
+    "flash_gpu",
+    "models",
+    "decode",
+)
 
 
 def load_results(results: Path) -> dict[str, dict]:
@@ -126,6 +135,7 @@ def render(results_dir: Path = RESULTS) -> str:
     sections = [INTRO.rstrip("\n").split("\n"), headlines(results)]
     if "attention" in results:
         sections.append(attention_section(results["attention"]))
+    sections.append(patterns_section(results))
     if any(stem in results for stem in FLASH_FILES):
         sections.append(flash_section(results))
     sections.append(gpu_section(results.get("flash_gpu")))

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import qkv
-from tests.attention.reference_math import sdpa_reference
+from qkv.attention import serving_backends
+from tests.attention.reference_math import eager_reference, sdpa_reference
 
 BACKENDS = ["reference", "sdpa", "tiled", "auto"]
 
@@ -177,3 +178,44 @@ def test_one_causal_query_sees_every_key_without_a_mask():
     assert "one query (a decoding step): it sees every key, no mask" in qkv.explain(
         q, k, v, causal=True
     )
+
+
+@st.composite
+def pattern_calls(draw):
+    """Calls with sinks, ALiBi, a soft-cap or a score_mod (float64, any shape)."""
+    torch.manual_seed(draw(st.integers(0, 2**31 - 1)))
+    B, H_kv, group = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    H, L_q, L_k = H_kv * group, draw(st.integers(1, 9)), draw(st.integers(1, 9))
+    q = torch.randn(B, H, L_q, 4, dtype=torch.float64)
+    k, v = (torch.randn(B, H_kv, L_k, 4, dtype=torch.float64) for _ in range(2))
+    window = draw(st.sampled_from([None, 2, (1, 2)]))
+    options = {
+        "causal": draw(st.booleans()),
+        "window": window,
+        "sinks": draw(st.sampled_from([0, 1, 3])) if window is not None else 0,
+        "softcap": draw(st.sampled_from([None, 1.5])),
+        "score_mod": draw(st.sampled_from([None, lambda s, b, h, i, j: s * (1 + 0.1 * h)])),
+    }
+    slopes = draw(st.sampled_from([None, torch.rand(H, dtype=torch.float64)]))
+    return (q, k, v), options, slopes
+
+
+@settings(max_examples=60, deadline=None)
+@given(call=pattern_calls(), backend=st.sampled_from(["reference", "sdpa", "tiled", "auto"]))
+def test_sinks_alibi_softcap_and_score_mod_match_eager_math_in_float64(call, backend):
+    (q, k, v), options, slopes = call
+    if backend not in ("auto", *serving_backends(q, k, v, **options, alibi_slopes=slopes)):
+        return  # sdpa cannot soft-cap or score_mod: tested where it serves
+    ours = [t.clone().requires_grad_() for t in (q, k, v)]
+    theirs = [t.clone().requires_grad_() for t in (q, k, v)]
+    output = qkv.attention(*ours, **options, alibi_slopes=slopes, backend=backend)
+    L_q, L_k = q.shape[2], k.shape[2]
+    distance = (torch.arange(L_q).view(-1, 1) + L_k - L_q - torch.arange(L_k)).abs()
+    alibi = None if slopes is None else -slopes.view(1, -1, 1, 1) * distance
+    expected, _ = eager_reference(*theirs, **options, bias=alibi)
+    torch.testing.assert_close(output, expected, atol=1e-10, rtol=1e-8)
+    grad_output = torch.randn_like(output)
+    output.backward(grad_output)
+    expected.backward(grad_output)
+    for ours_t, theirs_t in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(ours_t.grad, theirs_t.grad, atol=1e-9, rtol=1e-7)

@@ -139,3 +139,22 @@ def test_triton_propagates_a_nan_query_like_the_reference():
     expected = qkv.attention(q, k, v, backend="reference")
     assert torch.equal(torch.isnan(output), torch.isnan(expected))
     assert torch.isnan(output[0, 0, 1]).all() and torch.isnan(output).sum() == 16
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"sinks": -1, "window": 2}, ValueError, "sinks: expected an int >= 0, got -1"),
+        ({"sinks": 1.5}, ValueError, "sinks: expected an int >= 0, got 1.5"),
+        ({"alibi_slopes": torch.ones(3)}, ValueError, r"alibi_slopes: expected shape \(2,\)"),
+        ({"alibi_slopes": torch.ones(2, dtype=torch.long)}, TypeError, "alibi_slopes: .*floating"),
+        ({"alibi_slopes": [1.0, 2.0]}, TypeError, "alibi_slopes: expected a torch.Tensor"),
+        ({"softcap": 0.0}, ValueError, "softcap: expected a positive finite number"),
+        ({"softcap": float("inf")}, ValueError, "softcap: expected a positive finite number"),
+        ({"score_mod": "tanh"}, TypeError, "score_mod: expected a callable"),
+    ],
+)
+def test_pattern_options_are_checked_by_name(options, error, match):
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    with pytest.raises(error, match=match):
+        qkv.attention(q, k, v, **options)

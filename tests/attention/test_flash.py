@@ -202,14 +202,14 @@ def test_forward_plus_backward_peak_memory_grows_linearly_in_length():
     assert tiled[2] * 8 < naive[2]
 
 
-def test_auto_takes_tiled_only_for_long_windows():
-    short = [torch.randn(1, 2, 256, 8) for _ in range(3)]
-    long = [torch.randn(1, 1, 4096, 8) for _ in range(3)]
+def test_auto_takes_tiled_only_for_long_windows_that_need_gradients():
+    short = [torch.randn(1, 2, 256, 8, requires_grad=True) for _ in range(3)]
+    long = [torch.randn(1, 1, 4096, 8, requires_grad=True) for _ in range(3)]
     assert qkv.explain(*short, window=64).startswith("backend 'sdpa'")
     assert qkv.explain(*long, causal=True).startswith("backend 'sdpa'")
-    text = qkv.explain(*long, window=1024)
+    text = qkv.explain(*long, window=1024)  # flex has no backward on the CPU
     assert text.startswith("backend 'tiled'") and "no dense mask" in text
-    assert "leaves ~85% of the scores visible" in qkv.explain(*long, window=3500)
+    assert "leave ~67% of the scores visible" in qkv.explain(*long, window=(1750, 1750))
 
 
 @pytest.mark.parametrize(
@@ -223,7 +223,7 @@ def test_auto_takes_tiled_only_for_long_windows():
             r"lengths: expected values in \[0, L_k=8\]",
         ),
         ({"lengths": torch.tensor([3])}, ValueError, r"lengths: expected a tensor of shape \(2,\)"),
-        ({"softcap": 0.0}, ValueError, "softcap: expected a positive number"),
+        ({"softcap": 0.0}, ValueError, "softcap: expected a positive finite number"),
         ({"score_mod": 3}, TypeError, "score_mod: expected a callable"),
         ({"bias": torch.ones(3, 3)}, ValueError, "bias: shape"),
     ],

@@ -171,3 +171,37 @@ def test_check_mode_fails_when_the_page_differs_from_the_files(results, tmp_path
 
 def test_the_committed_page_is_what_the_committed_result_files_give():
     assert make_readme.main(["--check"]) == 0, "run: python benchmarks/make_readme.py"
+
+
+def test_the_patterns_section_gives_auto_against_the_best_peer(tmp_path):
+    def row(pattern, auto_ms, flex_ms, ratio):
+        return {
+            "pattern": pattern,
+            "L": 4096,
+            "dtype": "bfloat16",
+            "auto_backend": "flex",
+            "ms": {"auto": auto_ms, "tiled": 70.0, "sdpa": 212.0, "flex": flex_ms},
+            "best_peer": "flex",
+            "paired_auto_vs_best_peer": ratio,
+            "paired_tiled_vs_sdpa": 0.33,
+        }
+
+    machine = {**MACHINE, "command": "python benchmarks/patterns.py"}
+    payload = {"machine": machine, "mode": "forward"}
+    payload["rows"] = [row("softcap", 50.0, 49.0, 1.02), row("window", 48.0, 80.0, 0.6)]
+    (tmp_path / "patterns.json").write_text(json.dumps(payload))
+    page = make_readme.render(tmp_path)
+    section = page[page.index("## Attention patterns") :]
+    assert (
+        "auto at most the best peer's time on 1 of 2 rows; auto/best from 0.60 to 1.02" in section
+    )
+    assert (
+        "| window | 4096 | bf16 | 48.0 | 70.0 | 212.0 | 80.0 | - | flex | flex | 0.60 | 0.33 |"
+        in section
+    )
+    assert (
+        "| softcap | 4096 | bf16 | 50.0 | 70.0 | 212.0 | 49.0 | - | flex | flex | 1.02! |"
+        in section
+    )
+    assert section.index("| window |") < section.index("| softcap |")  # the patterns' order
+    assert "| command | `python benchmarks/patterns.py` |" in section

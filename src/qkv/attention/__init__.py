@@ -1,5 +1,6 @@
 """The functional core: masks, `attention()`, `explain()` and the backends behind them."""
 
+from qkv.attention import flex as _flex_backend
 from qkv.attention import masks
 from qkv.attention.core import BACKENDS, attention, explain, register_backend, serving_backends
 from qkv.attention.request import AttentionRequest
@@ -10,6 +11,7 @@ from qkv.attention.triton import triton_attention
 
 register_backend(_tiled_backend, before="sdpa")  # auto prefers it only for large windows
 register_backend(_triton_backend, before="tiled")  # auto: CUDA tensors it can serve
+register_backend(_flex_backend, before="tiled")  # auto: patterns SDPA would need dense tensors for
 
 __all__ = [
     "AttentionRequest",

@@ -14,6 +14,7 @@ options, never tensor values). So why_not and why_not_auto must depend on nothin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -45,6 +46,10 @@ def attention(
     scale: float | None = None,
     bias: torch.Tensor | None = None,
     window: int | tuple[int, int] | None = None,
+    sinks: int = 0,
+    alibi_slopes: torch.Tensor | None = None,
+    softcap: float | None = None,
+    score_mod: Callable | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
     backend: str = "auto",
@@ -61,6 +66,15 @@ def attention(
         scale: multiplies Q K^T; default 1/sqrt(D).
         bias: additive float scores, e.g. ALiBi (`qkv.positional.alibi_bias`); same shapes as mask.
         window: int W (each query sees itself and the W - 1 keys before it) or (left, right).
+        sinks: the first `sinks` keys stay visible on top of the window (attention sinks,
+            StreamingLLM: Xiao et al. 2024); never further ahead than causal or the window allow.
+        alibi_slopes: (H,) slopes m_h of ALiBi (Press et al. 2022), adding -m_h * |i' - j|
+            without a dense bias (`qkv.positional.alibi_slopes`); constants, no gradient.
+        softcap: scores -> softcap * tanh(scores / softcap) before any bias (Gemma 2).
+        score_mod: f(score, batch, head, q_idx, k_idx) -> score, FlexAttention's signature
+            (Dong et al. 2024): applied after the biases, before the masks, with raw (not
+            aligned) query indices; written with torch ops, it receives broadcastable index
+            tensors on some backends and scalars on others.
         dropout_p: dropout on the attention weights, applied whenever > 0: modules pass 0 in
             eval mode (as with `F.scaled_dot_product_attention`).
         return_weights: also return the weights (B, H, L_q, L_k) that multiplied V.
@@ -85,6 +99,10 @@ def attention(
         "window": window,
         "dropout_p": dropout_p,
         "return_weights": return_weights,
+        "sinks": sinks,
+        "alibi_slopes": alibi_slopes,
+        "softcap": softcap,
+        "score_mod": score_mod,
     }
     if isinstance(backend, str) and backend == "auto":
         request, chosen = _auto_request(q, k, v, options)
@@ -108,6 +126,10 @@ def explain(
     scale: float | None = None,
     bias: torch.Tensor | None = None,
     window: int | tuple[int, int] | None = None,
+    sinks: int = 0,
+    alibi_slopes: torch.Tensor | None = None,
+    softcap: float | None = None,
+    score_mod: Callable | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
     backend: str = "auto",
@@ -124,6 +146,10 @@ def explain(
         window=window,
         dropout_p=dropout_p,
         return_weights=return_weights,
+        sinks=sinks,
+        alibi_slopes=alibi_slopes,
+        softcap=softcap,
+        score_mod=score_mod,
     )
     chosen = _choose(request, backend)
     how = "named explicitly" if backend != "auto" else "the fastest backend that serves this call"
@@ -156,6 +182,10 @@ _DEFAULT_OPTIONS = {
     "window": None,
     "dropout_p": 0.0,
     "return_weights": False,
+    "sinks": 0,
+    "alibi_slopes": None,
+    "softcap": None,
+    "score_mod": None,
 }
 
 
@@ -199,14 +229,18 @@ def _auto_request(
     key = None if torch.compiler.is_compiling() else request_key(q, k, v, **options)
     known = _AUTO_CHOICES.get(key) if key is not None else None
     if known is not None:
-        chosen, checked = known  # scale, window and dropout_p as make_request normalised them
-        return AttentionRequest(q=q, k=k, v=v, **{**options, **checked}), chosen
+        chosen, checked = known  # scale, window, ... as make_request normalised them
+        slopes = options["alibi_slopes"]
+        slopes = {"alibi_slopes": None if slopes is None else slopes.detach()}
+        return AttentionRequest(q=q, k=k, v=v, **{**options, **checked, **slopes}), chosen
     request = make_request(q, k, v, **options)
     chosen = _choose(request, "auto")
     if key is not None:
         if len(_AUTO_CHOICES) >= _AUTO_CHOICES_MAX:
             _AUTO_CHOICES.clear()
-        checked = {"scale": request.scale, "window": request.window, "dropout_p": request.dropout_p}
+        checked = {
+            name: getattr(request, name) for name in ("scale", "window", "dropout_p", "softcap")
+        }
         _AUTO_CHOICES[key] = (chosen, checked)
     return request, chosen
 

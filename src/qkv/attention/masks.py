@@ -4,14 +4,15 @@ A floating-point mask is an additive bias on the scores (0 = keep, -inf = blocke
 2-D `(L_q, L_k)` or 4-D `(B|1, H|1, L_q, L_k)`; a 3-D mask is refused by `qkv.attention`
 because `(B, L_q, L_k)` would silently broadcast B against the head axis.
 
-NaN, the one rule of every backend (reference, sdpa, tiled): masking never hides a NaN. A NaN
+NaN, the one rule of every backend (reference, sdpa, tiled, flex): masking never hides a NaN. A NaN
 or +inf that a float mask or a bias adds to a score its query may see makes that query's
 output NaN, even where the rest of its row is -inf; a position that a bool mask, `causal` or
 `window` blocks is removed, NaN and all. Only a row whose every score is -inf is empty (output
 0). Masks are not searched for NaN: that would cost a pass over the mask and a host sync on
-every call. The same holds for NaN in q or k, with one exception outside qkv's reach: PyTorch's
-fused CPU kernel, which `sdpa` calls when there is no mask at all, gives 0 for a query row
-holding a NaN (inside a model the residual connection carries that NaN on).
+every call. The same holds for NaN in q or k, with exceptions outside qkv's reach: PyTorch's
+fused CPU kernels, SDPA's (which `sdpa` calls when there is no mask at all) and FlexAttention's
+(`flex`), give 0 for a query row holding a NaN (inside a model the residual connection carries
+that NaN on).
 
 PyTorch uses both polarities: `F.scaled_dot_product_attention` takes True = attend, while
 `nn.MultiheadAttention`'s `attn_mask` and `key_padding_mask` take True = blocked. The converters at
@@ -71,7 +72,7 @@ def causal(L_q: int, L_k: int | None = None, *, device=None) -> torch.Tensor:
 
 
 def sliding_window(
-    L_q: int, L_k: int, window: int | tuple[int, int], *, device=None
+    L_q: int, L_k: int, window: int | tuple[int, int], *, sinks: int = 0, device=None
 ) -> torch.Tensor:
     """Local attention, aligned bottom-right like `causal`.
 
@@ -79,13 +80,20 @@ def sliding_window(
       i.e. keys j with i - W < j <= i. This is causal by construction.
     - `window=(left, right)` (FlashAttention's `window_size`): keys j with
       i - left <= j <= i + right; a two-sided window for bidirectional encoders.
+    - `sinks=n`: the first n keys stay visible on top of the window, never further ahead than
+      its right edge (attention sinks: StreamingLLM, Xiao et al. 2024).
 
     Returns a bool tensor of shape (L_q, L_k).
     """
     left, right = _window_extent(window)
+    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+        raise ValueError(f"sinks: expected an int >= 0, got {sinks!r}")
     query_pos, key_pos = _positions(L_q, L_k, device)
     offset = key_pos - query_pos  # (L_q, L_k): how far key j lies ahead of query i
-    return (offset >= -left) & (offset <= right)
+    visible = (offset >= -left) & (offset <= right)
+    if sinks:
+        visible |= (key_pos < sinks) & (offset <= right)
+    return visible
 
 
 def padding(lengths: torch.Tensor, max_len: int | None = None) -> torch.Tensor:

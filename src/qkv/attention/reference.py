@@ -2,6 +2,8 @@
 
     Attention(Q, K, V) = softmax(Q K^T * scale + bias) V        (Vaswani et al. 2017, s3.2.1)
 
+with the soft-cap, ALiBi and score_mod of `AttentionRequest`, in its order.
+
 The one backend that returns the attention weights. Scores and softmax statistics are computed in
 fp32 (fp64 stays fp64) whatever the input dtype, so fp16 scores cannot overflow.
 Masked scores are -inf, never a finite sentinel. A query row with no visible key gets weights 0
@@ -39,13 +41,17 @@ def run(request: AttentionRequest) -> tuple[torch.Tensor, torch.Tensor]:
     q, v = request.q, request.v
     compute_dtype = torch.promote_types(q.dtype, torch.float32)
     scores = _grouped_scores(request, compute_dtype)  # (B, H, L_q, L_k)
+    if request.softcap is not None:  # Gemma 2's soft-capping, before any bias
+        scores = request.softcap * torch.tanh(scores / request.softcap)
     additive = request.additive()
     if additive is not None:
         scores = scores + additive.to(compute_dtype)
+    if request.score_mod is not None:
+        scores = request.score_mod(scores, *request.score_indices())
     allowed = request.allowed()
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
-    if allowed is None and additive is None:  # nothing masks: no row can be empty
+    if allowed is None and additive is None and request.score_mod is None:  # no row is empty
         weights = torch.softmax(scores, dim=-1)
     else:
         weights = _softmax_without_nan(scores)

@@ -7,6 +7,7 @@ ValueError/TypeError naming the argument, what was seen and what was expected.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,16 @@ class AttentionRequest:
     q: (B, H, L_q, D); k: (B, H_kv, L_k, D); v: (B, H_kv, L_k, D_v), with H % H_kv == 0.
     mask: bool (True = may attend) or additive float, 2-D (L_q, L_k) or 4-D broadcastable to
     (B, H, L_q, L_k). bias: additive float, same shapes. window: (left, right) key counts.
+    sinks: first keys visible on top of the window. alibi_slopes: (H,) float. softcap: > 0.
+    score_mod: f(score, batch, head, q_idx, k_idx) -> score.
+
+    The score of query i and key j, in this order (every backend computes this):
+        s = scale * q_i . k_j                            (fp32 at least)
+        s = softcap * tanh(s / softcap)                  (Gemma 2), if softcap
+        s = s + bias + float mask - slope_h * |i' - j|   (ALiBi), each if given
+        s = score_mod(s, b, h, i, j)                     (FlexAttention's signature), if given
+        s = -inf where causal, window (with sinks) or a bool mask hides key j
+    with i' = i + L_k - L_q, the query aligned bottom-right; score_mod gets the raw index i.
     """
 
     q: torch.Tensor
@@ -33,6 +44,10 @@ class AttentionRequest:
     window: tuple[int, int] | None
     dropout_p: float
     return_weights: bool
+    sinks: int = 0
+    alibi_slopes: torch.Tensor | None = None
+    softcap: float | None = None
+    score_mod: Callable | None = None
 
     @property
     def batch(self) -> int:
@@ -67,12 +82,19 @@ class AttentionRequest:
     def has_additive_mask(self) -> bool:
         return self.mask is not None and self.mask.dtype != torch.bool
 
+    @property
+    def modifies_scores(self) -> bool:
+        """Whether scores pass through a soft-cap or a score_mod (no fused SDPA kernel can)."""
+        return self.softcap is not None or self.score_mod is not None
+
     def structural_mask(self) -> torch.Tensor | None:
-        """The bool (L_q, L_k) mask implied by `causal` and `window`, or None if neither is set."""
+        """The bool (L_q, L_k) mask implied by `causal`, `window` and `sinks`, or None."""
         device = self.q.device
         causal = masks.causal(self.query_len, self.key_len, device=device) if self.causal else None
         window = (
-            masks.sliding_window(self.query_len, self.key_len, self.window, device=device)
+            masks.sliding_window(
+                self.query_len, self.key_len, self.window, sinks=self.sinks, device=device
+            )
             if self.window is not None
             else None
         )
@@ -83,8 +105,60 @@ class AttentionRequest:
         return masks.combine(self.structural_mask(), self.mask if self.has_bool_mask else None)
 
     def additive(self) -> torch.Tensor | None:
-        """The sum of the additive terms (bias and a float mask), or None if there are none."""
-        return masks.combine(self.bias, self.mask if self.has_additive_mask else None)
+        """The sum of the additive terms (bias, a float mask, ALiBi), or None if there are none."""
+        return masks.combine(
+            self.bias, self.mask if self.has_additive_mask else None, self.alibi_bias()
+        )
+
+    def alibi_bias(self) -> torch.Tensor | None:
+        """ALiBi's -slope_h * |i' - j| from `alibi_slopes`, (1, H, L_q, L_k), or None; fp32
+        (fp64 for fp64 slopes)."""
+        if self.alibi_slopes is None:
+            return None
+        query_pos = torch.arange(self.query_len, device=self.q.device).view(-1, 1)
+        key_pos = torch.arange(self.key_len, device=self.q.device).view(1, -1)
+        distance = (query_pos + (self.key_len - self.query_len) - key_pos).abs()  # (L_q, L_k)
+        dtype = torch.promote_types(self.alibi_slopes.dtype, torch.float32)
+        slopes = self.alibi_slopes.to(dtype).view(1, -1, 1, 1)  # (1, H, 1, 1)
+        return -slopes * distance
+
+    def score_mod_with_alibi(self) -> Callable | None:
+        """`score_mod` with ALiBi folded in before it, for backends that compute scores where
+        they need them (tiles, FlexAttention) rather than adding a dense (L_q, L_k) bias."""
+        if self.alibi_slopes is None:
+            return self.score_mod
+        slopes, after = self.alibi_slopes, self.score_mod
+        aligned = self.key_len == self.query_len  # then i' = i: one add per score less
+        # a tensor, not an int: a compiled kernel would be specialised to every value of an int
+        shift = torch.tensor(self.key_len - self.query_len, device=self.q.device)
+
+        def distance(q_idx, k_idx):  # i' - j
+            return q_idx - k_idx if aligned else q_idx + shift - k_idx
+
+        if self.causal:  # every visible key lies at or before the query: no abs() needed
+
+            def alibi(score, batch, head, q_idx, k_idx):
+                score = score - slopes[head] * distance(q_idx, k_idx)
+                return score if after is None else after(score, batch, head, q_idx, k_idx)
+
+        else:
+
+            def alibi(score, batch, head, q_idx, k_idx):
+                score = score - slopes[head] * distance(q_idx, k_idx).abs()
+                return score if after is None else after(score, batch, head, q_idx, k_idx)
+
+        return alibi
+
+    def score_indices(self) -> tuple[torch.Tensor, ...]:
+        """(batch, head, query, key) indices shaped to broadcast over (B, H, L_q, L_k): what
+        `score_mod` receives on the backends that apply it to the whole score matrix."""
+        device = self.q.device
+        return (
+            torch.arange(self.batch, device=device).view(-1, 1, 1, 1),
+            torch.arange(self.num_heads, device=device).view(1, -1, 1, 1),
+            torch.arange(self.query_len, device=device).view(1, 1, -1, 1),
+            torch.arange(self.key_len, device=device).view(1, 1, 1, -1),
+        )
 
 
 def make_request(
@@ -99,6 +173,10 @@ def make_request(
     window: int | tuple[int, int] | None,
     dropout_p: float,
     return_weights: bool,
+    sinks: int = 0,
+    alibi_slopes: torch.Tensor | None = None,
+    softcap: float | None = None,
+    score_mod: Callable | None = None,
 ) -> AttentionRequest:
     """Check every argument of `qkv.attention` and bundle them into an `AttentionRequest`."""
     _check_qkv(q, k, v)
@@ -122,6 +200,10 @@ def make_request(
         window=None if window is None else masks._window_extent(window),
         dropout_p=_check_dropout(dropout_p),
         return_weights=return_weights,
+        sinks=_check_sinks(sinks),
+        alibi_slopes=_check_slopes(alibi_slopes, q.shape[1], q.device),
+        softcap=check_softcap(softcap),
+        score_mod=check_callable("score_mod", score_mod),
     )
 
 
@@ -137,6 +219,10 @@ def request_key(
     window: int | tuple[int, int] | None,
     dropout_p: float,
     return_weights: bool,
+    sinks: int = 0,
+    alibi_slopes: torch.Tensor | None = None,
+    softcap: float | None = None,
+    score_mod: Callable | None = None,
 ) -> tuple | None:
     """Everything `make_request` checks, as a hashable key; None for a call it cannot describe.
 
@@ -144,14 +230,24 @@ def request_key(
     choice made for one (`qkv.attention` memoises `auto`'s) holds for the other. The key has
     each tensor's shape, dtype and device, never its values, and each option with its exact
     type: True == 1 == 1.0 in Python, but not for the checks. Tensor subclasses and options of
-    other types (a list window) give None: such calls are simply checked every time.
+    other types (a list window) give None: such calls are simply checked every time. A score_mod
+    counts by its presence (backends ask only whether there is one), and so does the need for
+    gradients (FlexAttention has no backward on the CPU).
     """
     try:
-        tensors = tuple(_tensor_key(t) for t in (q, k, v, mask, bias))
-        options = tuple(_option_key(o) for o in (causal, scale, window, dropout_p, return_weights))
+        tensors = tuple(_tensor_key(t) for t in (q, k, v, mask, bias, alibi_slopes))
+        options = tuple(
+            _option_key(o)
+            for o in (causal, scale, window, dropout_p, return_weights, sinks, softcap)
+        )
     except _NoKeyError:
         return None
-    return tensors + options
+    if score_mod is not None and not callable(score_mod):
+        return None
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, bias, alibi_slopes)
+    )
+    return tensors + options + (score_mod is not None, needs_grad)
 
 
 class _NoKeyError(Exception):
@@ -262,6 +358,55 @@ def _check_scale(scale: float | None, head_dim: int) -> float:
     if not math.isfinite(scale):
         raise ValueError(f"scale: expected a finite number, got {scale}")
     return float(scale)
+
+
+def _check_sinks(sinks: int) -> int:
+    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+        raise ValueError(
+            f"sinks: expected an int >= 0, got {sinks!r} (the first keys, visible on top of a "
+            f"window)"
+        )
+    return sinks
+
+
+def _check_slopes(slopes, num_heads: int, device: torch.device) -> torch.Tensor | None:
+    """ALiBi slopes: a floating (H,) tensor on q's device (`qkv.positional.alibi_slopes`)."""
+    if slopes is None:
+        return None
+    if not isinstance(slopes, torch.Tensor):
+        raise TypeError(
+            f"alibi_slopes: expected a torch.Tensor of shape ({num_heads},), got "
+            f"{type(slopes).__name__}"
+        )
+    if not slopes.is_floating_point():
+        raise TypeError(f"alibi_slopes: expected a floating-point tensor, got dtype {slopes.dtype}")
+    if slopes.shape != (num_heads,):
+        raise ValueError(
+            f"alibi_slopes: expected shape ({num_heads},), one slope per query head, got "
+            f"{tuple(slopes.shape)}"
+        )
+    if slopes.device != device:
+        raise ValueError(f"alibi_slopes: on device {slopes.device}, expected q's device {device}")
+    return slopes.detach()  # fixed, as in the paper: every backend treats them as constants
+
+
+def check_softcap(softcap: float | None) -> float | None:
+    """Soft-capping's cap: a finite number > 0, or None."""
+    if softcap is None:
+        return None
+    if (
+        isinstance(softcap, bool)
+        or not isinstance(softcap, (int, float))
+        or not 0 < softcap < math.inf
+    ):
+        raise ValueError(f"softcap: expected a positive finite number or None, got {softcap!r}")
+    return float(softcap)
+
+
+def check_callable(name: str, value):
+    if value is not None and not callable(value):
+        raise TypeError(f"{name}: expected a callable or None, got {type(value).__name__}")
+    return value
 
 
 def _check_dropout(dropout_p: float) -> float:

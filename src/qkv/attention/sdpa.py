@@ -3,7 +3,8 @@
 What this wrapper adds to the raw call, and nothing more:
 - causal with L_q != L_k is aligned bottom-right (SDPA's `is_causal` aligns top-left), through
   an explicit mask; with L_q == L_k, `is_causal=True` is passed through untouched;
-- windows, bool masks and additive biases become one SDPA `attn_mask`;
+- windows (with sinks), bool masks, additive biases and ALiBi become one SDPA `attn_mask`
+  (soft-capping and score_mod it cannot serve);
 - a query row with no visible key gives output 0 and finite gradients, by unmasking that row
   for the kernel and zeroing its output afterwards (PyTorch's own behaviour here differs across
   versions and kernels: NaN on some, uniform weights on others);
@@ -28,6 +29,8 @@ _HAS_ENABLE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2,
 def why_not(request: AttentionRequest) -> str | None:
     if request.return_weights:
         return "the fused kernel does not return the attention weights"
+    if request.modifies_scores:
+        return "the fused kernel cannot soft-cap or score_mod the scores"
     return None
 
 
@@ -56,7 +59,10 @@ def notes(request: AttentionRequest) -> list[str]:
             f"bottom-right mask (SDPA's is_causal aligns top-left)"
         )
     if request.window is not None:
-        out.append(f"window {request.window}: an explicit (L_q, L_k) mask")
+        sinks = f" and {request.sinks} sink keys" if request.sinks else ""
+        out.append(f"window {request.window}{sinks}: an explicit (L_q, L_k) mask")
+    if request.alibi_slopes is not None:
+        out.append("ALiBi: a dense (1, H, L_q, L_k) bias built from the slopes")
     if _needs_mask(request):
         out.append(
             "rows with no visible key are unmasked for the kernel and their output zeroed "
@@ -149,7 +155,12 @@ def _sees_every_key(request: AttentionRequest) -> bool:
 
 def _needs_mask(request: AttentionRequest) -> bool:
     """False when the kernel can run maskless (no mask, bias, window, or only aligned causal)."""
-    structural_only = request.mask is None and request.bias is None and request.window is None
+    structural_only = (
+        request.mask is None
+        and request.bias is None
+        and request.window is None
+        and request.alibi_slopes is None
+    )
     causal_free = not request.causal or _plain_causal(request) or _sees_every_key(request)
     return not (structural_only and causal_free)
 

@@ -15,10 +15,16 @@ from qkv.attention.tiled.function import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, flash
 name = "tiled"
 summary = "FlashAttention in PyTorch: online softmax over tiles, O(L) memory, skips hidden tiles"
 
-# On the CPU (benchmarks/flash.py, fp32, causal) tiled costs more than SDPA per computed score,
-# and below 2048^2 scores SDPA with a dense mask is faster.
-MIN_SCORES_FOR_WINDOW = 2048 * 2048
-MAX_VISIBLE_FRACTION = 0.6  # the window must hide at least 40% of the scores
+# On the CPU tiled costs more than SDPA per computed score (benchmarks/flash.py, patterns.py):
+# it wins where the structure hides enough scores that SDPA, handed a dense mask, computes in
+# vain, and the call is long enough: from 1024^2 scores in fp32 (forward + backward 0.88x
+# SDPA's time at L = 1024 with a 1024-key causal window), 2048^2 in bf16 (1.14x at 1024).
+MIN_SCORES_FOR_WINDOW = {torch.float32: 1024 * 1024, torch.float64: 1024 * 1024}
+MIN_SCORES_LOW_PRECISION = 2048 * 2048
+MAX_VISIBLE_FRACTION = 0.6  # the structure must hide at least 40% of the scores
+# Soft-capping or a score_mod, which SDPA cannot apply: tiled against the reference math,
+# 0.27x its time (forward + backward, fp32, L = 1024); small calls stay with the reference.
+MIN_SCORES_MODIFIED = 512 * 512
 
 
 def why_not(request: AttentionRequest) -> str | None:
@@ -31,24 +37,40 @@ def why_not(request: AttentionRequest) -> str | None:
 
 
 def why_not_auto(request: AttentionRequest) -> str | None:
-    """Why `auto` passes over a request this backend could serve: SDPA is faster there."""
-    if request.window is None:
-        return "SDPA needs no dense mask for this call, and its fused kernel is faster"
+    """Why `auto` passes over a request this backend could serve: another is faster there."""
+    if torch.compiler.is_compiling():  # comparing symbolic lengths would specialise the graph
+        # on their values: a recompilation at every decoding step
+        return "inside a compiled graph SDPA or the reference math is traced and fused instead"
+    scores = request.query_len * request.key_len
+    if request.modifies_scores:  # SDPA cannot serve it: tiled or the reference math
+        if scores < MIN_SCORES_MODIFIED:
+            return f"L_q * L_k = {scores} < {MIN_SCORES_MODIFIED}: the reference math is faster"
+        return None
+    if request.window is None and request.alibi_slopes is None:
+        return "no window whose hidden tiles it could skip: SDPA's fused kernel is faster"
     if request.mask is not None or request.bias is not None:
         return "the call brings its own dense mask or bias, which SDPA reads as well as tiles do"
-    scores = request.query_len * request.key_len
-    if scores < MIN_SCORES_FOR_WINDOW:
-        if torch.compiler.is_compiling():  # printing symbolic lengths would specialise the
-            # graph on their values: a recompilation at every decoding step
-            return f"L_q * L_k < {MIN_SCORES_FOR_WINDOW}: SDPA with a dense mask is faster"
-        return f"L_q * L_k = {scores} < {MIN_SCORES_FOR_WINDOW}: SDPA with a dense mask is faster"
-    visible = min(1.0, (request.window[0] + request.window[1] + 1) / request.key_len)
+    least = MIN_SCORES_FOR_WINDOW.get(request.q.dtype, MIN_SCORES_LOW_PRECISION)
+    if scores < least:
+        return f"L_q * L_k = {scores} < {least}: SDPA with a dense mask is faster"
+    visible = visible_fraction(request)
     if visible > MAX_VISIBLE_FRACTION:
         return (
-            f"the window leaves ~{visible:.0%} of the scores visible: SDPA computing all of them "
-            f"is still faster"
+            f"causal/window leave ~{visible:.0%} of the scores visible: SDPA computing all of "
+            f"them is still faster"
         )
     return None
+
+
+def visible_fraction(request: AttentionRequest) -> float:
+    """The share of the L_q x L_k scores that causal and the window leave visible."""
+    left, right = request.window if request.window is not None else (request.key_len,) * 2
+    right = 0 if request.causal else right
+    position = torch.arange(request.query_len) + (request.key_len - request.query_len)
+    first = (position - left).clamp(min=0)
+    last = (position + right).clamp(max=request.key_len - 1)
+    seen = (last - first + 1).clamp(min=0).sum().item()
+    return seen / (request.query_len * request.key_len)
 
 
 def notes(request: AttentionRequest) -> list[str]:

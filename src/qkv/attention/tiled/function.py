@@ -12,7 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
-from qkv.attention.request import AttentionRequest, check_lengths, make_request
+from qkv.attention.request import (
+    AttentionRequest,
+    check_callable,
+    check_lengths,
+    check_softcap,
+    make_request,
+)
 from qkv.attention.tiled import kernels
 from qkv.attention.tiled.tiles import TilePlan
 from qkv.validation import check_int
@@ -99,12 +105,12 @@ def flash_attention(
     settings = Settings(
         plan=_plan(request, sinks, lengths, block_q, block_k),
         scale=request.scale,
-        softcap=_check_softcap(softcap),
-        score_mod=_check_callable("score_mod", score_mod),
+        softcap=check_softcap(softcap),
+        score_mod=check_callable("score_mod", score_mod),
         dropout_p=request.dropout_p,
         seed=int(torch.randint(0, 2**62, (1,)).item()) if request.dropout_p > 0 else 0,
         mask=mask,
-        trace=_check_callable("trace", trace),
+        trace=check_callable("trace", trace),
     )
     output, lse = _FlashAttention.apply(q, k, v, bias, settings)
     return (output, lse) if return_lse else output
@@ -122,6 +128,9 @@ def flash_backend_call(request: AttentionRequest) -> torch.Tensor:
         mask=request.mask,
         scale=request.scale,
         dropout_p=request.dropout_p,
+        sinks=request.sinks,
+        softcap=request.softcap,
+        score_mod=request.score_mod_with_alibi(),
     )
 
 
@@ -191,17 +200,3 @@ def _plan(request: AttentionRequest, sinks, lengths, block_q, block_k) -> TilePl
         lengths=check_lengths(lengths, request.batch, request.key_len),
         has_dense_mask=request.has_bool_mask,  # a float mask was folded into the bias
     )
-
-
-def _check_softcap(softcap: float | None) -> float | None:
-    if softcap is None:
-        return None
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
-        raise ValueError(f"softcap: expected a positive number or None, got {softcap!r}")
-    return float(softcap)
-
-
-def _check_callable(name: str, value):
-    if value is not None and not callable(value):
-        raise TypeError(f"{name}: expected a callable or None, got {type(value).__name__}")
-    return value

@@ -63,26 +63,38 @@ class TilePlan:
 
     def classify(self, q_start: int, q_end: int, k_start: int, k_end: int) -> Tile:
         """Decide a tile from its bounds alone (queries [q_start, q_end), keys [k_start, k_end))."""
-        q_min, q_max = q_start + self.shift, q_end - 1 + self.shift  # aligned query positions
-        k_min, k_max = k_start, k_end - 1
-        longest = max(self.lengths) if self.lengths is not None else self.key_len
-        shortest = min(self.lengths) if self.lengths is not None else self.key_len
-        if k_min >= longest:
+        bounds = (q_start + self.shift, q_end - 1 + self.shift, k_start, k_end - 1)
+        if self.hides(*bounds):
             return Tile.HIDDEN
-        structural_none = (self.causal and k_min > q_max) or (
-            self.window is not None
-            and (k_max < q_min - self.window[0] or k_min > q_max + self.window[1])
-        )
-        sink_none = k_min >= self.sinks or k_min > q_max + self.future
-        if structural_none and sink_none:
-            return Tile.HIDDEN
-        structural_all = (not self.causal or k_max <= q_min) and (
-            self.window is None
-            or (k_min >= q_max - self.window[0] and k_max <= q_min + self.window[1])
-        )
-        if structural_all and k_max < shortest and not self.has_dense_mask:
+        if self.shows_all(*bounds):
             return Tile.VISIBLE
         return Tile.PARTIAL
+
+    def hides(self, q_min, q_max, k_min, k_max):
+        """Does no aligned query in [q_min, q_max] see any key in [k_min, k_max]? Python ints
+        or integer tensors of block bounds (then elementwise: FlexAttention's BlockMask)."""
+        longest = max(self.lengths) if self.lengths is not None else self.key_len
+        structural_none = False
+        if self.causal:
+            structural_none = structural_none | (k_min > q_max)
+        if self.window is not None:
+            left, right = self.window
+            structural_none = structural_none | (k_max < q_min - left) | (k_min > q_max + right)
+        sink_none = (k_min >= self.sinks) | (k_min > q_max + self.future)
+        return (k_min >= longest) | (structural_none & sink_none)
+
+    def shows_all(self, q_min, q_max, k_min, k_max):
+        """Does every aligned query in [q_min, q_max] see every key in [k_min, k_max] (no mask
+        needed)? Ints or tensors, as `hides`."""
+        shortest = min(self.lengths) if self.lengths is not None else self.key_len
+        structural_all = True
+        if self.causal:
+            structural_all = structural_all & (k_max <= q_min)
+        if self.window is not None:
+            left, right = self.window
+            structural_all = structural_all & (k_min >= q_max - left) & (k_max <= q_min + right)
+        sink_all = (k_max < self.sinks) & (k_max <= q_min + self.future)
+        return (k_max < shortest) & (not self.has_dense_mask) & (structural_all | sink_all)
 
     def tile_mask(
         self, q_start: int, q_end: int, k_start: int, k_end: int, device: torch.device

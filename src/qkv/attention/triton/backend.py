@@ -37,6 +37,8 @@ def why_not(request: AttentionRequest) -> str | None:
         )
     if request.dropout_p > 0:
         return "it has no dropout"
+    if request.modifies_scores:
+        return "it has no soft-cap or score_mod"
     return unsupported(request.q, request.v)
 
 
@@ -62,6 +64,8 @@ def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:
         request.v,
         causal=request.causal,
         window=request.window,
+        sinks=request.sinks,
+        alibi_slopes=request.alibi_slopes,
         scale=request.scale,
     )
     return output, None

@@ -1,0 +1,309 @@
+"""Backend `flex`: PyTorch's FlexAttention (Dong et al. 2024), compiled, serving `qkv.attention`.
+
+FlexAttention fuses attention around two user functions, and qkv's options map onto them:
+- causal, window and sinks -> `mask_mod(b, h, q_idx, k_idx) -> bool` and a BlockMask: qkv's
+  tile rule (`qkv.attention.tiled.tiles.TilePlan`, the interval arithmetic of the tiled
+  backend) marks each 128 x 128 block hidden (skipped), whole (no mask_mod) or partial, with no
+  pass over an L_q x L_k grid. Cached per pattern and shape.
+- soft-capping, bias and float mask, ALiBi, `score_mod`, then a dense bool mask (as -inf) ->
+  one `score_mod`, in the order of `AttentionRequest`. Numbers (cap, window edges, shift) enter
+  as 0-d tensors, so one compiled kernel serves every window, cap and length; only the kind of
+  pattern (which parts are present) and the dtype compile anew.
+
+flex_attention is compiled once per process (dynamic shapes; ~4 s for the first pattern on a
+2-core CPU, ~0.5 s for each further kind, less in a later process through inductor's on-disk
+cache). A call that brings a dense (L_q, L_k) mask or bias compiles for its exact shapes
+instead: with dynamic shapes, torch 2.13's CPU kernel fails to build when a score_mod reads such
+a tensor next to a BlockMask, or when a mask_mod reads one at all (so a bool mask enters the
+score_mod as -inf). It has no backward on the CPU in torch 2.13, and its CPU kernel takes fp32,
+bf16 and fp16 only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from qkv import capabilities
+from qkv.attention import masks
+from qkv.attention.request import AttentionRequest
+from qkv.attention.tiled.tiles import TilePlan
+
+name = "flex"
+summary = "PyTorch's FlexAttention, compiled: qkv's patterns as score_mod + BlockMask"
+
+BLOCK = 128  # FlexAttention's default block size: the BlockMask's granularity
+CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Below this many scores per head a compiled kernel's fixed costs outweigh what it saves
+# (benchmarks/attention.py): SDPA, tiled or the reference math serve such calls faster.
+MIN_SCORES = 512 * 512
+_LAYOUTS_MAX = 64  # cached BlockMask layouts (a model makes one per pattern and length)
+
+
+def why_not(request: AttentionRequest) -> str | None:
+    if _flex_attention() is None:
+        return f"torch {torch.__version__} has no FlexAttention (torch >= 2.5)"
+    if request.return_weights:
+        return "it returns no weights"
+    if request.dropout_p > 0.0:
+        return "it has no dropout"
+    device = request.q.device.type
+    if device not in ("cpu", "cuda"):
+        return f"it runs on CPU and CUDA tensors, not {device}"
+    if device == "cpu" and request.q.dtype not in CPU_DTYPES:
+        return f"its CPU kernel takes fp32, bf16 and fp16, not {request.q.dtype}"
+    if device == "cpu" and needs_grad(request):
+        return (
+            "torch has no FlexAttention backward on the CPU (call it under torch.no_grad(), "
+            "or let auto pick a backend with one)"
+        )
+    if _dense_additive(request) is not None and _has_structure(request):
+        return (
+            "a dense bias or float mask next to causal/window: FlexAttention's kernel turns a "
+            "NaN score in a partly masked block into an empty row (output 0), against qkv's "
+            "NaN rule (qkv.attention.masks)"
+        )
+    if device == "cpu" and not torch.compiler.is_compiling() and not capabilities.compiler():
+        return capabilities.compiler().reason
+    return None
+
+
+def why_not_auto(request: AttentionRequest) -> str | None:
+    """Why `auto` passes over a call flex could serve: another backend is faster there."""
+    if torch.compiler.is_compiling():
+        return "inside a compiled graph auto keeps to SDPA and tiled (no BlockMask cache there)"
+    scores = request.query_len * request.key_len
+    if scores < MIN_SCORES:
+        return f"L_q * L_k = {scores} < {MIN_SCORES}: a compiled kernel's fixed costs dominate"
+    if request.modifies_scores:
+        return None  # only flex fuses a soft-cap or a score_mod
+    if request.mask is not None or request.bias is not None:
+        return "the call brings a dense mask or bias, which SDPA reads as fast"
+    if request.window is None and request.alibi_slopes is None:
+        return "SDPA needs no dense mask or bias for this call, and is as fast or faster"
+    return None
+
+
+def needs_grad(request: AttentionRequest) -> bool:
+    """Whether autograd will ask this call for a backward (what `request_key` records)."""
+    tensors = (request.q, request.k, request.v, request.bias, request.mask)
+    return torch.is_grad_enabled() and any(
+        t is not None and t.is_floating_point() and t.requires_grad for t in tensors
+    )
+
+
+def notes(request: AttentionRequest) -> list[str]:
+    out = [
+        "flex_attention compiled once per process and kind of pattern (dynamic shapes: every "
+        "length, window and cap reuses it)"
+    ]
+    if _has_structure(request):
+        out.append(
+            f"BlockMask of {BLOCK} x {BLOCK} blocks from qkv's tile rule: hidden blocks skipped, "
+            f"whole blocks unmasked; cached per pattern and shape"
+        )
+    parts = [
+        label
+        for label, present in (
+            ("soft-cap", request.softcap is not None),
+            ("dense bias/float mask", _dense_additive(request) is not None),
+            ("ALiBi from the slopes", request.alibi_slopes is not None),
+            ("your score_mod", request.score_mod is not None),
+            ("the bool mask as -inf", request.has_bool_mask),
+        )
+        if present
+    ]
+    if parts:
+        out.append("score_mod: " + ", then ".join(parts) + ", computed per score in the kernel")
+    if request.group_size > 1:
+        out.append("GQA/MQA: enable_gqa=True, K/V not repeated")
+    if _compute_dtype(request) != request.q.dtype:
+        out.append(
+            f"{request.q.dtype} on the CPU: computed in fp32 and cast back (FlexAttention's "
+            f"CPU kernel is slower in low precision than in fp32)"
+        )
+    return out
+
+
+def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:
+    """Returns (output (B, H, L_q, D_v), None) in q's dtype."""
+    # detached: torch refuses CPU tensors that require grad even under no_grad, where no
+    # backward can follow (why_not refuses the calls that autograd records)
+    arguments = (request.q.detach(), request.k.detach(), request.v.detach())
+    if needs_grad(request):
+        arguments = (request.q, request.k, request.v)
+    dtype = _compute_dtype(request)
+    if dtype != request.q.dtype:
+        arguments = tuple(t.to(dtype) for t in arguments)
+    options = {
+        "score_mod": _score_mod(request),
+        "block_mask": _block_mask(request),
+        "scale": request.scale,
+        "enable_gqa": request.group_size > 1,
+    }
+    if torch.compiler.is_compiling():  # traced into the caller's graph
+        output = _flex_attention()(*arguments, **options)
+    else:
+        compiled = _compiled(dynamic=request.mask is None and request.bias is None)
+        # Without duck-typed sizes: two sizes equal in the first call (batch 2 and 2 key
+        # blocks) stay two symbols instead of one that a later call fails (a recompile).
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            output = compiled(*arguments, **options)
+    return output.to(request.q.dtype), None
+
+
+def _compute_dtype(request: AttentionRequest) -> torch.dtype:
+    """fp32 for bf16/fp16 on the CPU: FlexAttention's CPU kernel is 1.4-1.6x slower in bf16
+    than in fp32 (benchmarks/patterns.py), more than the casts of q, k, v cost."""
+    if request.q.device.type == "cpu" and request.q.dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return request.q.dtype
+
+
+@functools.cache
+def _flex_attention():
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+    except ImportError:
+        return None
+    return flex_attention
+
+
+@functools.cache
+def _compiled(dynamic: bool):
+    # A recompile per kind of pattern and dtype: more than torch.compile's default of 8 per
+    # function would silently run flex_attention unfused (many times slower).
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(_flex_attention(), dynamic=dynamic)
+
+
+def _has_structure(request: AttentionRequest) -> bool:
+    return request.causal or request.window is not None
+
+
+def _block_mask(request: AttentionRequest):
+    """FlexAttention's BlockMask for the call's causal/window/sinks, or None."""
+    if not _has_structure(request):
+        return None
+    return _cached_block_mask(
+        request.query_len,
+        request.key_len,
+        request.causal,
+        request.window,
+        request.sinks if request.window is not None else 0,
+        request.q.device,
+        needs_grad(request),
+    )
+
+
+@functools.lru_cache(maxsize=_LAYOUTS_MAX)
+def _cached_block_mask(L_q, L_k, causal, window, sinks, device, with_q_blocks: bool):
+    """The BlockMask of one pattern and shape, its mask_mod included: a model asks for the
+    same one in every layer. `with_q_blocks`: the transposed layout a backward pass reads."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    plan = TilePlan(
+        query_len=L_q,
+        key_len=L_k,
+        block_q=BLOCK,
+        block_k=BLOCK,
+        causal=causal,
+        window=window,
+        sinks=sinks,
+        lengths=None,
+        has_dense_mask=False,
+    )
+    return BlockMask.from_kv_blocks(
+        *_layout(plan, device),
+        BLOCK_SIZE=BLOCK,
+        mask_mod=_mask_mod(plan, device),
+        seq_lengths=(L_q, L_k),
+        compute_q_blocks=with_q_blocks,
+    )
+
+
+def _layout(plan: TilePlan, device) -> tuple[torch.Tensor, ...]:
+    """(partial count, partial indices, whole count, whole indices) per query block, each
+    (1, 1, n_q, ...) int32: the key blocks FlexAttention visits, partial ones through mask_mod."""
+    L_q, L_k = plan.query_len, plan.key_len
+    q_start = torch.arange(0, L_q, BLOCK, device=device).view(-1, 1)  # (n_q, 1)
+    k_start = torch.arange(0, L_k, BLOCK, device=device).view(1, -1)  # (1, n_k)
+    q_end, k_end = (q_start + BLOCK).clamp(max=L_q), (k_start + BLOCK).clamp(max=L_k)
+    bounds = (q_start + plan.shift, q_end - 1 + plan.shift, k_start, k_end - 1)
+    hidden = plan.hides(*bounds) & torch.ones_like(q_start * k_start, dtype=torch.bool)
+    whole = plan.shows_all(*bounds) & ~hidden
+    partial = ~hidden & ~whole  # (n_q, n_k)
+
+    def listed(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        count = blocks.sum(dim=-1, dtype=torch.int32)  # (n_q,)
+        order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True)  # listed first
+        return count[None, None], order.to(torch.int32)[None, None]
+
+    return (*listed(partial), *listed(whole))
+
+
+def _mask_mod(plan: TilePlan, device):
+    """Visibility of key k_idx from query q_idx: `TilePlan.visible`'s rule, per element.
+
+    Two functions for every causal/window/sinks pattern (an absent constraint is a bound no key
+    reaches): one for self-attention without sinks, one for the rest. So two compiled kernels
+    serve them all; only the BlockMask differs.
+    """
+    number = functools.partial(torch.tensor, device=device)
+    unbounded = plan.query_len + plan.key_len
+    left, right = plan.window if plan.window is not None else (unbounded, unbounded)
+    ahead = 0 if plan.causal else right  # how far past its own position a query sees
+    shift, behind, ahead = number(plan.shift), number(left), number(ahead)
+    sinks = number(plan.sinks)
+
+    if plan.shift == 0 and plan.sinks == 0:  # self-attention, no sinks: fewer ops per score
+
+        def mask_mod(batch, head, q_idx, k_idx):
+            return (k_idx >= q_idx - behind) & (k_idx <= q_idx + ahead)
+
+    else:
+
+        def mask_mod(batch, head, q_idx, k_idx):
+            position = q_idx + shift  # aligned bottom-right
+            near = (k_idx >= position - behind) & (k_idx <= position + ahead)
+            return near | ((k_idx < sinks) & (k_idx <= position + ahead))
+
+    return mask_mod
+
+
+def _score_mod(request: AttentionRequest):
+    """Soft-cap, dense additive terms, ALiBi, the user's score_mod and a dense bool mask."""
+    cap = request.softcap
+    number = functools.partial(torch.tensor, dtype=torch.float32, device=request.q.device)
+    cap, inverse = (None, None) if cap is None else (number(cap), number(1.0 / cap))
+    dense = _dense_additive(request)
+    dense = None if dense is None else _expanded(request, dense.to(torch.float32))
+    after = request.score_mod_with_alibi()
+    allowed = _expanded(request, request.mask) if request.has_bool_mask else None
+    if cap is None and dense is None and after is None and allowed is None:
+        return None
+    hidden = torch.tensor(float("-inf"), device=request.q.device)
+
+    def score_mod(score, batch, head, q_idx, k_idx):
+        if cap is not None:
+            score = cap * torch.tanh(score * inverse)
+        if dense is not None:
+            score = score + dense[batch, head, q_idx, k_idx]
+        if after is not None:
+            score = after(score, batch, head, q_idx, k_idx)
+        if allowed is not None:
+            score = torch.where(allowed[batch, head, q_idx, k_idx], score, hidden)
+        return score
+
+    return score_mod
+
+
+def _dense_additive(request: AttentionRequest) -> torch.Tensor | None:
+    return masks.combine(request.bias, request.mask if request.has_additive_mask else None)
+
+
+def _expanded(request: AttentionRequest, tensor: torch.Tensor) -> torch.Tensor:
+    """A 2-D or broadcastable 4-D mask/bias as a (B, H, L_q, L_k) view (stride 0, no copy)."""
+    shape = (request.batch, request.num_heads, request.query_len, request.key_len)
+    return (tensor if tensor.dim() == 4 else tensor[None, None]).expand(shape)
