@@ -10,7 +10,9 @@ from __future__ import annotations
 from .format import dtype_name, dtype_rank, get, md_table, num, prose
 from .machine import machine_table
 
-PATTERN_FILES = ("patterns", "patterns_backward")
+# The default run, and the same run with PyTorch's kernels held to AVX2 (ATEN_CPU_CAPABILITY=avx2,
+# ONEDNN_MAX_CPU_ISA=AVX2: the CPU kind without AVX-512).
+PATTERN_FILES = ("patterns", "patterns_backward", "patterns_avx2", "patterns_backward_avx2")
 CANDIDATES = ("auto", "tiled", "sdpa", "flex", "eager")
 ORDER = ("causal", "window", "sinks", "alibi", "softcap")
 
@@ -43,7 +45,9 @@ def patterns_section(results: dict[str, dict]) -> list[str]:
         ratios = [r["paired_auto_vs_best_peer"] for r in rows]
         ratios = [x for x in ratios if isinstance(x, int | float)]
         met = sum(x <= 1.0 for x in ratios)
-        lines += ["", f"### {data.get('mode', stem)} (`results/{stem}.json`)", ""]
+        kernels = get(data, "machine", "torch_cpu_capability", default=None) or "?"
+        title = f"{data.get('mode', stem)}, {kernels} kernels"
+        lines += ["", f"### {title} (`results/{stem}.json`)", ""]
         if ratios:
             lines += prose(
                 f"auto at most the best peer's time on {met} of {len(ratios)} rows; auto/best "

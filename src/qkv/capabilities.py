@@ -21,6 +21,7 @@ import functools
 import logging
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ __all__ = [
     "compiler",
     "cpu_isa",
     "describe",
+    "flex_attention_cpu",
     "onednn_linear",
     "warn_if_bf16_is_emulated",
 ]
@@ -176,6 +178,22 @@ def compiler() -> Support:
     )
 
 
+def flex_attention_cpu() -> Support:
+    """Can FlexAttention's compiled CPU kernel be built here? Inductor's CPU template for it
+    needs AVX2 vectors (not the portable baseline that ATEN_CPU_CAPABILITY=default selects),
+    Linux or Windows (not macOS), and a C++ compiler. Read each call: the variable may change."""
+    if os.environ.get("ATEN_CPU_CAPABILITY") == "default":
+        return Support(False, "ATEN_CPU_CAPABILITY=default: FlexAttention's CPU kernel needs AVX2")
+    if not torch.cpu._is_avx2_supported():
+        return Support(False, "this CPU has no AVX2, which FlexAttention's CPU kernel needs")
+    if sys.platform == "darwin":
+        return Support(False, "FlexAttention's compiled CPU kernel does not build on macOS")
+    build = compiler()
+    if not build:
+        return build
+    return Support(True, "AVX2 vectors and a C++ compiler: FlexAttention compiles here")
+
+
 def cpu_isa() -> dict[str, object]:
     """The CPU features PyTorch sees: the ISA its kernels dispatch to (after
     ATEN_CPU_CAPABILITY), AVX-512, AMX, and the oneDNN ISA cap if one is set."""
@@ -202,4 +220,6 @@ def describe() -> str:
     lines.append(f"fast bf16 products: {'yes' if answer else 'no'} ({answer.reason})")
     answer = compiler()
     lines.append(f"compiled decoding: {'yes' if answer else 'no'} ({answer.reason})")
+    answer = flex_attention_cpu()
+    lines.append(f"FlexAttention on the CPU: {'yes' if answer else 'no'} ({answer.reason})")
     return "\n".join(lines)

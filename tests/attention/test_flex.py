@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask
 
 import qkv
-from qkv.attention import flex
+from qkv.attention import core, flex
 from qkv.attention.request import make_request
 from tests.attention.reference_math import eager_reference, visible_with_sinks
 
@@ -186,3 +186,18 @@ def test_tensors_that_require_grad_are_served_under_no_grad():
         output = qkv.attention(q, k, v, causal=True, window=100, backend="flex")
     expected, _ = eager_reference(*float64(q, k, v), causal=True, window=100)
     torch.testing.assert_close(output.double(), expected, **TOLERANCE)
+
+
+def test_on_a_cpu_flex_cannot_compile_for_auto_falls_back_and_says_why(monkeypatch):
+    """ATEN_CPU_CAPABILITY=default (the portable baseline, as on a CPU without AVX2): inductor
+    cannot build FlexAttention's CPU kernel, so auto must not pick it."""
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    core._AUTO_CHOICES.clear()  # choices made before the variable was set
+    q, k, v = (torch.randn(1, 2, 1024, 16) for _ in range(3))
+    with torch.no_grad():
+        text = qkv.explain(q, k, v, causal=True, window=128)
+        output = qkv.attention(q, k, v, causal=True, window=128)
+    assert "passed over 'flex': ATEN_CPU_CAPABILITY=default" in text
+    expected, _ = eager_reference(*float64(q, k, v), causal=True, window=128)
+    torch.testing.assert_close(output.double(), expected, **TOLERANCE)
+    core._AUTO_CHOICES.clear()

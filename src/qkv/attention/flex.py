@@ -64,8 +64,10 @@ def why_not(request: AttentionRequest) -> str | None:
             "NaN score in a partly masked block into an empty row (output 0), against qkv's "
             "NaN rule (qkv.attention.masks)"
         )
-    if device == "cpu" and not torch.compiler.is_compiling() and not capabilities.compiler():
-        return capabilities.compiler().reason
+    if device == "cpu" and not torch.compiler.is_compiling():  # (the check is not traceable)
+        support = capabilities.flex_attention_cpu()
+        if not support:
+            return support.reason
     return None
 
 
