@@ -35,8 +35,9 @@ summary = "PyTorch's FlexAttention, compiled: qkv's patterns as score_mod + Bloc
 
 BLOCK = 128  # FlexAttention's default block size: the BlockMask's granularity
 CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Below this many scores per head a compiled kernel's fixed costs outweigh what it saves
-# (benchmarks/attention.py): SDPA, tiled or the reference math serve such calls faster.
+# Below this many scores per head auto leaves the call to SDPA, tiled or the reference math:
+# a compiled kernel's fixed costs grow in weight as calls shrink. Chosen, not measured: at
+# L = 1024 (1024^2 scores, benchmarks/patterns.py) flex is already the fastest on patterns.
 MIN_SCORES = 512 * 512
 _LAYOUTS_MAX = 64  # cached BlockMask layouts (a model makes one per pattern and length)
 

@@ -245,7 +245,7 @@ def request_key(
     if score_mod is not None and not callable(score_mod):
         return None
     needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, bias, alibi_slopes)
+        t is not None and t.is_floating_point() and t.requires_grad for t in (q, k, v, mask, bias)
     )
     return tensors + options + (score_mod is not None, needs_grad)
 
