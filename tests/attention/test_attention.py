@@ -205,7 +205,9 @@ def pattern_calls(draw):
 def test_sinks_alibi_softcap_and_score_mod_match_eager_math_in_float64(call, backend):
     (q, k, v), options, slopes = call
     if backend not in ("auto", *serving_backends(q, k, v, **options, alibi_slopes=slopes)):
-        return  # sdpa cannot soft-cap or score_mod: tested where it serves
+        with pytest.raises(ValueError, match="cannot soft-cap or score_mod"):  # sdpa, named
+            qkv.attention(q, k, v, **options, alibi_slopes=slopes, backend=backend)
+        return
     ours = [t.clone().requires_grad_() for t in (q, k, v)]
     theirs = [t.clone().requires_grad_() for t in (q, k, v)]
     output = qkv.attention(*ours, **options, alibi_slopes=slopes, backend=backend)

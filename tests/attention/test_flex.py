@@ -110,10 +110,18 @@ def test_block_layout_from_the_tile_rule_equals_pytorchs_from_the_full_mask(L_q,
     the mask at every (query, key). Same hidden / whole / partial blocks."""
     q, k, v = torch.randn(1, 1, L_q, 8), torch.randn(1, 1, L_k, 8), torch.randn(1, 1, L_k, 8)
     request = make_request(
-        q, k, v, mask=None, scale=None, bias=None, dropout_p=0.0, return_weights=False,
-        causal=options.get("causal", False), window=options.get("window"),
+        q,
+        k,
+        v,
+        mask=None,
+        scale=None,
+        bias=None,
+        dropout_p=0.0,
+        return_weights=False,
+        causal=options.get("causal", False),
+        window=options.get("window"),
         sinks=options.get("sinks", 0),
-    )  # fmt: skip
+    )
     ours = flex._block_mask(request)
     visible = visible_with_sinks(L_q, L_k, **options)[0, 0]
     theirs = create_block_mask(lambda b, h, i, j: visible[i, j], None, None, L_q, L_k)
