@@ -12,7 +12,15 @@ from .machine import machine_table
 
 # The default run, and the same run with PyTorch's kernels held to AVX2 (ATEN_CPU_CAPABILITY=avx2,
 # ONEDNN_MAX_CPU_ISA=AVX2: the CPU kind without AVX-512).
-PATTERN_FILES = ("patterns", "patterns_backward", "patterns_avx2", "patterns_backward_avx2")
+# The long rows (L = 16384) run apart: a forward run over every length takes half an hour.
+PATTERN_FILES = (
+    "patterns",
+    "patterns_backward",
+    "patterns_long",
+    "patterns_backward_long",
+    "patterns_avx2",
+    "patterns_backward_avx2",
+)
 CANDIDATES = ("auto", "tiled", "sdpa", "flex", "eager")
 ORDER = ("causal", "window", "sinks", "alibi", "softcap")
 

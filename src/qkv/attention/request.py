@@ -6,6 +6,7 @@ ValueError/TypeError naming the argument, what was seen and what was expected.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -88,17 +89,25 @@ class AttentionRequest:
         return self.softcap is not None or self.score_mod is not None
 
     def structural_mask(self) -> torch.Tensor | None:
-        """The bool (L_q, L_k) mask implied by `causal`, `window` and `sinks`, or None."""
-        device = self.q.device
-        causal = masks.causal(self.query_len, self.key_len, device=device) if self.causal else None
-        window = (
-            masks.sliding_window(
-                self.query_len, self.key_len, self.window, sinks=self.sinks, device=device
-            )
-            if self.window is not None
-            else None
+        """The bool (L_q, L_k) mask implied by `causal`, `window` and `sinks`, or None.
+        Shared between calls of one structure (do not modify it in place)."""
+        key = self.structure_key()
+        if key is not None:
+            return structural_visibility(*key)
+        sinks = self.sinks if self.window is not None else 0
+        return _structure(
+            self.query_len, self.key_len, self.causal, self.window, sinks, self.q.device
         )
-        return masks.combine(causal, window)
+
+    def structure_key(self) -> tuple | None:
+        """(L_q, L_k, causal, window, sinks, device): what the structural mask depends on; None
+        where it is not to be cached (traced lengths, over MAX_CACHED_SCORES, no structure)."""
+        if torch.compiler.is_compiling() or not (self.causal or self.window is not None):
+            return None
+        if self.query_len * self.key_len > MAX_CACHED_SCORES:
+            return None
+        sinks = self.sinks if self.window is not None else 0
+        return (self.query_len, self.key_len, self.causal, self.window, sinks, self.q.device)
 
     def allowed(self) -> torch.Tensor | None:
         """Every boolean constraint at once (causal, window, bool mask), broadcastable, or None."""
@@ -159,6 +168,27 @@ class AttentionRequest:
             torch.arange(self.query_len, device=device).view(1, 1, -1, 1),
             torch.arange(self.key_len, device=device).view(1, 1, 1, -1),
         )
+
+
+# A model asks for the same causal/window mask in every layer and decoding step: masks up to
+# this many scores (16 MiB of bool) are built once, a few of them kept.
+MAX_CACHED_SCORES = 2**24
+
+
+@functools.lru_cache(maxsize=8)
+def structural_visibility(L_q, L_k, causal, window, sinks, device) -> torch.Tensor | None:
+    """`AttentionRequest.structural_mask` for one structure, kept for the next call."""
+    return _structure(L_q, L_k, causal, window, sinks, device)
+
+
+def _structure(L_q, L_k, causal, window, sinks, device) -> torch.Tensor | None:
+    causal_mask = masks.causal(L_q, L_k, device=device) if causal else None
+    window_mask = (
+        masks.sliding_window(L_q, L_k, window, sinks=sinks, device=device)
+        if window is not None
+        else None
+    )
+    return masks.combine(causal_mask, window_mask)
 
 
 def make_request(

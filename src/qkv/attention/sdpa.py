@@ -15,10 +15,12 @@ What this wrapper adds to the raw call, and nothing more:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
-from qkv.attention.request import AttentionRequest
+from qkv.attention.request import AttentionRequest, structural_visibility
 
 name = "sdpa"
 summary = "PyTorch's fused scaled_dot_product_attention (flash / memory-efficient / math kernels)"
@@ -173,6 +175,10 @@ def _kernel_mask(
     Returns (attn_mask broadcastable to (B, H, L_q, L_k), bool or `dtype`; row_visible
     (..., L_q, 1) bool).
     """
+    if request.mask is None and request.bias is None and request.alibi_slopes is None:
+        key = request.structure_key()  # None where it is not to be cached
+        if key is not None:
+            return _structural_kernel_mask(*key)
     allowed = request.allowed()
     additive = request.additive()
     if additive is None:
@@ -185,3 +191,12 @@ def _kernel_mask(
     # reaches the output (qkv.attention's NaN rule) instead of being zeroed with the row.
     row_visible = ~torch.isneginf(additive).all(dim=-1, keepdim=True)
     return additive.masked_fill(~row_visible, 0.0), row_visible
+
+
+@functools.lru_cache(maxsize=8)
+def _structural_kernel_mask(*key) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_kernel_mask` of a call with causal/window/sinks only: the same in every layer and
+    step of a model, so built once (within `structure_key`'s size bound)."""
+    allowed = structural_visibility(*key)
+    row_visible = allowed.any(dim=-1, keepdim=True)
+    return allowed | ~row_visible, row_visible
