@@ -139,7 +139,9 @@ class AttentionRequest:
         slopes, after = self.alibi_slopes, self.score_mod
         aligned = self.key_len == self.query_len  # then i' = i: one add per score less
         # a tensor, not an int: a compiled kernel would be specialised to every value of an int
-        shift = torch.tensor(self.key_len - self.query_len, device=self.q.device)
+        shift = (
+            None if aligned else torch.tensor(self.key_len - self.query_len, device=self.q.device)
+        )
 
         def distance(q_idx, k_idx):  # i' - j
             return q_idx - k_idx if aligned else q_idx + shift - k_idx
