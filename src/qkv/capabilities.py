@@ -36,6 +36,7 @@ __all__ = [
     "cpu_isa",
     "describe",
     "flex_attention_cpu",
+    "onednn_fp32_products",
     "onednn_linear",
     "warn_if_bf16_is_emulated",
 ]
@@ -98,6 +99,37 @@ def _packed_product_verdict(dtype: torch.dtype) -> Support:
     if y.shape != expected.shape or not torch.allclose(y.float(), expected, atol=tolerance):
         return Support(False, f"oneDNN's {dtype} packed product gave wrong results here")
     return Support(True, f"oneDNN packs {dtype} weights on this CPU")
+
+
+# oneDNN's float32 products must take at most this share of F.linear's time to be used by
+# default (qkv.layers.linear): a clear win, not a draw decided by noise.
+ONEDNN_FP32_SPEEDUP = 0.95
+
+
+@functools.cache
+def onednn_fp32_products() -> Support:
+    """Are oneDNN's float32 products (on plain, unpacked weights) faster than F.linear's here?
+    Measured once per process: a (256, 512) x (512, 1024) product, each the best of five,
+    outside any autocast region; and checked against F.linear. qkv's `Linear` uses them where
+    they are (on an AMD EPYC: 0.43x MKL's time with AVX-512, 0.90x capped at AVX2)."""
+    support = onednn_linear(torch.float32)
+    if not support:
+        return support
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 512, generator=generator)
+    weight = torch.randn(1024, 512, generator=generator)  # (out, in)
+    with torch.autocast("cpu", enabled=False), torch.no_grad():
+        ours = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+        if not torch.allclose(ours, F.linear(x, weight), rtol=1e-4, atol=1e-3):
+            return Support(False, "oneDNN's float32 product on a plain weight gave wrong results")
+        onednn = _best_seconds(
+            lambda: torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], ""), 5
+        )
+        plain = _best_seconds(lambda: F.linear(x, weight), 5)
+    share = onednn / plain
+    if share > ONEDNN_FP32_SPEEDUP:
+        return Support(False, f"oneDNN's float32 products take {share:.2f}x F.linear's time here")
+    return Support(True, f"oneDNN's float32 products take {share:.2f}x F.linear's time here")
 
 
 # bf16 products slower than fp32 ones by more than this count as emulated. Measured on an AMD
@@ -216,6 +248,8 @@ def describe() -> str:
     for dtype in (torch.float32, torch.bfloat16):
         answer = onednn_linear(dtype)
         lines.append(f"packed {dtype} linears: {'yes' if answer else 'no'} ({answer.reason})")
+    answer = onednn_fp32_products()
+    lines.append(f"oneDNN float32 linears: {'yes' if answer else 'no'} ({answer.reason})")
     answer = bf16_products()
     lines.append(f"fast bf16 products: {'yes' if answer else 'no'} ({answer.reason})")
     answer = compiler()

@@ -14,7 +14,7 @@ from qkv import capabilities
 from qkv.acceleration import PackedLinear, SharedInputMember, explain_packing, packed_linears
 from qkv.acceleration.compiled import _INDUCTOR_OPTIONS
 from qkv.generation import beam_search, generate
-from qkv.layers import MultiHeadAttention, SwiGLU
+from qkv.layers import Linear, MultiHeadAttention, SwiGLU
 from qkv.models import GPT, GPTConfig, Transformer, TransformerConfig
 from tests.layers.helpers import randomize_
 
@@ -155,7 +155,7 @@ def test_projections_that_read_one_input_share_one_product_from_the_second_call_
         # a slice is kept for its own input only: another tensor gets its own product
         other = torch.randn(2, 5, 64)
         assert torch.equal(self_attention.k_proj(other), self_attention.k_proj.own(other))
-    assert type(self_attention.q_proj) is nn.Linear and type(ffn.up_proj) is nn.Linear
+    assert type(self_attention.q_proj) is Linear and type(ffn.up_proj) is Linear
 
 
 def test_packed_encoder_decoder_gives_the_same_beams():
@@ -253,7 +253,7 @@ def test_explain_packing_lists_what_is_packed_grouped_and_left_with_the_reason()
     model = GPT(GPTConfig.from_name("tiny-llama")).eval()
     plan = explain_packing(model)
     layers = model.config.num_layers
-    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     assert sorted(map(id, plan.packed())) == sorted(map(id, linears)) and plan.left == []
     assert len(plan.groups) == 2 * layers  # q, k, v, out; gate, up (down reads ffn_dim wide)
     text = str(plan)

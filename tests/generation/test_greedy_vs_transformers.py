@@ -21,7 +21,9 @@ from qkv.models import GPT
 from tests.generation.reference_models import HF_BUILDERS, VOCAB, hf_model, left_padded_prompts
 
 NEW_TOKENS = 16
-TOLERANCE = 1e-5  # absolute and relative, on logits of magnitude ~10 in fp32
+# absolute and relative, on logits of magnitude ~10 in fp32, whose products qkv may sum in
+# another order than transformers (qkv.layers.Linear on oneDNN, MKL there)
+TOLERANCE = 5e-5
 
 
 @pytest.fixture(scope="module", params=list(HF_BUILDERS))

@@ -17,6 +17,7 @@ from torch import nn
 
 from qkv import capabilities
 from qkv.capabilities import Support
+from qkv.layers.linear import Linear
 
 __all__ = ["PackingPlan", "can_pack", "explain_packing", "packing_support"]
 
@@ -96,7 +97,7 @@ def explain_packing(model: nn.Module, *, fuse: bool = True) -> PackingPlan:
         prefix = f"{names[parent]}." if parent is not model else ""
         packable: dict[tuple, list[tuple[str, nn.Linear]]] = {}
         for child_name, child in parent.named_children():
-            if type(child) is not nn.Linear:
+            if type(child) not in (nn.Linear, Linear):
                 continue
             support = packing_support(child)
             if not support:

@@ -2,6 +2,7 @@
 
 - `MultiHeadAttention`: MHA, GQA and MQA; self- and cross-attention; optional RoPE or ALiBi.
 - `FeedForward` (ReLU/GELU) and `SwiGLU`: the position-wise sub-layer.
+- `Linear`: nn.Linear with CPU float32 products on oneDNN where that is faster here.
 - `LayerNorm` and `RMSNorm`; `Dropout` (nn.Dropout with a cheaper CPU mask).
 - `EncoderBlock` and `DecoderBlock`: sub-layers in "Add & Norm", post-norm or pre-norm.
 
@@ -14,6 +15,7 @@ from qkv.layers.attention import MultiHeadAttention
 from qkv.layers.blocks import DecoderBlock, EncoderBlock, post_norm, pre_norm
 from qkv.layers.feedforward import FeedForward, SwiGLU
 from qkv.layers.kv_cache import CrossAttentionCache, LayerCache, SinkKVCache, StaticKVCache
+from qkv.layers.linear import Linear
 from qkv.layers.norms import LayerNorm, RMSNorm
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "FeedForward",
     "LayerCache",
     "LayerNorm",
+    "Linear",
     "MultiHeadAttention",
     "RMSNorm",
     "SinkKVCache",

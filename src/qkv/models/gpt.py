@@ -29,6 +29,7 @@ from torch import nn
 from qkv.layers import FeedForward, LayerNorm, MultiHeadAttention, RMSNorm, SwiGLU, pre_norm
 from qkv.layers._dropout import make_dropout
 from qkv.layers.kv_cache import LayerCache, SinkKVCache, StaticKVCache
+from qkv.layers.linear import Linear
 from qkv.models.gpt_config import GPTConfig
 from qkv.models.losses import IGNORE_INDEX, cross_entropy
 from qkv.models.outputs import CausalLMOutput
@@ -151,7 +152,7 @@ class GPT(PretrainedIO, nn.Module):
         rope = make_rope(config)  # one, shared: its angles are computed once per forward
         self.blocks = nn.ModuleList(GPTBlock(config, rope) for _ in range(config.num_layers))
         self.final_norm = make_norm(config)
-        self.lm_head = nn.Linear(config.embed_dim, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.embed_dim, config.vocab_size, bias=False)
         self.reset_parameters()
         if config.tie_embeddings:
             self.lm_head.weight = self.token_embedding.weight  # one (V, E) matrix (weight tying)

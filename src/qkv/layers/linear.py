@@ -1,0 +1,117 @@
+"""`Linear`, qkv's linear layer: nn.Linear whose CPU float32 products run on oneDNN where that
+is faster on this machine.
+
+    y = x W^T + b        x (..., in_features), W (out_features, in_features) -> (..., out)
+
+Every projection of a Transformer is this one product, and on the CPU it is most of the time of
+a forward pass (85% for the 50M Llama of benchmarks/models.py). PyTorch computes float32
+products with MKL's GEMM; on some CPUs oneDNN's kernels, which PyTorch also ships, are much
+faster on the very same plain weight: on an AMD EPYC with AVX-512 MKL stays on its AVX2 code
+and oneDNN takes 0.43x its time (a (4096, 512) x (512, 1536) product), 0.90x with oneDNN
+capped at AVX2, and 0.34x on the one-row products of decoding. Whether oneDNN pays is measured
+on this machine, once per process (`qkv.capabilities.onednn_fp32_products`), not looked up.
+
+The product is then `torch.ops.mkldnn._linear_pointwise` on the weight as it is stored (no
+packed copy: a copy would double the model's memory, and packing buys little more, see
+`qkv.acceleration.packed_linears`), with a backward of three oneDNN products (Function
+`_OneDNNLinear`) when gradients are needed. Outputs equal F.linear's up to the order of the
+floating-point sums (tested). Everything else is F.linear: other devices and dtypes (bf16
+products already run on oneDNN), CPU autocast (which gives F.linear its bf16 copies),
+torch.compile (inductor has its own linear kernels), functorch transforms and dispatch modes
+(FlopCounterMode counts F.linear), double backward (the backward then runs
+differentiable ops), and a machine where oneDNN is not faster.
+
+A subclass of nn.Linear: the same parameters, state-dict keys, initialisation and repr.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+from qkv import capabilities
+
+__all__ = ["Linear", "linear"]
+
+
+class Linear(nn.Linear):
+    """nn.Linear computed by `linear` (see the module doc): oneDNN for CPU float32 products
+    where it is faster here, F.linear otherwise."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """F.linear(x, weight, bias), through oneDNN where `_uses_onednn` says it pays."""
+    if not _uses_onednn(x, weight, bias):
+        return F.linear(x, weight, bias)
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _OneDNNLinear.apply(x, weight, bias)
+    return _product(x, weight, bias)
+
+
+def _uses_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """A float32 product on the CPU, outside autocast and torch.compile, of a non-empty x and a
+    contiguous weight, on a machine where oneDNN's fp32 products beat F.linear's."""
+    if torch.compiler.is_compiling():
+        return False
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
+        return False
+    if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"):
+        return False
+    if weight.device.type != "cpu" or not weight.is_contiguous() or x.numel() == 0:
+        return False
+    if x.dim() < 2 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1]:
+        return False  # F.linear says what is wrong
+    if torch.is_autocast_enabled("cpu") or torch._C._are_functorch_transforms_active():
+        return False
+    if is_in_torch_dispatch_mode():  # FlopCounterMode, FakeTensorMode: modes know F.linear
+        return False
+    return bool(capabilities.onednn_fp32_products())
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """x (..., in) @ weight (out, in)^T + bias (out,) -> (..., out), by oneDNN."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """The product with gradients: dx = dy W, dW = dy^T x, db = sum of dy over rows, each
+    a oneDNN product too (dW's is 0.68x MKL's time, dx's 0.47x, measured as above)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _product(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: ops autograd can differentiate again
+            return _differentiable_backward(ctx, grad, x, weight)
+        grad_x = grad_weight = grad_bias = None
+        rows = grad.reshape(-1, grad.shape[-1])  # (N, out)
+        if ctx.needs_input_grad[0]:
+            grad_x = _product(grad, weight.t().contiguous())  # (..., in)
+        if ctx.needs_input_grad[1]:
+            inputs = x.reshape(-1, x.shape[-1])  # (N, in)
+            # (out, N) @ (N, in): the "weight" of this product is x^T (in, N)
+            grad_weight = _product(rows.t(), inputs.t().contiguous())
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = rows.sum(0)
+        return grad_x, grad_weight, grad_bias
+
+
+def _differentiable_backward(ctx, grad, x, weight):
+    """The same gradients from ops autograd records (a double backward, e.g. a penalty on a
+    gradient's norm)."""
+    rows = grad.reshape(-1, grad.shape[-1])  # (N, out)
+    grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+    grad_weight = rows.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+    grad_bias = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return grad_x, grad_weight, grad_bias
