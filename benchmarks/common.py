@@ -138,21 +138,31 @@ def time_interleaved(
 def matmul_rate(dtype: torch.dtype, device: str, *, n: int = 2048, repeats: int = 10) -> dict:
     """Measured FLOP/s of an (n, n) @ (n, n) matmul (2 n^3 FLOPs per call).
 
-    The practical ceiling for compute-bound kernels of this dtype on this machine. Returns
-    {"peak": from the fastest sample (noise only ever slows a call, so the fastest sample is the
-    best estimate of a limit), "median": from the median sample}, both in FLOP/s.
+    The practical ceiling for compute-bound kernels of this dtype on this machine: the faster of
+    torch.mm and, on a CPU whose PyTorch has it, oneDNN's product (PyTorch's fp32 torch.mm is
+    MKL's, which on some CPUs reaches half of what oneDNN does: an AMD EPYC with AVX-512).
+    Returns {"peak": from the fastest sample (noise only ever slows a call, so the fastest sample
+    is the best estimate of a limit), "median": from the median sample of the faster kernel},
+    both in FLOP/s, and {"kernel": which one that was}.
     """
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    timing = time_interleaved(
-        {"matmul": lambda: torch.mm(a, b)},
-        device=device,
-        warmup=2,
-        repeats=repeats,
-        min_repeats=repeats,
-    )["matmul"]
+    candidates = {"torch.mm": lambda: torch.mm(a, b)}
+    if device == "cpu" and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        b_t = b.t().contiguous()  # (out, in), the layout of a linear weight
+        candidates["oneDNN"] = lambda: torch.ops.mkldnn._linear_pointwise(
+            a, b_t, None, "none", [], ""
+        )
+    timings = time_interleaved(
+        candidates, device=device, warmup=2, repeats=repeats, min_repeats=repeats
+    )
+    kernel = min(timings, key=lambda name: timings[name].min)
     flops = 2 * n**3
-    return {"peak": flops / timing.min, "median": flops / timing.median}
+    return {
+        "peak": flops / timings[kernel].min,
+        "median": flops / timings[kernel].median,
+        "kernel": kernel,
+    }
 
 
 # The CPU features that decide which kernels PyTorch runs (MKL, oneDNN, inductor's C++): x86

@@ -17,7 +17,7 @@ from .flash import FLASH_FILES, WINDOW, flash_section, merged_flash_rows
 from .format import dtype_name, dtype_rank, get, num, prose, span
 from .gpu import gpu_section
 from .machine import machine_table
-from .models import best_model_ratio, models_section
+from .models import MODELS_FILES, default_ratios, models_section
 from .patterns import PATTERN_FILES, patterns_section
 
 HERE = Path(__file__).resolve().parents[1]
@@ -31,7 +31,7 @@ KNOWN = (
     "flash",
     "flash_bf16_recheck",
     "flash_gpu",
-    "models",
+    *MODELS_FILES,
     "decode",
 )
 
@@ -97,14 +97,14 @@ def headlines(results: dict[str, dict]) -> list[str]:
                 f"Tiled FlashAttention with a {WINDOW}-key window at L = {last['L']}, "
                 f"{dtype_name(dtype)}: {speedup:.1f}x faster than SDPA with its dense mask."
             )
-    if "models" in results:
-        best = [best_model_ratio(r) for r in results["models"].get("rows", [])]
-        best = [b for b in best if b is not None]
-        if best:
-            items.append(
-                f"Models against transformers, qkv's faster path: {span(best, '.2f', 'x')} "
-                f"tokens/s over {len(best)} rows (forward and training, fp32 and bf16)."
-            )
+    ratios = default_ratios(results)
+    if ratios:
+        kinds = [stem for stem in MODELS_FILES if stem in results]
+        where = "; fp32 again held to AVX2" if "models_avx2" in kinds else ""
+        items.append(
+            f"Models against transformers, qkv as a user calls it: {span(ratios, '.2f', 'x')} "
+            f"tokens/s over {len(ratios)} rows (forward and training, fp32 and bf16{where})."
+        )
     if "decode" in results:
         for r in sorted(results["decode"].get("rows", []), key=lambda r: dtype_rank(r["dtype"])):
             items.append(
@@ -139,8 +139,7 @@ def render(results_dir: Path = RESULTS) -> str:
     if any(stem in results for stem in FLASH_FILES):
         sections.append(flash_section(results))
     sections.append(gpu_section(results.get("flash_gpu")))
-    if "models" in results:
-        sections.append(models_section(results["models"]))
+    sections.append(models_section(results))
     if "decode" in results:
         sections.append(decode_section(results["decode"]))
     sections.append(others_section(results))

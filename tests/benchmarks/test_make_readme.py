@@ -205,3 +205,30 @@ def test_the_patterns_section_gives_auto_against_the_best_peer(tmp_path):
     )
     assert section.index("| window |") < section.index("| softcap |")  # the patterns' order
     assert "| command | `python benchmarks/patterns.py` |" in section
+
+
+def test_the_avx2_models_file_has_its_section_and_the_verdict_reads_the_default_path(results):
+    row = {
+        "model": "tiny-llama",
+        "batch": 2,
+        "length": 8,
+        "mode": "forward",
+        "dtype": "fp32",
+        "tokens_per_s": {"qkv": 900.0, "transformers": 1000.0, "qkv_packed": 1100.0},
+        "ratio": 0.9,
+        "paired_ratio": 0.91,
+        "packed_ratio": 1.1,
+        "packed_paired_ratio": 1.12,
+    }
+    payload = {"machine": {**MACHINE, "torch_cpu_capability": "AVX2"}, "rows": [row]}
+    (results / "models_avx2.json").write_text(json.dumps(payload))
+    page = make_readme.render(results)
+    section = page[page.index("### The same, held to AVX2") :]
+    assert "|  | `results/models_avx2.json` |" in section
+    # the packed path is faster, yet the target is judged on what a user gets by default
+    assert "0.900x transformers' tokens/s over 1 rows (target >= 1.0 on every row: not met)" in (
+        " ".join(section.split())
+    )
+    headlines = page[page.index("## Headlines") : page.index("## `qkv.attention`")]
+    assert "fp32 again held to AVX2" in headlines
+    assert "## Other result files" not in page  # the file is one the page knows
