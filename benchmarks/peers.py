@@ -125,6 +125,72 @@ class LlamaCpp:
         return torch.cat([ids, torch.tensor([chosen], dtype=ids.dtype)], dim=1)
 
 
+class LlamaCppBatched:
+    """Greedy decoding of B sequences at once by llama.cpp, through its C API (the high-level
+    `Llama` class decodes one sequence): a context with B sequence slots, every prompt in one
+    `llama_decode` call, then one call per step holding each sequence's new token, as
+    llama.cpp's own batched example decodes."""
+
+    def __init__(self, path: Path, *, sequences: int, context: int, threads: int) -> None:
+        import llama_cpp as api
+        from llama_cpp._logger import set_verbose
+
+        set_verbose(False)  # llama.cpp's log: errors only, as Llama(verbose=False) sets it
+        self.api, self.sequences = api, sequences
+        api.llama_backend_init()
+        self.model = api.llama_model_load_from_file(
+            str(path).encode(), api.llama_model_default_params()
+        )
+        params = api.llama_context_default_params()
+        params.n_ctx = params.n_batch = params.n_ubatch = sequences * context
+        params.n_seq_max = sequences
+        params.n_threads = params.n_threads_batch = threads
+        self.ctx = api.llama_init_from_model(self.model, params)
+        if not self.model or not self.ctx:
+            raise RuntimeError(f"llama.cpp could not load {path} with {sequences} sequences")
+        self.vocab = api.llama_vocab_n_tokens(api.llama_model_get_vocab(self.model))
+        self.batch = api.llama_batch_init(sequences * context, 0, 1)
+        self.version = api.__version__
+
+    def generate(self, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        """ids (B, L) -> (B, L + new_tokens), B = the sequences it was built for."""
+        B, L = ids.shape
+        if ids.shape[0] != self.sequences:
+            raise ValueError(f"ids: expected {self.sequences} sequences, got {B}")
+        self.api.llama_memory_clear(self.api.llama_get_memory(self.ctx), True)
+        prompts = ids.tolist()
+        entries = [(s, p, prompts[s][p], p == L - 1) for s in range(B) for p in range(L)]
+        outputs = self._decode(entries)  # the batch index of each sequence's last logits
+        chosen: list[list[int]] = [[] for _ in range(B)]
+        for step in range(new_tokens):
+            for s in range(B):
+                pointer = self.api.llama_get_logits_ith(self.ctx, outputs[s])
+                logits = np.ctypeslib.as_array(pointer, shape=(self.vocab,))
+                chosen[s].append(int(logits.argmax()))
+            if step + 1 < new_tokens:
+                outputs = self._decode([(s, L + step, chosen[s][-1], True) for s in range(B)])
+        return torch.cat([ids, torch.tensor(chosen, dtype=ids.dtype)], dim=1)
+
+    def _decode(self, entries: list[tuple[int, int, int, bool]]) -> list[int]:
+        """One llama_decode of (sequence, position, token, wants logits) entries; returns the
+        batch index of each logit-bearing entry, in order."""
+        batch = self.batch
+        for i, (sequence, position, token, logits) in enumerate(entries):
+            batch.token[i], batch.pos[i] = token, position
+            batch.n_seq_id[i], batch.seq_id[i][0] = 1, sequence
+            batch.logits[i] = logits
+        batch.n_tokens = len(entries)
+        status = self.api.llama_decode(self.ctx, batch)
+        if status != 0:
+            raise RuntimeError(f"llama_decode failed with status {status}")
+        return [i for i, entry in enumerate(entries) if entry[3]]
+
+    def close(self) -> None:
+        self.api.llama_batch_free(self.batch)
+        self.api.llama_free(self.ctx)
+        self.api.llama_model_free(self.model)
+
+
 def transformers_compiled(model: nn.Module) -> nn.Module:
     """A copy of a transformers causal LM as its documentation speeds up generation: a static
     cache (fixed shapes) and its forward compiled by torch.compile (fullgraph)."""

@@ -28,9 +28,10 @@ directory by both libraries; the peer is transformers' `generate` with
 `attn_implementation="sdpa"`. Neither stops early (the config has no eos token), and the tokens
 of every path are compared with transformers'. Three qkv paths, side by side:
 - qkv: `qkv.generation.generate(model, ..., compile=False)`, eager (the default, compile="auto",
-  switches to the compiled steps below once they pay for themselves);
+  switches to the compiled steps below once they pay for themselves), its fp32 products on
+  oneDNN where that is faster here (`qkv.layers.Linear`);
 - packed: the same inside `with qkv.acceleration.packed_linears(model):` (what `qkv generate` does
-  on the CPU unless given `--no-pack`): every `nn.Linear` becomes a `PackedLinear` that holds its
+  on the CPU unless given `--no-pack`): every linear becomes a `PackedLinear` that holds its
   weight in oneDNN's blocked layout, with q/k/v and SwiGLU's gate/up fused into one product each;
   weights are packed once, at the first call ("pack ms"), for inference only, as a second copy of
   what is used;

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .attention import attention_section
 from .decode import decode_section
+from .decode_batch import decode_batch_section
 from .flash import FLASH_FILES, WINDOW, flash_section, merged_flash_rows
 from .format import dtype_name, dtype_rank, get, num, prose, span
 from .gpu import gpu_section
@@ -33,6 +34,7 @@ KNOWN = (
     "flash_gpu",
     *MODELS_FILES,
     "decode",
+    "decode_batch",
 )
 
 
@@ -110,10 +112,28 @@ def headlines(results: dict[str, dict]) -> list[str]:
             items.append(
                 f"Greedy decoding, batch 1, {dtype_name(r['dtype'])}: compiled qkv "
                 f"{num(get(r, 'tokens_per_s', 'qkv_compiled'), '.1f')} tokens/s, "
-                f"{num(r.get('compiled_ratio'), '.2f')}x transformers."
+                f"{num(r.get('compiled_ratio'), '.2f')}x transformers"
+                + _llama_cpp(get(r, "peer_paired_ratios", "llama_cpp"))
             )
+    for r in sorted(
+        results.get("decode_batch", {}).get("rows", []), key=lambda r: dtype_rank(r["dtype"])
+    ):
+        fastest = r.get("qkv_fastest", "qkv_compiled")
+        items.append(
+            f"Greedy decoding, batch {r['batch']}, {dtype_name(r['dtype'])}: qkv "
+            f"{num(get(r, 'tokens_per_s', fastest), '.1f')} tokens/s, "
+            f"{num(get(r, 'paired_ratios', 'transformers'), '.2f')}x transformers"
+            + _llama_cpp(get(r, "paired_ratios", "llama_cpp"))
+        )
     lines += [line for item in items for line in prose(f"- {item}")] or ["No result files."]
     return lines
+
+
+def _llama_cpp(ratio: object) -> str:
+    """', 0.89x llama.cpp (paired).' or '.' where llama.cpp was not timed."""
+    if not isinstance(ratio, int | float):
+        return "."
+    return f", {ratio:.2f}x llama.cpp (paired)."
 
 
 def others_section(results: dict[str, dict]) -> list[str]:
@@ -142,6 +162,8 @@ def render(results_dir: Path = RESULTS) -> str:
     sections.append(models_section(results))
     if "decode" in results:
         sections.append(decode_section(results["decode"]))
+    if "decode_batch" in results:
+        sections.append(decode_batch_section(results["decode_batch"]))
     sections.append(others_section(results))
     lines: list[str] = []
     for section in sections:

@@ -232,3 +232,24 @@ def test_the_avx2_models_file_has_its_section_and_the_verdict_reads_the_default_
     headlines = page[page.index("## Headlines") : page.index("## `qkv.attention`")]
     assert "fp32 again held to AVX2" in headlines
     assert "## Other result files" not in page  # the file is one the page knows
+
+
+def test_the_batched_decoding_file_gives_the_ratio_to_llama_cpp(results):
+    row = {
+        "dtype": "fp32",
+        "batch": 8,
+        "prompt": 32,
+        "new_tokens": 128,
+        "tokens_per_s": {"qkv": 800.0, "qkv_compiled": 1300.0, "transformers": 500.0},
+        "qkv_fastest": "qkv_compiled",
+        "paired_ratios": {"transformers": 2.6, "llama_cpp": 0.95},
+        "peers": {"tokens_vs_transformers": {"qkv": {"rows_equal": 8}}},
+    }
+    (results / "decode_batch.json").write_text(json.dumps({"machine": MACHINE, "rows": [row]}))
+    page = make_readme.render(results)
+    section = page[page.index("### Several sequences at once") :]
+    assert "qkv over llama.cpp: fp32 0.95x (target >= 1.0: not met)." in section
+    assert "| fp32 | 8 | 800.0 | 1300.0 | 500.0 | - | 2.600 | 0.950 | qkv 8 |" in section
+    assert "batch 8, fp32: qkv 1300.0 tokens/s, 2.60x transformers, 0.95x llama.cpp" in (
+        " ".join(page.split())
+    )

@@ -164,13 +164,22 @@ def _compute_dtype(request: AttentionRequest) -> torch.dtype:
     return request.q.dtype
 
 
-@functools.cache
 def _flex_attention():
-    try:
-        from torch.nn.attention.flex_attention import flex_attention
-    except ImportError:
-        return None
-    return flex_attention
+    """PyTorch's flex_attention, or None before torch 2.5; looked up once, and kept in a
+    module global rather than a functools.cache (which torch.compile warns of, tracing a step
+    that asks auto for a backend)."""
+    global _FLEX_ATTENTION
+    if _FLEX_ATTENTION is _NOT_LOOKED_UP:
+        try:
+            from torch.nn.attention.flex_attention import flex_attention
+        except ImportError:
+            flex_attention = None
+        _FLEX_ATTENTION = flex_attention
+    return _FLEX_ATTENTION
+
+
+_NOT_LOOKED_UP = object()
+_FLEX_ATTENTION = _NOT_LOOKED_UP
 
 
 @functools.cache

@@ -1,0 +1,209 @@
+"""Benchmark: greedy decoding of several sequences at once, qkv against transformers and
+llama.cpp's batched decoding.
+
+    .venv/bin/python benchmarks/decode_batch.py            # B = 8, fp32 and bf16 (a few minutes)
+    .venv/bin/python benchmarks/decode_batch.py --quick    # smoke run: 16 new tokens, 2 rounds
+
+The model and weights of benchmarks/decode.py (the ~55M Llama, built by transformers and loaded
+by both libraries; llama.cpp reads them written as GGUF by benchmarks/peers.py). B prompts of 32
+random tokens each (equal lengths: no padding, no attention_mask), 128 new tokens per sequence,
+one call timed as a user sees it (prefill included):
+    qkv            qkv.generation.generate(model, ids, max_new_tokens=128, compile=False)
+    qkv compiled   a packed copy (`packed_linears`, the block open for the whole row) with
+                   generate(..., compile=True), compiled before the timing
+    transformers   model.generate(ids, do_sample=False, max_new_tokens=128, min_new_tokens=128)
+    llama.cpp      `peers.LlamaCppBatched`: a context with B sequence slots, all prompts in one
+                   llama_decode, then one llama_decode per step holding each sequence's token
+tokens/s = B * 128 / the median seconds per call; "paired" ratios are medians of per-round
+ratios. Every candidate's tokens are compared with transformers' before timing; in fp32,
+llama.cpp is timed only if its tokens agree, or part from them only at near-ties of
+transformers' logits (top-2 margin < NEAR_TIE: its default K/V cache is fp16, so its fp32 runs
+are not exactly fp32; the margins are recorded). bf16 flips near-ties in every library.
+
+At batch B a step reads every weight once for B tokens, so it is less memory-bound than at
+batch 1 (decode.py): the products are (B, E) x (E, out) matrix products.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import gc
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+from common import (
+    DTYPES,
+    default_device,
+    format_table,
+    log,
+    machine_info,
+    time_interleaved,
+    write_json,
+)
+from decode import LLAMA, build_models, first_divergence, paired_ratio
+from peers import LlamaCppBatched, missing, write_gguf
+
+from qkv.acceleration import packed_linears
+from qkv.generation import generate
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TARGET_RATIO = 1.0  # qkv's fastest path over llama.cpp, tokens/s
+# A top-2 logit margin below this (logits of magnitude ~2 here) is a near-tie that another
+# order of fp32 sums, or llama.cpp's fp16 K/V cache (its default), may flip.
+NEAR_TIE = 1e-3
+
+
+def tie_margins(theirs, ids, reference: torch.Tensor, output: torch.Tensor) -> list[float]:
+    """For each row where `output`'s new tokens part from transformers' (`reference`), the top-2
+    margin of transformers' logits on the common prefix: how near a tie the parting was."""
+    margins = []
+    L = ids.shape[1]
+    for b in range(len(reference)):
+        step = first_divergence(output[b, L:], reference[b])
+        if step is None:
+            continue
+        prefix = torch.cat([ids[b], reference[b, :step]])[None]  # (1, L + step)
+        with torch.no_grad():
+            logits = theirs(input_ids=prefix).logits[0, -1].float()
+        top = logits.topk(2).values
+        margins.append(float(top[0] - top[1]))
+    return margins
+
+
+def bench_dtype(base_ours, base_theirs, dtype: str, args) -> dict:
+    """One row: tokens/s of each candidate at batch args.batch, and the tokens check."""
+    ours = copy.deepcopy(base_ours).to(DTYPES[dtype])
+    theirs = copy.deepcopy(base_theirs).to(DTYPES[dtype])
+    generator = torch.Generator().manual_seed(1)
+    shape = (args.batch, args.prompt)
+    ids = torch.randint(0, LLAMA["vocab_size"], shape, generator=generator).to(args.device)
+    n = args.new_tokens
+    packed_model = copy.deepcopy(ours)
+    stack = contextlib.ExitStack()
+    stack.enter_context(packed_linears(packed_model, batch_hint=args.batch))
+    calls = {
+        "qkv": lambda: generate(ours, ids, max_new_tokens=n, compile=False),
+        "qkv_compiled": lambda: generate(packed_model, ids, max_new_tokens=n, compile=True),
+        "transformers": lambda: theirs.generate(
+            ids, do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None
+        ),
+    }
+    info: dict = {}
+    absent = missing()
+    if absent is None:
+        directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="qkv-batch-"))
+        path = write_gguf(theirs, Path(directory) / f"model-{dtype}.gguf", dtype)
+        llama = LlamaCppBatched(
+            path, sequences=args.batch, context=args.prompt + n, threads=torch.get_num_threads()
+        )
+        stack.callback(llama.close)
+        calls["llama_cpp"] = lambda: llama.generate(ids, n)
+        info["llama_cpp"] = {"version": llama.version, "gguf_bytes": path.stat().st_size}
+    else:
+        log(absent)
+        info["llama_cpp"] = absent
+    log(f"{dtype}: compiling, checking tokens ...")
+    reference = calls["transformers"]()[:, args.prompt :]
+    divergence = {}
+    for name, call in calls.items():
+        new = call()[:, args.prompt :]  # (B, n); the compiled call compiles here
+        steps = [first_divergence(new[b], reference[b]) for b in range(args.batch)]
+        divergence[name] = {"rows_equal": sum(s is None for s in steps), "first_steps": steps}
+    info["tokens_vs_transformers"] = divergence
+    if "llama_cpp" in calls and dtype == "fp32":
+        margins = tie_margins(theirs, ids, reference, calls["llama_cpp"]())
+        info["llama_cpp_margins_at_divergence"] = margins
+        if any(margin >= NEAR_TIE for margin in margins):
+            log("llama.cpp's fp32 tokens differ from transformers' past a near-tie: not timed")
+            del calls["llama_cpp"]
+    log(f"{dtype}: timing ...")
+    timings = time_interleaved(
+        calls,
+        device=args.device,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        min_repeats=min(args.repeats, 3),
+        budget_s=args.budget,
+    )
+    stack.close()
+    tokens = args.batch * n
+    speed = {name: tokens / t.median for name, t in timings.items()}
+    fastest = max(("qkv", "qkv_compiled"), key=lambda name: speed[name])
+    row = {
+        "dtype": dtype,
+        "batch": args.batch,
+        "prompt": args.prompt,
+        "new_tokens": n,
+        "tokens_per_s": speed,
+        "qkv_fastest": fastest,
+        # qkv's faster path over each other candidate, paired (above 1: qkv is faster)
+        "paired_ratios": {
+            name: paired_ratio(timings[name], timings[fastest])
+            for name in ("transformers", "llama_cpp")
+            if name in timings
+        },
+        "peers": info,
+        "timings": {name: t.as_dict() for name, t in timings.items()},
+    }
+    calls.clear()  # the models go with the closures
+    gc.collect()
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    names = ("qkv", "qkv_compiled", "transformers", "llama_cpp")
+    header = ["dtype", "B", *(f"{n} tok/s" for n in names), "qkv/hf", "qkv/llama.cpp"]
+    body = []
+    for r in rows:
+        ratios = r["paired_ratios"]
+        body.append(
+            [
+                r["dtype"],
+                str(r["batch"]),
+                *(f"{r['tokens_per_s'][n]:.1f}" if n in r["tokens_per_s"] else "-" for n in names),
+                f"{ratios['transformers']:.3f}",
+                f"{ratios['llama_cpp']:.3f}" if "llama_cpp" in ratios else "-",
+            ]
+        )
+    return format_table(body, header)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="16 new tokens, 2 rounds: a smoke run")
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--batch", type=int, default=8, help="sequences decoded at once")
+    parser.add_argument("--device", default=default_device())
+    parser.add_argument("--prompt", type=int, default=32, help="prompt tokens per sequence")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per dtype (at most)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--budget", type=float, default=60.0, help="seconds of timing per dtype")
+    parser.add_argument("--out", type=Path, default=RESULTS / "decode_batch.json")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.new_tokens, args.repeats, args.budget = 16, 2, 5.0
+        args.out = args.out.with_name(args.out.stem + "_quick.json")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    log("building the models ...")
+    ours, theirs = build_models(args.device)
+    rows = [bench_dtype(ours, theirs, dtype, args) for dtype in args.dtypes]
+    info = machine_info(args.device)
+    print(f"# {info['device_name']}, {info['torch_threads']} threads, torch {info['torch']}")
+    print(table(rows))
+    payload = {"machine": info, "transformers": transformers.__version__, "rows": rows}
+    payload["targets"] = {"qkv_over_llama_cpp": TARGET_RATIO}
+    write_json(args.out, payload)
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
