@@ -57,9 +57,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def _uses_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """A float32 product on the CPU, outside autocast and torch.compile, of a non-empty x and a
     contiguous weight, on a machine where oneDNN's fp32 products beat F.linear's."""
-    if torch.compiler.is_compiling():
-        return False
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
+        return False  # first: the cheapest test, and the one a bf16 or GPU model stops at
+    if torch.compiler.is_compiling():
         return False
     if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"):
         return False
