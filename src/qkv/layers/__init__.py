@@ -1,6 +1,7 @@
 """`qkv.layers`: the modules a Transformer is built from, each on top of `qkv.attention`.
 
 - `MultiHeadAttention`: MHA, GQA and MQA; self- and cross-attention; optional RoPE or ALiBi.
+- `DifferentialAttention`: the difference of two softmax maps per head (Ye et al. 2024).
 - `FeedForward` (ReLU/GELU) and `SwiGLU`: the position-wise sub-layer.
 - `Linear`: nn.Linear with CPU float32 products on oneDNN where that is faster here.
 - `LayerNorm` and `RMSNorm`; `Dropout` (nn.Dropout with a cheaper CPU mask).
@@ -13,6 +14,7 @@ cross over to PyTorch's own modules.
 from qkv.layers._dropout import Dropout
 from qkv.layers.attention import MultiHeadAttention
 from qkv.layers.blocks import DecoderBlock, EncoderBlock, post_norm, pre_norm
+from qkv.layers.differential import DifferentialAttention
 from qkv.layers.feedforward import FeedForward, SwiGLU
 from qkv.layers.kv_cache import CrossAttentionCache, LayerCache, SinkKVCache, StaticKVCache
 from qkv.layers.linear import Linear
@@ -21,6 +23,7 @@ from qkv.layers.norms import LayerNorm, RMSNorm
 __all__ = [
     "CrossAttentionCache",
     "DecoderBlock",
+    "DifferentialAttention",
     "Dropout",
     "EncoderBlock",
     "FeedForward",
