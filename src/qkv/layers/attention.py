@@ -46,6 +46,9 @@ class MultiHeadAttention(nn.Module):
         alibi: add the ALiBi bias -slope_h * |i - j| to the scores (Press et al. 2022;
             self-attention only).
         backend: the `qkv.attention` backend ("auto" picks the fastest that serves the call).
+        attention: a callable with `qkv.attention`'s signature, called in its place (default
+            None: `qkv.attention`), e.g. a `LinearAttention` from `qkv.attention`; an `nn.Module`
+            is registered as a submodule (its buffers move with `.to()`, join the state dict).
 
     Parameters: q_proj (E -> H * D), k_proj and v_proj (context_dim -> H_kv * D),
     out_proj (H * D -> E), ordinary submodules that an accelerator may swap
@@ -65,6 +68,7 @@ class MultiHeadAttention(nn.Module):
         rope: RotaryEmbedding | None = None,
         alibi: bool = False,
         backend: str = "auto",
+        attention: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]] | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -82,6 +86,12 @@ class MultiHeadAttention(nn.Module):
         if not isinstance(backend, str):
             raise TypeError(f"backend: expected a str, got {type(backend).__name__} {backend!r}")
         self.backend = backend
+        if attention is not None and not callable(attention):
+            raise TypeError(
+                f"attention: expected a callable with qkv.attention's signature, or None, "
+                f"got {type(attention).__name__}"
+            )
+        self.attention = attention  # an nn.Module is registered as a submodule
         factory = {"bias": bias, "device": device, "dtype": dtype}
         kv_in = embed_dim if context_dim is None else context_dim
         self.q_proj = Linear(embed_dim, num_heads * self.head_dim, **factory)
@@ -158,7 +168,8 @@ class MultiHeadAttention(nn.Module):
             cross = context is not None
             for hook in list(self._attention_hooks.values()):
                 hook(self, q, k, mask=mask, causal=causal, window=window, bias=bias, cross=cross)
-        result = attention(
+        attend = attention if self.attention is None else self.attention
+        result = attend(
             q,
             k,
             v,
