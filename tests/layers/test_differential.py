@@ -67,13 +67,21 @@ def paper_formula(layer, x, allowed, positions=None):
     heads, maps = [], []
     for h in range(H):
         g = h // (H // H_kv)  # the key/value head this query head reads
-        q1, q2 = q[..., 2 * h * d : (2 * h + 1) * d], q[..., (2 * h + 1) * d : (2 * h + 2) * d]
-        k1, k2 = k[..., 2 * g * d : (2 * g + 1) * d], k[..., (2 * g + 1) * d : (2 * g + 2) * d]
+        q_first, q_second = (
+            q[..., 2 * h * d : (2 * h + 1) * d],
+            q[..., (2 * h + 1) * d : (2 * h + 2) * d],
+        )
+        k_first, k_second = (
+            k[..., 2 * g * d : (2 * g + 1) * d],
+            k[..., (2 * g + 1) * d : (2 * g + 2) * d],
+        )
         value = v[..., 2 * g * d : (2 * g + 2) * d]  # (B, L, 2d)
         if positions is not None:
-            q1, q2, k1, k2 = (rotate_by_hand(t, positions) for t in (q1, q2, k1, k2))
+            q_first, q_second, k_first, k_second = (
+                rotate_by_hand(t, positions) for t in (q_first, q_second, k_first, k_second)
+            )
         softmaxes = []
-        for qs, ks in ((q1, k1), (q2, k2)):
+        for qs, ks in ((q_first, k_first), (q_second, k_second)):
             scores = qs @ ks.transpose(-1, -2) / math.sqrt(d)  # (B, L, L)
             scores = scores.masked_fill(~allowed[:, 0], float("-inf"))
             softmax = torch.softmax(scores, dim=-1)

@@ -2,9 +2,9 @@
 
 Each head splits its queries and keys into two halves and attends with both:
 
-    [Q1; Q2] = X W_q,   [K1; K2] = X W_k,   V = X W_v
-    DiffAttn(X) = (softmax(Q1 K1^T / sqrt(d)) - lambda softmax(Q2 K2^T / sqrt(d))) V   (eq. 1)
-    lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init     (eq. 2)
+    [Q_1; Q_2] = X W_q,   [K_1; K_2] = X W_k,   V = X W_v
+    DiffAttn(X) = (softmax(Q_1 K_1^T / sqrt(d)) - lambda softmax(Q_2 K_2^T / sqrt(d))) V   (eq. 1)
+    lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init         (eq. 2)
     lambda_init = 0.8 - 0.6 exp(-0.3 (l - 1)),  l = 1 .. L the index of the layer
 
 and the heads are normalised one by one, scaled and concatenated (eq. 3):
@@ -18,7 +18,7 @@ Sizes (s2.1): with E = embed_dim and H differential heads, each head has query a
 of size d = E / (2H) and values of size 2d, so q_proj is E -> H * 2d = E, as in a Transformer
 of the same width with 2H heads of size d (the paper sets H = E / 2d, "d equal to the head
 dimension of Transformer", to align parameters and FLOPs); out_proj is E -> E. Keys and values
-may have fewer heads (GQA, Ainslie et al. 2023): H_kv heads of [K1; K2] and V, each shared by
+may have fewer heads (GQA, Ainslie et al. 2023): H_kv heads of [K_1; K_2] and V, each shared by
 H / H_kv query heads, both halves of a query head reading the halves of the same key head.
 
 Each softmax map is one call of `qkv.attention` (A1 V - lambda A2 V), so masks, causal
@@ -58,7 +58,7 @@ class DifferentialAttention(nn.Module):
         num_kv_heads: H_kv key/value heads, dividing H (default H).
         depth: l, the 1-based index of this layer in its stack; sets lambda_init (eq. 2).
         bias: biases on the four projections (the paper's code has none).
-        rope: a `qkv.positional.RotaryEmbedding` of head_dim d, applied to Q1, Q2, K1, K2.
+        rope: a `qkv.positional.RotaryEmbedding` of head_dim d, applied to Q_1, Q_2, K_1, K_2.
         backend: the `qkv.attention` backend of both softmax maps.
 
     Parameters: q_proj (E -> H * 2d), k_proj (E -> H_kv * 2d), v_proj (E -> H_kv * 2d),
@@ -145,10 +145,10 @@ class DifferentialAttention(nn.Module):
         self._check_call(x, positions)
         B, L, _ = x.shape
         H, D = self.num_heads, self.head_dim
-        q1, q2, k1, k2, v = self._project(x, positions)
+        q_first, q_second, k_first, k_second, v = self._project(x, positions)
         options = {"mask": mask, "causal": causal, "window": window, "backend": self.backend}
-        first = attention(q1, k1, v, return_weights=return_weights, **options)
-        second = attention(q2, k2, v, return_weights=return_weights, **options)
+        first = attention(q_first, k_first, v, return_weights=return_weights, **options)
+        second = attention(q_second, k_second, v, return_weights=return_weights, **options)
         out1, out2 = (first[0], second[0]) if return_weights else (first, second)
         lam = self.lambda_value()
         heads = out1 - lam.to(out1.dtype) * out2  # (B, H, L, 2D): (A1 - lambda A2) V
@@ -161,7 +161,8 @@ class DifferentialAttention(nn.Module):
         return output, weights1 - lam.to(weights1.dtype) * weights2  # (B, H, L, L)
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-        """q1, q2 (B, H, L, D), k1, k2 (B, H_kv, L, D) after RoPE, and v (B, H_kv, L, 2D)."""
+        """The query halves q_first, q_second (B, H, L, D) and the key halves k_first, k_second
+        (B, H_kv, L, D) after RoPE, and v (B, H_kv, L, 2D)."""
         B, L, _ = x.shape
         H, H_kv, D = self.num_heads, self.num_kv_heads, self.head_dim
         # each head's 2D projected features are [first half; second half]: as 2H (2H_kv)
@@ -171,9 +172,9 @@ class DifferentialAttention(nn.Module):
         v = self.v_proj(x).view(B, L, H_kv, 2 * D).transpose(1, 2)  # (B, H_kv, L, 2D)
         if self.rope is not None:  # rotates every D-sized half alike, at the same positions
             q, k = self.rope(q, k, positions=positions)
-        q1, q2 = q[:, 0::2], q[:, 1::2]  # each (B, H, L, D)
-        k1, k2 = k[:, 0::2], k[:, 1::2]  # each (B, H_kv, L, D)
-        return q1, q2, k1, k2, v
+        q_first, q_second = q[:, 0::2], q[:, 1::2]  # each (B, H, L, D)
+        k_first, k_second = k[:, 0::2], k[:, 1::2]  # each (B, H_kv, L, D)
+        return q_first, q_second, k_first, k_second, v
 
     def extra_repr(self) -> str:
         return (
