@@ -20,6 +20,7 @@ from .gpu import gpu_section
 from .machine import machine_table
 from .models import MODELS_FILES, default_ratios, models_section
 from .patterns import PATTERN_FILES, patterns_section
+from .sparse import sparse_section
 
 HERE = Path(__file__).resolve().parents[1]
 RESULTS = HERE / "results"
@@ -35,6 +36,7 @@ KNOWN = (
     *MODELS_FILES,
     "decode",
     "decode_batch",
+    "sparse",
 )
 
 
@@ -158,6 +160,8 @@ def render(results_dir: Path = RESULTS) -> str:
     sections.append(patterns_section(results))
     if any(stem in results for stem in FLASH_FILES):
         sections.append(flash_section(results))
+    if "sparse" in results:
+        sections.append(sparse_section(results["sparse"]))
     sections.append(gpu_section(results.get("flash_gpu")))
     sections.append(models_section(results))
     if "decode" in results:

@@ -113,3 +113,29 @@ def test_low_precision_output_and_gradients_err_at_most_twice_what_sdpa_does(dty
 
     for ours, pytorch in zip(errors(qkv.triton_attention), errors(sdpa_reference), strict=True):
         assert ours <= 2 * pytorch
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"causal": True}, {"causal": True, "lengths": torch.tensor([30, 37])}, {"window": 9}],
+)
+def test_sparse_pattern_blocks_equal_eager_attention_with_the_dense_mask(options):
+    """Only the listed blocks are loaded; outputs, lse and gradients equal float64 eager
+    attention with the pattern as a -inf bias (every row keeps its global key 0)."""
+    from qkv.attention import sparse
+
+    pattern = sparse.bigbird(window=3, global_tokens=1, random_blocks=1, block=16, seed=5)
+    pattern = pattern | sparse.Strided(7)
+    q, k, v = _inputs(L_q=40, L_k=70)
+    output, lse = qkv.triton_attention(q, k, v, pattern=pattern, return_lse=True, **options)
+    hidden = ~qkv.masks.from_pattern(pattern, 40, 70)
+    bias = torch.zeros(40, 70, dtype=torch.float64).masked_fill(hidden, float("-inf"))
+    exact_inputs = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    expected, expected_lse = eager_reference(*exact_inputs, bias=bias, **options)
+    torch.testing.assert_close(output.cpu().double(), expected, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.cpu().double(), expected_lse, atol=2e-5, rtol=2e-5)
+    grad = torch.randn_like(expected)
+    ours = torch.autograd.grad(output, (q, k, v), grad.float().to(DEVICE))
+    theirs = torch.autograd.grad(expected, exact_inputs, grad)
+    for got, want in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(got.cpu().double(), want, atol=2e-4, rtol=2e-4)

@@ -1,8 +1,19 @@
-"""The functional core: masks, `attention()`, `explain()` and the backends behind them."""
+"""The functional core: masks, sparse patterns, `attention()`, `explain()`, the backends behind
+them, and linear (kernelised) attention."""
 
 from qkv.attention import flex as _flex_backend
-from qkv.attention import masks
+from qkv.attention import masks, sparse
 from qkv.attention.core import BACKENDS, attention, explain, register_backend, serving_backends
+from qkv.attention.linear import (
+    FavorFeatureMap,
+    LinearAttention,
+    LinearAttentionState,
+    elu_feature_map,
+    linear_attention,
+    linear_attention_state,
+    linear_attention_step,
+    orthogonal_random_features,
+)
 from qkv.attention.request import AttentionRequest
 from qkv.attention.tiled import TraceStep, attention_weights, flash_attention
 from qkv.attention.tiled import backend as _tiled_backend
@@ -16,13 +27,22 @@ register_backend(_flex_backend, before="tiled")  # auto: patterns SDPA would nee
 __all__ = [
     "AttentionRequest",
     "BACKENDS",
+    "FavorFeatureMap",
+    "LinearAttention",
+    "LinearAttentionState",
     "TraceStep",
     "attention",
     "attention_weights",
+    "elu_feature_map",
     "explain",
     "flash_attention",
+    "linear_attention",
+    "linear_attention_state",
+    "linear_attention_step",
     "masks",
+    "orthogonal_random_features",
     "register_backend",
     "serving_backends",
+    "sparse",
     "triton_attention",
 ]

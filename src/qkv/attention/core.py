@@ -21,6 +21,7 @@ import torch
 
 from qkv.attention import reference, sdpa
 from qkv.attention.request import AttentionRequest, make_request, request_key
+from qkv.attention.sparse import SparsePattern
 
 # Fastest first: `auto` walks this order. Later backends (tiled, triton) register themselves.
 BACKENDS: dict[str, ModuleType] = {sdpa.name: sdpa, reference.name: reference}
@@ -50,6 +51,7 @@ def attention(
     alibi_slopes: torch.Tensor | None = None,
     softcap: float | None = None,
     score_mod: Callable | None = None,
+    pattern: SparsePattern | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
     backend: str = "auto",
@@ -75,6 +77,10 @@ def attention(
             (Dong et al. 2024): applied after the biases, before the masks, with raw (not
             aligned) query indices; written with torch ops, it receives broadcastable index
             tensors on some backends and scalars on others.
+        pattern: a sparse pattern of visible (query, key) pairs (`qkv.attention.sparse`:
+            windows, dilated and strided heads, global tokens, BigBird's random blocks, and
+            their unions), intersected with everything else; the tiled backend computes only
+            the blocks it leaves visible. Needs L_q <= L_k.
         dropout_p: dropout on the attention weights, applied whenever > 0: modules pass 0 in
             eval mode (as with `F.scaled_dot_product_attention`).
         return_weights: also return the weights (B, H, L_q, L_k) that multiplied V.
@@ -103,6 +109,7 @@ def attention(
         "alibi_slopes": alibi_slopes,
         "softcap": softcap,
         "score_mod": score_mod,
+        "pattern": pattern,
     }
     if isinstance(backend, str) and backend == "auto":
         request, chosen = _auto_request(q, k, v, options)
@@ -130,6 +137,7 @@ def explain(
     alibi_slopes: torch.Tensor | None = None,
     softcap: float | None = None,
     score_mod: Callable | None = None,
+    pattern: SparsePattern | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
     backend: str = "auto",
@@ -150,6 +158,7 @@ def explain(
         alibi_slopes=alibi_slopes,
         softcap=softcap,
         score_mod=score_mod,
+        pattern=pattern,
     )
     chosen = _choose(request, backend)
     how = "named explicitly" if backend != "auto" else "the fastest backend that serves this call"
@@ -186,6 +195,7 @@ _DEFAULT_OPTIONS = {
     "alibi_slopes": None,
     "softcap": None,
     "score_mod": None,
+    "pattern": None,
 }
 
 

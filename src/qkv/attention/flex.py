@@ -12,11 +12,11 @@ FlexAttention fuses attention around two user functions, and qkv's options map o
 
 flex_attention is compiled once per process (dynamic shapes; ~4 s for the first pattern on a
 2-core CPU, ~0.5 s for each further kind, less in a later process through inductor's on-disk
-cache). A call that brings a dense (L_q, L_k) mask or bias compiles for its exact shapes
-instead: with dynamic shapes, torch 2.13's CPU kernel fails to build when a score_mod reads such
-a tensor next to a BlockMask, or when a mask_mod reads one at all (so a bool mask enters the
-score_mod as -inf). It has no backward on the CPU in torch 2.13, and its CPU kernel takes fp32,
-bf16 and fp16 only.
+cache). A call that brings a dense (L_q, L_k) mask or bias, or a sparse pattern (whose
+lookup tables the mask_mod reads), compiles for its exact shapes instead: with dynamic shapes,
+torch 2.13's CPU kernel fails to build when a score_mod reads such a tensor next to a
+BlockMask, or when a mask_mod reads one at all (so a bool mask enters the score_mod as -inf).
+It has no backward on the CPU in torch 2.13, and its CPU kernel takes fp32, bf16 and fp16 only.
 """
 
 from __future__ import annotations
@@ -79,6 +79,11 @@ def why_not_auto(request: AttentionRequest) -> str | None:
     scores = request.query_len * request.key_len
     if scores < MIN_SCORES:
         return f"L_q * L_k = {scores} < {MIN_SCORES}: a compiled kernel's fixed costs dominate"
+    if request.pattern is not None:
+        return (
+            "a sparse pattern compiles for each length (its lookup tables fail to build with "
+            "dynamic shapes in torch 2.13): auto leaves it to tiled, which needs no compile"
+        )
     if request.modifies_scores:
         return None  # only flex fuses a soft-cap or a score_mod
     if request.mask is not None or request.bias is not None:
@@ -148,7 +153,10 @@ def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:
     if torch.compiler.is_compiling():  # traced into the caller's graph
         output = _flex_attention()(*arguments, **options)
     else:
-        compiled = _compiled(dynamic=request.mask is None and request.bias is None)
+        # a tensor the mask_mod reads (a dense mask, a pattern's lookup table) fails to
+        # build with dynamic shapes in torch 2.13: exact shapes then, one compile per length
+        dense = request.mask is not None or request.bias is not None
+        compiled = _compiled(dynamic=not dense and request.pattern is None)
         # Without duck-typed sizes: two sizes equal in the first call (batch 2 and 2 key
         # blocks) stay two symbols instead of one that a later call fails (a recompile).
         with torch.fx.experimental._config.patch(use_duck_shape=False):
@@ -191,7 +199,7 @@ def _compiled(dynamic: bool):
 
 
 def _has_structure(request: AttentionRequest) -> bool:
-    return request.causal or request.window is not None
+    return request.causal or request.window is not None or request.pattern is not None
 
 
 def _block_mask(request: AttentionRequest):
@@ -206,11 +214,12 @@ def _block_mask(request: AttentionRequest):
         request.sinks if request.window is not None else 0,
         request.q.device,
         needs_grad(request),
+        request.pattern,
     )
 
 
 @functools.lru_cache(maxsize=_LAYOUTS_MAX)
-def _cached_block_mask(L_q, L_k, causal, window, sinks, device, with_q_blocks: bool):
+def _cached_block_mask(L_q, L_k, causal, window, sinks, device, with_q_blocks: bool, pattern):
     """The BlockMask of one pattern and shape, its mask_mod included: a model asks for the
     same one in every layer. `with_q_blocks`: the transposed layout a backward pass reads."""
     from torch.nn.attention.flex_attention import BlockMask
@@ -225,6 +234,7 @@ def _cached_block_mask(L_q, L_k, causal, window, sinks, device, with_q_blocks: b
         sinks=sinks,
         lengths=None,
         has_dense_mask=False,
+        pattern=pattern,
     )
     return BlockMask.from_kv_blocks(
         *_layout(plan, device),
@@ -238,14 +248,8 @@ def _cached_block_mask(L_q, L_k, causal, window, sinks, device, with_q_blocks: b
 def _layout(plan: TilePlan, device) -> tuple[torch.Tensor, ...]:
     """(partial count, partial indices, whole count, whole indices) per query block, each
     (1, 1, n_q, ...) int32: the key blocks FlexAttention visits, partial ones through mask_mod."""
-    L_q, L_k = plan.query_len, plan.key_len
-    q_start = torch.arange(0, L_q, BLOCK, device=device).view(-1, 1)  # (n_q, 1)
-    k_start = torch.arange(0, L_k, BLOCK, device=device).view(1, -1)  # (1, n_k)
-    q_end, k_end = (q_start + BLOCK).clamp(max=L_q), (k_start + BLOCK).clamp(max=L_k)
-    bounds = (q_start + plan.shift, q_end - 1 + plan.shift, k_start, k_end - 1)
-    hidden = plan.hides(*bounds) & torch.ones_like(q_start * k_start, dtype=torch.bool)
-    whole = plan.shows_all(*bounds) & ~hidden
-    partial = ~hidden & ~whole  # (n_q, n_k)
+    computed, whole = (t.to(device) for t in plan.grid(BLOCK, BLOCK))  # (n_q, n_k) each
+    partial = computed & ~whole
 
     def listed(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         count = blocks.sum(dim=-1, dtype=torch.int32)  # (n_q,)
@@ -281,7 +285,15 @@ def _mask_mod(plan: TilePlan, device):
             near = (k_idx >= position - behind) & (k_idx <= position + ahead)
             return near | ((k_idx < sinks) & (k_idx <= position + ahead))
 
-    return mask_mod
+    if plan.pattern is None:
+        return mask_mod
+    structural, pattern = mask_mod, plan.pattern.rule(plan.key_len, device)
+
+    def with_pattern(batch, head, q_idx, k_idx):  # the sparse pattern, intersected
+        visible = pattern(q_idx + shift, k_idx)
+        return structural(batch, head, q_idx, k_idx) & visible
+
+    return with_pattern
 
 
 def _score_mod(request: AttentionRequest):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from qkv.attention import masks
+from qkv.attention.sparse import SparsePattern, dense_mask
 
 
 @dataclass(frozen=True)
@@ -24,14 +25,15 @@ class AttentionRequest:
     mask: bool (True = may attend) or additive float, 2-D (L_q, L_k) or 4-D broadcastable to
     (B, H, L_q, L_k). bias: additive float, same shapes. window: (left, right) key counts.
     sinks: first keys visible on top of the window. alibi_slopes: (H,) float. softcap: > 0.
-    score_mod: f(score, batch, head, q_idx, k_idx) -> score.
+    score_mod: f(score, batch, head, q_idx, k_idx) -> score. pattern: a sparse pattern
+    (qkv.attention.sparse), intersected with the rest; L_q <= L_k.
 
     The score of query i and key j, in this order (every backend computes this):
         s = scale * q_i . k_j                            (fp32 at least)
         s = softcap * tanh(s / softcap)                  (Gemma 2), if softcap
         s = s + bias + float mask - slope_h * |i' - j|   (ALiBi), each if given
         s = score_mod(s, b, h, i, j)                     (FlexAttention's signature), if given
-        s = -inf where causal, window (with sinks) or a bool mask hides key j
+        s = -inf where causal, window (with sinks), a pattern or a bool mask hides key j
     with i' = i + L_k - L_q, the query aligned bottom-right; score_mod gets the raw index i.
     """
 
@@ -49,6 +51,7 @@ class AttentionRequest:
     alibi_slopes: torch.Tensor | None = None
     softcap: float | None = None
     score_mod: Callable | None = None
+    pattern: SparsePattern | None = None
 
     @property
     def batch(self) -> int:
@@ -89,25 +92,31 @@ class AttentionRequest:
         return self.softcap is not None or self.score_mod is not None
 
     def structural_mask(self) -> torch.Tensor | None:
-        """The bool (L_q, L_k) mask implied by `causal`, `window` and `sinks`, or None.
-        Shared between calls of one structure (do not modify it in place)."""
+        """The bool (L_q, L_k) mask implied by `causal`, `window`, `sinks` and `pattern`, or
+        None. Shared between calls of one structure (do not modify it in place)."""
         key = self.structure_key()
         if key is not None:
             return structural_visibility(*key)
         sinks = self.sinks if self.window is not None else 0
         return _structure(
-            self.query_len, self.key_len, self.causal, self.window, sinks, self.q.device
-        )
+            self.query_len, self.key_len, self.causal, self.window, sinks, self.q.device,
+            self.pattern,
+        )  # fmt: skip
 
     def structure_key(self) -> tuple | None:
-        """(L_q, L_k, causal, window, sinks, device): what the structural mask depends on; None
-        where it is not to be cached (traced lengths, over MAX_CACHED_SCORES, no structure)."""
-        if torch.compiler.is_compiling() or not (self.causal or self.window is not None):
+        """(L_q, L_k, causal, window, sinks, device, pattern): what the structural mask depends
+        on; None where it is not to be cached (traced lengths, over MAX_CACHED_SCORES, no
+        structure)."""
+        structured = self.causal or self.window is not None or self.pattern is not None
+        if torch.compiler.is_compiling() or not structured:
             return None
         if self.query_len * self.key_len > MAX_CACHED_SCORES:
             return None
         sinks = self.sinks if self.window is not None else 0
-        return (self.query_len, self.key_len, self.causal, self.window, sinks, self.q.device)
+        return (
+            self.query_len, self.key_len, self.causal, self.window, sinks, self.q.device,
+            self.pattern,
+        )  # fmt: skip
 
     def allowed(self) -> torch.Tensor | None:
         """Every boolean constraint at once (causal, window, bool mask), broadcastable, or None."""
@@ -178,19 +187,22 @@ MAX_CACHED_SCORES = 2**24
 
 
 @functools.lru_cache(maxsize=8)
-def structural_visibility(L_q, L_k, causal, window, sinks, device) -> torch.Tensor | None:
+def structural_visibility(
+    L_q, L_k, causal, window, sinks, device, pattern=None
+) -> torch.Tensor | None:
     """`AttentionRequest.structural_mask` for one structure, kept for the next call."""
-    return _structure(L_q, L_k, causal, window, sinks, device)
+    return _structure(L_q, L_k, causal, window, sinks, device, pattern)
 
 
-def _structure(L_q, L_k, causal, window, sinks, device) -> torch.Tensor | None:
+def _structure(L_q, L_k, causal, window, sinks, device, pattern=None) -> torch.Tensor | None:
     causal_mask = masks.causal(L_q, L_k, device=device) if causal else None
     window_mask = (
         masks.sliding_window(L_q, L_k, window, sinks=sinks, device=device)
         if window is not None
         else None
     )
-    return masks.combine(causal_mask, window_mask)
+    sparse_mask = None if pattern is None else dense_mask(pattern, L_q, L_k, device=device)
+    return masks.combine(causal_mask, window_mask, sparse_mask)
 
 
 def make_request(
@@ -209,6 +221,7 @@ def make_request(
     alibi_slopes: torch.Tensor | None = None,
     softcap: float | None = None,
     score_mod: Callable | None = None,
+    pattern: SparsePattern | None = None,
 ) -> AttentionRequest:
     """Check every argument of `qkv.attention` and bundle them into an `AttentionRequest`."""
     _check_qkv(q, k, v)
@@ -236,6 +249,7 @@ def make_request(
         alibi_slopes=_check_slopes(alibi_slopes, q.shape[1], q.device),
         softcap=check_softcap(softcap),
         score_mod=check_callable("score_mod", score_mod),
+        pattern=check_pattern(pattern, q.shape[2], k.shape[2]),
     )
 
 
@@ -255,6 +269,7 @@ def request_key(
     alibi_slopes: torch.Tensor | None = None,
     softcap: float | None = None,
     score_mod: Callable | None = None,
+    pattern: SparsePattern | None = None,
 ) -> tuple | None:
     """Everything `make_request` checks, as a hashable key; None for a call it cannot describe.
 
@@ -276,10 +291,12 @@ def request_key(
         return None
     if score_mod is not None and not callable(score_mod):
         return None
+    if pattern is not None and not isinstance(pattern, SparsePattern):
+        return None
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.is_floating_point() and t.requires_grad for t in (q, k, v, mask, bias)
     )
-    return tensors + options + (score_mod is not None, needs_grad)
+    return tensors + options + (score_mod is not None, needs_grad, pattern)
 
 
 class _NoKeyError(Exception):
@@ -433,6 +450,23 @@ def check_softcap(softcap: float | None) -> float | None:
     ):
         raise ValueError(f"softcap: expected a positive finite number or None, got {softcap!r}")
     return float(softcap)
+
+
+def check_pattern(pattern, L_q: int, L_k: int) -> SparsePattern | None:
+    """A sparse pattern (qkv.attention.sparse), for queries aligned within the keys."""
+    if pattern is None:
+        return None
+    if not isinstance(pattern, SparsePattern):
+        raise TypeError(
+            f"pattern: expected a qkv.attention.sparse pattern (Window, GlobalTokens, ... or "
+            f"their union with |), got {type(pattern).__name__}"
+        )
+    if L_q > L_k:
+        raise ValueError(
+            f"pattern: expected L_q <= L_k (queries aligned bottom-right within the keys), got "
+            f"L_q={L_q}, L_k={L_k}"
+        )
+    return pattern
 
 
 def check_callable(name: str, value):

@@ -65,6 +65,8 @@ def notes(request: AttentionRequest) -> list[str]:
         out.append(f"window {request.window}{sinks}: an explicit (L_q, L_k) mask")
     if request.alibi_slopes is not None:
         out.append("ALiBi: a dense (1, H, L_q, L_k) bias built from the slopes")
+    if request.pattern is not None:
+        out.append("sparse pattern: an explicit (L_q, L_k) mask; every score is computed")
     if _needs_mask(request):
         out.append(
             "rows with no visible key are unmasked for the kernel and their output zeroed "
@@ -162,6 +164,7 @@ def _needs_mask(request: AttentionRequest) -> bool:
         and request.bias is None
         and request.window is None
         and request.alibi_slopes is None
+        and request.pattern is None
     )
     causal_free = not request.causal or _plain_causal(request) or _sees_every_key(request)
     return not (structural_only and causal_free)

@@ -12,7 +12,13 @@ from __future__ import annotations
 import torch
 
 from qkv.attention.request import AttentionRequest
-from qkv.attention.tiled.function import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, flash_backend_call
+from qkv.attention.tiled.function import (
+    DEFAULT_BLOCK_K,
+    DEFAULT_BLOCK_Q,
+    PATTERN_BLOCK,
+    flash_backend_call,
+)
+from qkv.attention.tiled.tiles import TilePlan
 
 name = "tiled"
 summary = "FlashAttention in PyTorch: online softmax over tiles, O(L) memory, skips hidden tiles"
@@ -51,6 +57,8 @@ def why_not_auto(request: AttentionRequest) -> str | None:
         if scores < MIN_SCORES_MODIFIED:
             return f"L_q * L_k = {scores} < {MIN_SCORES_MODIFIED}: the reference math is faster"
         return None
+    if request.pattern is not None:
+        return _why_not_pattern(request, scores)
     if request.window is None and request.alibi_slopes is None:
         return "no window whose hidden tiles it could skip: SDPA's fused kernel is faster"
     if request.mask is not None or request.bias is not None:
@@ -69,6 +77,32 @@ def why_not_auto(request: AttentionRequest) -> str | None:
     return None
 
 
+def _why_not_pattern(request: AttentionRequest, scores: int) -> str | None:
+    """A sparse pattern: tiled skips the blocks it hides, where SDPA reads a dense mask."""
+    least = MIN_SCORES_FOR_WINDOW.get(request.q.dtype, MIN_SCORES_LOW_PRECISION)
+    if scores < least:
+        return f"L_q * L_k = {scores} < {least}: SDPA with the pattern's dense mask is faster"
+    computed, total = computed_tiles(request)
+    if computed > MAX_VISIBLE_FRACTION * total:
+        return (
+            f"the pattern leaves {computed} of {total} tiles to compute: SDPA computing every "
+            f"score is still faster"
+        )
+    return None
+
+
+def computed_tiles(request: AttentionRequest) -> tuple[int, int]:
+    """(tiles computed, tiles in all) at the tile size of pattern calls, for causal, window
+    and pattern together."""
+    plan = TilePlan(
+        query_len=request.query_len, key_len=request.key_len, block_q=PATTERN_BLOCK,
+        block_k=PATTERN_BLOCK, causal=request.causal, window=request.window,
+        sinks=request.sinks, lengths=None, has_dense_mask=False, pattern=request.pattern,
+    )  # fmt: skip
+    computed = sum(len(row) for row in plan.tiles())
+    return computed, len(plan.query_blocks()) * len(plan.key_blocks())
+
+
 def visible_fraction(request: AttentionRequest) -> float:
     """The share of the L_q x L_k scores that causal and the window leave visible."""
     left, right = request.window if request.window is not None else (request.key_len,) * 2
@@ -82,13 +116,20 @@ def visible_fraction(request: AttentionRequest) -> float:
 
 def notes(request: AttentionRequest) -> list[str]:
     mask_bytes = request.query_len * request.key_len * request.batch
-    return [
-        f"tiles of {DEFAULT_BLOCK_Q} queries x {DEFAULT_BLOCK_K} keys; tiles hidden by the "
-        f"causal/window structure are skipped",
+    block_q, block_k = DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K
+    if request.pattern is not None:
+        block_q = block_k = PATTERN_BLOCK
+    out = [
+        f"tiles of {block_q} queries x {block_k} keys; tiles hidden by the "
+        f"causal/window structure or the sparse pattern are skipped",
         f"no dense mask: SDPA would need one of {mask_bytes / 2**20:.1f} MiB (bool) and "
         f"would compute every hidden score",
         "saves only O and the log-sum-exp; the backward recomputes each tile",
     ]
+    if request.pattern is not None:
+        computed, total = computed_tiles(request)
+        out.append(f"sparse pattern: {computed} of {total} tiles computed ({computed / total:.1%})")
+    return out
 
 
 def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:

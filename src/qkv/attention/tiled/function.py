@@ -19,12 +19,16 @@ from qkv.attention.request import (
     check_softcap,
     make_request,
 )
+from qkv.attention.sparse import SparsePattern
 from qkv.attention.tiled import kernels
 from qkv.attention.tiled.tiles import TilePlan
 from qkv.validation import check_int
 
 DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 256
+# Sparse patterns: smaller tiles skip more (BigBird's blocks are 64 keys; Zaheer et al. 2020), and
+# at L = 8192 a BigBird call runs fastest in 64 x 64 tiles (benchmarks/sparse.py).
+PATTERN_BLOCK = 64
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ def flash_attention(
     score_mod: kernels.ScoreMod | None = None,
     lengths: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
+    pattern: SparsePattern | None = None,
     scale: float | None = None,
     softcap: float | None = None,
     dropout_p: float = 0.0,
@@ -79,6 +84,8 @@ def flash_attention(
             `lambda s, b, h, i, j: s - slopes[h] * (i - j).abs()`; differentiated per tile.
         lengths: (B,) valid keys per batch row (padding without an L x L mask).
         mask: an optional dense mask as in `qkv.attention` (bool, True = may attend).
+        pattern: a sparse pattern (`qkv.attention.sparse`), intersected with the rest: only
+            the tiles it leaves visible are computed, forward and backward (L_q <= L_k).
         softcap: logit soft-capping, scores -> softcap * tanh(scores / softcap) (Gemma 2).
         block_q, block_k: tile sizes; any lengths work, tails are partial tiles.
         return_lse: also return the log-sum-exp (B, H, L_q), fp32 (fp64 for fp64
@@ -99,6 +106,7 @@ def flash_attention(
         window=window,
         dropout_p=dropout_p,
         return_weights=False,
+        pattern=pattern,
     )
     bias = request.additive()  # a float mask is one more additive term
     mask = request.mask if request.has_bool_mask else None
@@ -118,6 +126,7 @@ def flash_attention(
 
 def flash_backend_call(request: AttentionRequest) -> torch.Tensor:
     """Serve a `qkv.attention` request (the `tiled` backend) with the default tiles."""
+    block = PATTERN_BLOCK if request.pattern is not None else None
     return flash_attention(
         request.q,
         request.k,
@@ -126,11 +135,14 @@ def flash_backend_call(request: AttentionRequest) -> torch.Tensor:
         window=request.window,
         bias=request.bias,
         mask=request.mask,
+        pattern=request.pattern,
         scale=request.scale,
         dropout_p=request.dropout_p,
         sinks=request.sinks,
         softcap=request.softcap,
         score_mod=request.score_mod_with_alibi(),
+        block_q=block or DEFAULT_BLOCK_Q,
+        block_k=block or DEFAULT_BLOCK_K,
     )
 
 
@@ -199,4 +211,5 @@ def _plan(request: AttentionRequest, sinks, lengths, block_q, block_k) -> TilePl
         sinks=check_int("sinks", sinks, minimum=0),
         lengths=check_lengths(lengths, request.batch, request.key_len),
         has_dense_mask=request.has_bool_mask,  # a float mask was folded into the bias
+        pattern=request.pattern,
     )

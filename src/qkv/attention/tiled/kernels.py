@@ -142,15 +142,15 @@ def forward(
     q_rows, v, plan = problem.q_rows, problem.v, problem.plan
     out_rows = q_rows.new_zeros(*q_rows.shape[:-1], v.shape[-1])
     lse_rows = q_rows.new_full((*q_rows.shape[:-1], 1), float("-inf"))
+    key_blocks, tiles_by_query_block = plan.key_blocks(), plan.tiles()
     for qi, (q_start, q_end) in enumerate(plan.query_blocks()):
+        tiles = tiles_by_query_block[qi]
         rows = problem.rows(q_start, q_end)
         running_max = lse_rows[:, :, rows].clone()  # m = -inf
         running_sum = torch.zeros_like(running_max)  # l = 0
         acc = out_rows[:, :, rows].clone()  # unnormalised output, 0
-        for kj, (k_start, k_end) in enumerate(plan.key_blocks()):
-            tile = plan.classify(q_start, q_end, k_start, k_end)
-            if tile is Tile.HIDDEN:
-                continue
+        for kj, tile in tiles:  # the computed tiles only
+            k_start, k_end = key_blocks[kj]
             scores, _ = tile_scores(problem, q_start, q_end, k_start, k_end, tile)
             new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
             finite_max = new_max.masked_fill(new_max == float("-inf"), 0.0)  # rows seen nothing
@@ -185,12 +185,12 @@ def backward(
     d_bias = torch.zeros_like(problem.bias) if need_bias_grad else None
     delta = (d_out_rows * out_rows).sum(dim=-1, keepdim=True)  # D_i = rowsum(dO * O)
     lse_finite = lse_rows.masked_fill(lse_rows == float("-inf"), 0.0)  # empty rows: P = 0
+    query_blocks = plan.query_blocks()
+    by_key_block = _by_key_block(plan.tiles(), len(plan.key_blocks()))
     for kj, (k_start, k_end) in enumerate(plan.key_blocks()):
         k_tile, v_tile = k[:, :, k_start:k_end], v[:, :, k_start:k_end]
-        for qi, (q_start, q_end) in enumerate(plan.query_blocks()):
-            tile = plan.classify(q_start, q_end, k_start, k_end)
-            if tile is Tile.HIDDEN:
-                continue
+        for qi, tile in by_key_block[kj]:  # the computed tiles only
+            q_start, q_end = query_blocks[qi]
             rows = problem.rows(q_start, q_end)
             scores, chain_rule = tile_scores(problem, q_start, q_end, k_start, k_end, tile)
             probs = _exp_(scores - lse_finite[:, :, rows])  # P, exactly the forward's
@@ -205,6 +205,15 @@ def backward(
             if d_bias is not None:
                 _accumulate(tile_of(d_bias, q_start, q_end, k_start, k_end), d_bias_tile)
     return d_q_rows, d_k, d_v, d_bias
+
+
+def _by_key_block(tiles: list[list[tuple[int, Tile]]], num_key_blocks: int):
+    """`TilePlan.tiles()` turned around: for each key block, its (query block, tile) pairs."""
+    columns: list[list[tuple[int, Tile]]] = [[] for _ in range(num_key_blocks)]
+    for qi, row in enumerate(tiles):
+        for kj, tile in row:
+            columns[kj].append((qi, tile))
+    return columns
 
 
 def _exp_(x: torch.Tensor) -> torch.Tensor:

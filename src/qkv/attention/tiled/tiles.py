@@ -9,7 +9,11 @@ Visibility of key j from query i (positions aligned bottom-right: i' = i + L_k -
     structural(i', j) = [not causal or j <= i'] and [i' - left <= j <= i' + right]   (window)
     sink(i', j)       = j < sinks and j <= i' + future      (StreamingLLM: the first keys stay)
     visible           = (structural or sink) and j < lengths[b] and dense_mask[b, h, i, j]
+                        and pattern(i', j)                    (qkv.attention.sparse)
 where `future` is 0 under causal, `right` under a window, and unbounded otherwise.
+
+`TilePlan.tiles()` classifies every tile at once (integer tensors of block bounds), so that the
+loops visit only the computed tiles: time scales with them, not with (L / block)^2 Python steps.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import enum
 from dataclasses import dataclass
 
 import torch
+
+from qkv.attention.sparse import SparsePattern
 
 
 class Tile(enum.Enum):
@@ -39,6 +45,7 @@ class TilePlan:
     sinks: int
     lengths: tuple[int, ...] | None  # valid keys per batch row, as Python ints (one host sync)
     has_dense_mask: bool
+    pattern: SparsePattern | None = None  # intersected with the rest
 
     @property
     def shift(self) -> int:
@@ -61,14 +68,29 @@ class TilePlan:
     def key_blocks(self) -> list[tuple[int, int]]:
         return self.blocks(self.key_len, self.block_k)
 
-    def classify(self, q_start: int, q_end: int, k_start: int, k_end: int) -> Tile:
-        """Decide a tile from its bounds alone (queries [q_start, q_end), keys [k_start, k_end))."""
-        bounds = (q_start + self.shift, q_end - 1 + self.shift, k_start, k_end - 1)
-        if self.hides(*bounds):
-            return Tile.HIDDEN
-        if self.shows_all(*bounds):
-            return Tile.VISIBLE
-        return Tile.PARTIAL
+    def tiles(self) -> list[list[tuple[int, Tile]]]:
+        """For each query block, its (key block index, VISIBLE or PARTIAL) tiles, in key order;
+        hidden tiles are absent. Decided from the block bounds alone, all tiles at once."""
+        computed, whole = self.grid(self.block_q, self.block_k)
+        kinds = torch.where(whole, 2, 1).masked_fill(~computed, 0).tolist()  # one host sync
+        named = (None, Tile.PARTIAL, Tile.VISIBLE)
+        return [[(kj, named[kind]) for kj, kind in enumerate(row) if kind] for row in kinds]
+
+    def grid(self, block_q: int, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(computed, whole): bool (n_q, n_k) CPU tensors over tiles of block_q x block_k: does
+        any query of the tile see any of its keys; does every query see every key (no mask)."""
+        q_lo = torch.arange(0, self.query_len, block_q).view(-1, 1)  # (n_q, 1)
+        q_hi = (q_lo + block_q).clamp(max=self.query_len) - 1 + self.shift
+        q_lo = q_lo + self.shift  # aligned bottom-right
+        k_lo = torch.arange(0, self.key_len, block_k).view(1, -1)  # (1, n_k)
+        k_hi = (k_lo + block_k).clamp(max=self.key_len) - 1
+        shape = (q_lo.shape[0], k_lo.shape[1])
+        computed = ~torch.as_tensor(self.hides(q_lo, q_hi, k_lo, k_hi)).expand(shape)
+        whole = torch.as_tensor(self.shows_all(q_lo, q_hi, k_lo, k_hi)).expand(shape)
+        if self.pattern is not None:
+            some, every = self.pattern.tiles(q_lo, q_hi, k_lo, k_hi, self.key_len)
+            computed, whole = computed & some, whole & every
+        return computed, whole & computed
 
     def hides(self, q_min, q_max, k_min, k_max):
         """Does no aligned query in [q_min, q_max] see any key in [k_min, k_max]? Python ints
@@ -124,6 +146,8 @@ class TilePlan:
             if self.future != float("inf"):
                 sink = sink & (key_pos <= query_pos + self.future)
             structural |= sink
+        if self.pattern is not None:
+            structural &= self.pattern.visible(query_pos, key_pos, self.key_len)
         mask = structural[None, None]  # (1, 1, n_q, n_k)
         if self.lengths is not None:
             lengths = torch.tensor(self.lengths, device=key_pos.device).view(-1, 1, 1, 1)

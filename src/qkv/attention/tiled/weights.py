@@ -88,6 +88,7 @@ def _visible(request, sinks: int, lengths, row_index: torch.Tensor, key_len: int
         sinks=sinks,
         lengths=None if lengths is None else tuple(int(n) for n in lengths.tolist()),
         has_dense_mask=False,
+        pattern=request.pattern,
     )
     return plan.visible(row_index, torch.arange(key_len, device=row_index.device))
 

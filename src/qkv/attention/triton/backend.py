@@ -52,6 +52,8 @@ def notes(request: AttentionRequest) -> list[str]:
     out = ["one program per (query block, head); K/V streamed through SRAM; exp2 online softmax"]
     if request.causal or request.window is not None:
         out.append("key blocks hidden by the causal/window structure are never loaded")
+    if request.pattern is not None:
+        out.append("sparse pattern: only the listed blocks it leaves visible are loaded")
     if request.group_size > 1:
         out.append(f"GQA/MQA: each query head reads K/V head h // {request.group_size}, no copy")
     return out
@@ -66,6 +68,7 @@ def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:
         window=request.window,
         sinks=request.sinks,
         alibi_slopes=request.alibi_slopes,
+        pattern=request.pattern,
         scale=request.scale,
     )
     return output, None

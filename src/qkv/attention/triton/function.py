@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from qkv.attention.request import check_lengths, make_request
+from qkv.attention.sparse import SparsePattern
 from qkv.validation import check_int
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -25,6 +26,7 @@ def triton_attention(
     sinks: int = 0,
     alibi_slopes: torch.Tensor | None = None,
     lengths: torch.Tensor | None = None,
+    pattern: SparsePattern | None = None,
     scale: float | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -33,7 +35,9 @@ def triton_attention(
     q: (B, H, L_q, D); k, v: (B, H_kv, L_k, D) with H % H_kv == 0 (no K/V copy); D <= 128;
     fp16, bf16 (fp32 accumulation) or fp32. causal/window aligned bottom-right; `sinks` first
     keys always visible (StreamingLLM); `alibi_slopes` (H,) adds -slope_h * |i' - j| (ALiBi);
-    `lengths` (B,) valid keys per row. Returns output, or (output, lse (B, H, L_q) fp32).
+    `lengths` (B,) valid keys per row; `pattern` a sparse pattern (`qkv.attention.sparse`):
+    only the blocks it leaves visible are loaded, forward and backward. Returns output, or
+    (output, lse (B, H, L_q) fp32).
     """
     from qkv.attention.triton.launch import Masking
 
@@ -48,6 +52,7 @@ def triton_attention(
         window=window,
         dropout_p=0.0,
         return_weights=False,
+        pattern=pattern,
     )
     reason = unsupported(q, v)
     if reason is not None:
@@ -59,6 +64,7 @@ def triton_attention(
         lengths=_device_lengths(lengths, request.batch, request.key_len, q.device),
         slopes=_device_slopes(alibi_slopes, request.num_heads, q.device),
         scale=request.scale,
+        pattern=request.pattern,
     )
     q, k, v = (t.contiguous() for t in (q, k, v))
     output, lse = _TritonAttention.apply(q, k, v, masking)

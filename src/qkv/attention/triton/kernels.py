@@ -17,6 +17,13 @@ and one program per query block accumulates dQ over the visible key blocks, so n
 Visibility of key j from query i, with i' = i + L_k - L_q (bottom-right alignment), matches
 `qkv.attention.tiled.tiles`: ([j <= i'] if causal) and (i' - left <= j <= i' + right if a
 window), or (j < sinks and j <= i' + future); and always j < length[b].
+
+With a sparse pattern (`SPARSE`, qkv.attention.sparse), the blocks to visit come from lists
+instead of the loop bounds: for each query block, its key blocks (`BlockRows`, CSR offsets, and
+`BlockCols`), and for each key block, its query blocks (`ColRows`, `ColQBlocks`, `ColSlots`),
+every entry with the pattern's (BLOCK_M, BLOCK_N) mask of that tile (`BlockMasks`, uint8),
+AND-ed with the structural rule above. Only listed tiles are loaded: the work is the number of
+computed blocks.
 """
 
 import triton
@@ -105,27 +112,47 @@ def _fwd_block(
 ):
     """Fold key blocks [start, stop) into the running (acc, m, l): the online softmax."""
     for start_n in range(start, stop, BLOCK_N):
-        k_pos = start_n + offs_n
-        in_range = k_pos < key_len
-        k = tl.load(
-            k_ptrs + start_n * stride_kn, mask=in_range[:, None] & d_mask[None, :], other=0.0
-        )
-        s = _dot(q, tl.trans(k), PRECISION) * scale_log2  # base-2 scores
-        if ALIBI:
-            s -= slope_log2 * tl.abs(q_pos[:, None] - k_pos[None, :]).to(tl.float32)
-        visible = _visible(q_pos, k_pos, key_len, left, right, sinks, future, CAUSAL, WINDOW)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_ptrs + start_n * stride_vn, mask=in_range[:, None] & d_mask[None, :], other=0.0
-        )
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _fwd_tile(
+            acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, start_n, q_pos, offs_n,
+            d_mask, key_len, left, right, sinks, future, scale_log2, slope_log2, 0, CAUSAL,
+            WINDOW, ALIBI, False, PRECISION,
+        )  # fmt: skip
     return acc, m_i, l_i
+
+
+@triton.jit
+def _fwd_tile(
+    acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, start_n, q_pos, offs_n, d_mask,
+    key_len, left, right, sinks, future, scale_log2, slope_log2, allowed,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, ALIBI: tl.constexpr, SPARSE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Fold the key block at start_n into (acc, m, l); `allowed` is the pattern's tile mask."""
+    k_pos = start_n + offs_n
+    in_range = k_pos < key_len
+    k = tl.load(k_ptrs + start_n * stride_kn, mask=in_range[:, None] & d_mask[None, :], other=0.0)
+    s = _dot(q, tl.trans(k), PRECISION) * scale_log2  # base-2 scores
+    if ALIBI:
+        s -= slope_log2 * tl.abs(q_pos[:, None] - k_pos[None, :]).to(tl.float32)
+    visible = _visible(q_pos, k_pos, key_len, left, right, sinks, future, CAUSAL, WINDOW)
+    if SPARSE:
+        visible = visible & allowed
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptrs + start_n * stride_vn, mask=in_range[:, None] & d_mask[None, :], other=0.0)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _tile_mask(BlockMasks, entry, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The pattern's (BLOCK_M, BLOCK_N) bool mask of the listed tile `entry`."""
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    return tl.load(BlockMasks + entry * (BLOCK_M * BLOCK_N) + offs) != 0
 
 
 @triton.jit
@@ -137,6 +164,9 @@ def attention_forward_kernel(
     Lse,
     Lengths,
     Slopes,
+    BlockRows,
+    BlockCols,
+    BlockMasks,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -167,6 +197,7 @@ def attention_forward_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SPARSE: tl.constexpr = False,
 ):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     batch, head = pid_bh // num_heads, pid_bh % num_heads
@@ -203,6 +234,16 @@ def attention_forward_kernel(
         q_first, q_first + BLOCK_M - 1, key_len, left, right, CAUSAL, WINDOW, BLOCK_N
     )
     sink_stop = tl.minimum(lo, ((sinks + BLOCK_N - 1) // BLOCK_N) * BLOCK_N)
+    if SPARSE:  # the listed key blocks only; the loops below then run over nothing
+        for entry in range(tl.load(BlockRows + pid_m), tl.load(BlockRows + pid_m + 1)):
+            acc, m_i, l_i = _fwd_tile(
+                acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+                tl.load(BlockCols + entry) * BLOCK_N, q_pos, offs_n, d_mask, key_len, left,
+                right, sinks, future, scale_log2, slope_log2,
+                _tile_mask(BlockMasks, entry, BLOCK_M, BLOCK_N), CAUSAL, WINDOW, ALIBI, True,
+                PRECISION,
+            )  # fmt: skip
+        sink_stop, lo, hi = 0, 0, 0
     acc, m_i, l_i = _fwd_block(
         acc,
         m_i,
@@ -310,16 +351,21 @@ def _recompute_probs(
     future,
     scale_log2,
     slope_log2,
+    allowed,
     CAUSAL: tl.constexpr,
     WINDOW: tl.constexpr,
     ALIBI: tl.constexpr,
+    SPARSE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """P of one (query block, key block) tile from the saved log-sum-exp, 0 where hidden."""
+    """P of one (query block, key block) tile from the saved log-sum-exp, 0 where hidden;
+    `allowed`: the pattern's tile mask (SPARSE)."""
     s = _dot(q, tl.trans(k), PRECISION) * scale_log2
     if ALIBI:
         s -= slope_log2 * tl.abs(q_pos[:, None] - k_pos[None, :]).to(tl.float32)
     visible = _visible(q_pos, k_pos, key_len, left, right, sinks, future, CAUSAL, WINDOW)
+    if SPARSE:
+        visible = visible & allowed
     p = tl.math.exp2(s - lse_log2[:, None])
     return tl.where(visible, p, 0.0)
 
@@ -336,6 +382,10 @@ def attention_backward_dkdv_kernel(
     Delta,
     Lengths,
     Slopes,
+    ColRows,
+    ColQBlocks,
+    ColSlots,
+    BlockMasks,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -366,6 +416,7 @@ def attention_backward_dkdv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SPARSE: tl.constexpr = False,
 ):
     """One program: one key block of one K/V head; loops over its group's query heads."""
     pid_n, pid_bh = tl.program_id(0), tl.program_id(1)
@@ -403,48 +454,31 @@ def attention_backward_dkdv_kernel(
     q_hi = L_q
     if WINDOW and pid_n * BLOCK_N >= sinks:  # later queries have slid past this block
         q_hi = tl.minimum(L_q, (pid_n + 1) * BLOCK_N + left - shift)
+    if SPARSE:  # the listed query blocks only
+        q_lo, q_hi = 0, 0
     for g in range(0, group):
         head = kv_head * group + g
         slope_log2 = 0.0
         if ALIBI:
             slope_log2 = tl.load(Slopes + head) * 1.4426950408889634
         row = (batch * num_kv_heads * group + head) * L_q
+        q_base = Q + batch * stride_qb + head * stride_qh
+        do_base = DOut + batch * stride_ob + head * stride_oh
         for start_m in range(q_lo, q_hi, BLOCK_M):
-            rows = start_m + offs_m
-            row_mask = rows < L_q
-            offset = (
-                batch * stride_qb + head * stride_qh + rows[:, None] * stride_qm + offs_d[None, :]
-            )
-            q = tl.load(Q + offset, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-            do_offset = (
-                batch * stride_ob + head * stride_oh + rows[:, None] * stride_om + offs_d[None, :]
-            )
-            do = tl.load(DOut + do_offset, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-            lse = tl.load(Lse + row + rows, mask=row_mask, other=float("inf"))
-            lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-            delta = tl.load(Delta + row + rows, mask=row_mask, other=0.0)
-            p = _recompute_probs(
-                q,
-                k,
-                lse_log2,
-                rows + shift,
-                offs_n,
-                key_len,
-                left,
-                right,
-                sinks,
-                future,
-                scale_log2,
-                slope_log2,
-                CAUSAL,
-                WINDOW,
-                ALIBI,
-                PRECISION,
-            )
-            dv += _dot(tl.trans(p.to(do.dtype)), do, PRECISION)
-            dp = _dot(do, tl.trans(v), PRECISION).to(tl.float32)
-            ds = p * (dp - delta[:, None])  # dS = P * (dP - D)
-            dk += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION)
+            dk, dv = _dkdv_tile(
+                dk, dv, k, v, q_base, do_base, Lse + row, Delta + row, start_m, offs_m, offs_n,
+                offs_d, d_mask, stride_qm, stride_om, L_q, shift, key_len, left, right, sinks,
+                future, scale_log2, slope_log2, 0, CAUSAL, WINDOW, ALIBI, False, PRECISION,
+            )  # fmt: skip
+        if SPARSE:
+            for entry in range(tl.load(ColRows + pid_n), tl.load(ColRows + pid_n + 1)):
+                allowed = _tile_mask(BlockMasks, tl.load(ColSlots + entry), BLOCK_M, BLOCK_N)
+                dk, dv = _dkdv_tile(
+                    dk, dv, k, v, q_base, do_base, Lse + row, Delta + row,
+                    tl.load(ColQBlocks + entry) * BLOCK_M, offs_m, offs_n, offs_d, d_mask,
+                    stride_qm, stride_om, L_q, shift, key_len, left, right, sinks, future,
+                    scale_log2, slope_log2, allowed, CAUSAL, WINDOW, ALIBI, True, PRECISION,
+                )  # fmt: skip
     dk *= scale_log2 * LN2  # d(q . k * scale)/dk = scale * q
     out_offset = (
         batch * stride_kb + kv_head * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
@@ -454,6 +488,34 @@ def attention_backward_dkdv_kernel(
         batch * stride_vb + kv_head * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
     )
     tl.store(DV + out_offset, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dkdv_tile(
+    dk, dv, k, v, q_base, do_base, lse_row, delta_row, start_m, offs_m, offs_n, offs_d, d_mask,
+    stride_qm, stride_om, L_q, shift, key_len, left, right, sinks, future, scale_log2,
+    slope_log2, allowed, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, ALIBI: tl.constexpr,
+    SPARSE: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Add one query block's share to dK = dS^T Q and dV = P^T dO of this key block."""
+    rows = start_m + offs_m
+    row_mask = rows < L_q
+    q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
+    do = tl.load(do_base + rows[:, None] * stride_om + offs_d[None, :],
+                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
+    lse = tl.load(lse_row + rows, mask=row_mask, other=float("inf"))
+    lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(delta_row + rows, mask=row_mask, other=0.0)
+    p = _recompute_probs(
+        q, k, lse_log2, rows + shift, offs_n, key_len, left, right, sinks, future, scale_log2,
+        slope_log2, allowed, CAUSAL, WINDOW, ALIBI, SPARSE, PRECISION,
+    )  # fmt: skip
+    dv += _dot(tl.trans(p.to(do.dtype)), do, PRECISION)
+    dp = _dot(do, tl.trans(v), PRECISION).to(tl.float32)
+    ds = p * (dp - delta[:, None])  # dS = P * (dP - D)
+    dk += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION)
+    return dk, dv
 
 
 @triton.jit
@@ -487,34 +549,35 @@ def _dq_block(
     BLOCK_N: tl.constexpr,
 ):
     """Accumulate dQ = dS K over key blocks [start, stop) (scale applied by the caller)."""
-    offs_d = tl.arange(0, d_mask.shape[0])
     for start_n in range(start, stop, BLOCK_N):
-        k_pos = start_n + offs_n
-        kv_mask = (k_pos < L_k)[:, None] & d_mask[None, :]
-        k = tl.load(k_base + k_pos[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + k_pos[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-        p = _recompute_probs(
-            q,
-            k,
-            lse_log2,
-            q_pos,
-            k_pos,
-            key_len,
-            left,
-            right,
-            sinks,
-            future,
-            scale_log2,
-            slope_log2,
-            CAUSAL,
-            WINDOW,
-            ALIBI,
-            PRECISION,
-        )
-        dp = _dot(do, tl.trans(v), PRECISION).to(tl.float32)
-        ds = p * (dp - delta[:, None])  # dS = P * (dP - D)
-        dq += _dot(ds.to(k.dtype), k, PRECISION)
+        dq = _dq_tile(
+            dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn, start_n, q_pos,
+            offs_n, d_mask, L_k, key_len, left, right, sinks, future, scale_log2, slope_log2, 0,
+            CAUSAL, WINDOW, ALIBI, False, PRECISION,
+        )  # fmt: skip
     return dq
+
+
+@triton.jit
+def _dq_tile(
+    dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn, start_n, q_pos, offs_n,
+    d_mask, L_k, key_len, left, right, sinks, future, scale_log2, slope_log2, allowed,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, ALIBI: tl.constexpr, SPARSE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dQ += dS K for the key block at start_n."""
+    offs_d = tl.arange(0, d_mask.shape[0])
+    k_pos = start_n + offs_n
+    kv_mask = (k_pos < L_k)[:, None] & d_mask[None, :]
+    k = tl.load(k_base + k_pos[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_base + k_pos[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+    p = _recompute_probs(
+        q, k, lse_log2, q_pos, k_pos, key_len, left, right, sinks, future, scale_log2,
+        slope_log2, allowed, CAUSAL, WINDOW, ALIBI, SPARSE, PRECISION,
+    )  # fmt: skip
+    dp = _dot(do, tl.trans(v), PRECISION).to(tl.float32)
+    ds = p * (dp - delta[:, None])  # dS = P * (dP - D)
+    return dq + _dot(ds.to(k.dtype), k, PRECISION)
 
 
 @triton.jit
@@ -528,6 +591,9 @@ def attention_backward_dq_kernel(
     Delta,
     Lengths,
     Slopes,
+    BlockRows,
+    BlockCols,
+    BlockMasks,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -558,6 +624,7 @@ def attention_backward_dq_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SPARSE: tl.constexpr = False,
 ):
     """One program: one query block of one query head; loops over the visible key blocks."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
@@ -590,6 +657,16 @@ def attention_backward_dq_kernel(
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     k_base = K + batch * stride_kb + kv_head * stride_kh
     v_base = V + batch * stride_vb + kv_head * stride_vh
+    if SPARSE:  # the listed key blocks only; the loops below then run over nothing
+        for entry in range(tl.load(BlockRows + pid_m), tl.load(BlockRows + pid_m + 1)):
+            dq = _dq_tile(
+                dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn,
+                tl.load(BlockCols + entry) * BLOCK_N, q_pos, offs_n, d_mask, L_k, key_len, left,
+                right, sinks, future, scale_log2, slope_log2,
+                _tile_mask(BlockMasks, entry, BLOCK_M, BLOCK_N), CAUSAL, WINDOW, ALIBI, True,
+                PRECISION,
+            )  # fmt: skip
+        sink_stop, lo, hi = 0, 0, 0
     dq = _dq_block(
         dq,
         q,

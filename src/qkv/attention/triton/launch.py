@@ -2,17 +2,21 @@
 
 Importing this module imports Triton; `qkv` itself never does until a Triton call is made.
 Under `TRITON_INTERPRET=1` (tests on CPU) the kernels run in Triton's interpreter, with a
-single small configuration instead of autotuning.
+single small configuration instead of autotuning. A sparse pattern runs with fixed blocks (its
+block lists and tile masks are laid out for them): 64 x 64, 16 x 16 in the interpreter.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
 import torch
 import triton
 
+from qkv.attention.sparse import SparsePattern
+from qkv.attention.tiled.tiles import TilePlan
 from qkv.attention.triton import kernels
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -28,6 +32,7 @@ class Masking:
     lengths: torch.Tensor | None  # (B,) int32 on the device
     slopes: torch.Tensor | None  # (H,) fp32 ALiBi slopes on the device
     scale: float
+    pattern: SparsePattern | None = None
 
     def kernel_args(self, L_q: int, L_k: int) -> dict:
         left, right = self.window if self.window is not None else (0, 0)
@@ -73,6 +78,63 @@ _backward_dq = triton.autotune(
 )(kernels.attention_backward_dq_kernel)
 
 
+SPARSE_BLOCK = 16 if INTERPRET else 64
+
+
+@dataclass(frozen=True)
+class SparseBlocks:
+    """The computed tiles of a sparse call, as the kernels read them (int32/uint8 on the
+    device): by query block (CSR: `rows` offsets into `cols`), by key block (`col_rows` offsets
+    into `col_q_blocks`, with `col_slots` pointing at the same tile's entry), and the pattern's
+    (block, block) mask of every listed tile (`masks`, in the by-query-block order)."""
+
+    rows: torch.Tensor  # (n_q + 1,)
+    cols: torch.Tensor  # (nnz,)
+    masks: torch.Tensor  # (nnz, block, block)
+    col_rows: torch.Tensor  # (n_k + 1,)
+    col_q_blocks: torch.Tensor  # (nnz,)
+    col_slots: torch.Tensor  # (nnz,)
+
+
+@functools.lru_cache(maxsize=8)
+def sparse_blocks(pattern, causal, window, sinks, L_q: int, L_k: int, device) -> SparseBlocks:
+    """The tiles that causal, the window, sinks and the pattern leave visible (the interval
+    arithmetic of `TilePlan.grid`), listed both ways, with the pattern's tile masks."""
+    block = SPARSE_BLOCK
+    plan = TilePlan(
+        query_len=L_q, key_len=L_k, block_q=block, block_k=block, causal=causal,
+        window=window, sinks=sinks, lengths=None, has_dense_mask=False, pattern=pattern,
+    )  # fmt: skip
+    computed, _ = plan.grid(block, block)  # (n_q, n_k)
+    q_blocks, k_blocks = computed.nonzero(as_tuple=True)  # by query block, then key block
+    offsets = torch.arange(block)
+    q_pos = (q_blocks[:, None] * block + offsets + (L_k - L_q)).clamp(max=L_k - 1)  # (nnz, b)
+    k_pos = (k_blocks[:, None] * block + offsets).clamp(max=L_k - 1)  # (nnz, b)
+    masks = pattern.rule(L_k)(q_pos[:, :, None], k_pos[:, None, :])  # (nnz, b, b)
+    by_key = torch.argsort(k_blocks * computed.shape[0] + q_blocks)
+
+    def offsets_of(counts: torch.Tensor) -> torch.Tensor:
+        return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+
+    def on_device(t: torch.Tensor, dtype=torch.int32) -> torch.Tensor:
+        return t.to(device=device, dtype=dtype).contiguous()
+
+    return SparseBlocks(
+        rows=on_device(offsets_of(computed.sum(dim=1))),
+        cols=on_device(k_blocks),
+        masks=on_device(masks, torch.uint8),
+        col_rows=on_device(offsets_of(computed.sum(dim=0))),
+        col_q_blocks=on_device(q_blocks[by_key]),
+        col_slots=on_device(by_key),
+    )
+
+
+def _sparse_of(masking: Masking, L_q: int, L_k: int, device) -> SparseBlocks:
+    return sparse_blocks(
+        masking.pattern, masking.causal, masking.window, masking.sinks, L_q, L_k, device
+    )
+
+
 def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
@@ -96,8 +158,13 @@ def forward(q, k, v, masking: Masking) -> tuple[torch.Tensor, torch.Tensor]:
     L_k = k.shape[2]
     out = torch.empty_like(q)
     lse = torch.empty(B, H, L_q, device=q.device, dtype=torch.float32)
+    kernel, blocks, fixed = _forward, (q, q, q), {}
+    if masking.pattern is not None:
+        sparse = _sparse_of(masking, L_q, L_k, q.device)
+        kernel, blocks = kernels.attention_forward_kernel, (sparse.rows, sparse.cols, sparse.masks)
+        fixed = _fixed_blocks()
     grid = lambda meta: (triton.cdiv(L_q, meta["BLOCK_M"]), B * H)  # noqa: E731
-    _forward[grid](
+    kernel[grid](
         q,
         k,
         v,
@@ -105,6 +172,7 @@ def forward(q, k, v, masking: Masking) -> tuple[torch.Tensor, torch.Tensor]:
         lse,
         _or(masking.lengths, q),
         _or(masking.slopes, q),
+        *blocks,
         *_strides(q, k, v, out),
         H,
         H // k.shape[1],
@@ -114,8 +182,15 @@ def forward(q, k, v, masking: Masking) -> tuple[torch.Tensor, torch.Tensor]:
         **masking.kernel_args(L_q, L_k),
         PRECISION=_precision(q.dtype),
         BLOCK_D=_block_d(D),
+        **fixed,
     )
     return out, lse
+
+
+def _fixed_blocks() -> dict:
+    """The launch options of a sparse call: its blocks are those of its lists, not tuned."""
+    block = SPARSE_BLOCK
+    return {"BLOCK_M": block, "BLOCK_N": block, "SPARSE": True, "num_warps": 4, "num_stages": 2}
 
 
 def backward(q, k, v, out, lse, d_out, masking: Masking):
@@ -134,8 +209,14 @@ def backward(q, k, v, out, lse, d_out, masking: Masking):
     )
     strides = _strides(q, k, v, d_out)
     extras = (_or(masking.lengths, q), _or(masking.slopes, q))
+    dkdv, dq, by_key, by_query, fixed = _backward_dkdv, _backward_dq, (q,) * 4, (q,) * 3, {}
+    if masking.pattern is not None:
+        sparse = _sparse_of(masking, L_q, L_k, q.device)
+        dkdv, dq = kernels.attention_backward_dkdv_kernel, kernels.attention_backward_dq_kernel
+        by_key = (sparse.col_rows, sparse.col_q_blocks, sparse.col_slots, sparse.masks)
+        by_query, fixed = (sparse.rows, sparse.cols, sparse.masks), _fixed_blocks()
     grid_kv = lambda meta: (triton.cdiv(L_k, meta["BLOCK_N"]), B * H_kv)  # noqa: E731
-    _backward_dkdv[grid_kv](
+    dkdv[grid_kv](
         q,
         k,
         v,
@@ -145,6 +226,7 @@ def backward(q, k, v, out, lse, d_out, masking: Masking):
         lse,
         delta,
         *extras,
+        *by_key,
         *strides,
         H_kv,
         H // H_kv,
@@ -152,9 +234,10 @@ def backward(q, k, v, out, lse, d_out, masking: Masking):
         L_k,
         D,
         **common,
+        **fixed,
     )
     grid_q = lambda meta: (triton.cdiv(L_q, meta["BLOCK_M"]), B * H)  # noqa: E731
-    _backward_dq[grid_q](
+    dq[grid_q](
         q,
         k,
         v,
@@ -163,6 +246,7 @@ def backward(q, k, v, out, lse, d_out, masking: Masking):
         lse,
         delta,
         *extras,
+        *by_query,
         *strides,
         H,
         H // H_kv,
@@ -170,6 +254,7 @@ def backward(q, k, v, out, lse, d_out, masking: Masking):
         L_k,
         D,
         **common,
+        **fixed,
     )
     return d_q, d_k, d_v
 
