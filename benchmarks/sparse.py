@@ -17,9 +17,10 @@ Candidates:
            written from the paper's definition (built outside the timed call)
 
 The outputs are compared with each other before timing (and with float64 eager attention at the
-smallest length). Peak memory: the growth of the process's peak resident set during one call of
-each candidate in a fresh process (`--no-memory` skips it). Targets: qkv's time grows like L
-(the exponent fitted to its times, ~1), and at 16k qkv is >= 5x faster than SDPA with the mask.
+smallest length). Peak memory: how far one call of each candidate lifts the resident set, in a
+fresh process that built only its inputs (SDPA's dense mask, L^2 bytes, is built before the
+call and reported apart; `--no-memory` skips it). Targets: qkv's time grows like L (the
+exponent fitted to its times, ~1), and at 16k qkv is >= 5x faster than SDPA with the mask.
 """
 
 from __future__ import annotations
@@ -77,14 +78,18 @@ def flex_block_mask(L: int) -> BlockMask:
                                     mask_mod=mask_mod, seq_lengths=(L, L))  # fmt: skip
 
 
-def candidates(L: int, dense_max: int) -> dict:
+def candidates(L: int, dense_max: int, only: tuple[str, ...] = ("qkv", "sdpa", "flex")) -> dict:
+    """{name: call} of the candidates in `only`, their masks built here, outside the call."""
     q, k, v = inputs(L)
-    calls = {"qkv": lambda: qkv.attention(q, k, v, pattern=PATTERN)}
-    if dense_max >= L:
+    calls = {}
+    if "qkv" in only:
+        calls["qkv"] = lambda: qkv.attention(q, k, v, pattern=PATTERN)
+    if "sdpa" in only and dense_max >= L:
         mask = sparse.dense_mask(PATTERN, L, L)
         calls["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    block_mask = flex_block_mask(L)
-    calls["flex"] = lambda: COMPILED_FLEX(q, k, v, block_mask=block_mask)
+    if "flex" in only:
+        block_mask = flex_block_mask(L)
+        calls["flex"] = lambda: COMPILED_FLEX(q, k, v, block_mask=block_mask)
     return calls
 
 
@@ -107,19 +112,34 @@ def check(calls: dict, L: int) -> dict:
 
 
 def peak_memory(name: str, L: int, dense_max: int) -> float:
-    """MiB the peak resident set grows by during one call, in a fresh process."""
-    script = (
-        "import sys, resource; sys.path.insert(0, sys.argv[1]); import sparse; "
-        "calls = sparse.candidates(int(sys.argv[3]), int(sys.argv[4])); call = calls[sys.argv[2]]; "
-        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; call(); "
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)"
-    )
+    """MiB the resident set peaks above its level before one call, in a fresh process that
+    builds only this candidate's inputs (and mask) first. Linux's VmHWM, reset before the call
+    (`/proc/self/clear_refs`): a child's ru_maxrss would start from its parent's peak."""
     here = str(Path(__file__).resolve().parent)
     result = subprocess.run(
-        [sys.executable, "-c", script, here, name, str(L), str(dense_max)],
+        [sys.executable, "-c", _PEAK_SCRIPT, here, name, str(L), str(dense_max)],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
-    return int(result.stdout.split()[-1]) / 1024  # ru_maxrss is in KiB on Linux
+    return int(result.stdout.split()[-1]) / 1024  # kB -> MiB
+
+
+_PEAK_SCRIPT = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import sparse
+
+def status(field):
+    with open("/proc/self/status") as lines:
+        return next(int(line.split()[1]) for line in lines if line.startswith(field))
+
+name = sys.argv[2]
+call = sparse.candidates(int(sys.argv[3]), int(sys.argv[4]), only=(name,))[name]
+before = status("VmRSS:")
+with open("/proc/self/clear_refs", "w") as reset:
+    reset.write("5")  # the peak (VmHWM) starts again from the present resident set
+call()
+print(status("VmHWM:") - before)
+"""
 
 
 def bench_row(L: int, args) -> dict:
@@ -138,6 +158,7 @@ def bench_row(L: int, args) -> dict:
         "length": L,
         "auto_backend": chosen,
         "computed_fraction": float(computed.float().mean()),
+        "dense_mask_mib": L * L / 2**20,  # what SDPA is handed (bool), built before its call
         "seconds": seconds,
         "ratios": {name: seconds[name] / seconds["qkv"] for name in seconds if name != "qkv"},
         "max_abs_difference": differences,

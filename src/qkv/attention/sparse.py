@@ -5,8 +5,9 @@ Attention over L tokens costs O(L^2); the sparse Transformers keep a pattern of 
 
 - `Window(left, right)`: the local band (Beltagy et al. 2020, Longformer s3.1);
 - `Dilated(left, right, dilation)`: a band with gaps, every `dilation`-th key (Longformer s3.1);
-- `Strided(stride)`: every `stride`-th key back, and `SameBlock(size)` / `Summary(stride, c)`: the
-  "fixed" pattern's block and summary columns (Child et al. 2019, Sparse Transformer s4.2);
+- `Strided(stride)`: keys a multiple of `stride` away (with causal, every stride-th key back),
+  and `SameBlock(size)` / `Summary(stride, width)`: the "fixed" pattern's block and summary
+  columns (Child et al. 2019, Sparse Transformer s4.2);
 - `GlobalTokens(positions)`: tokens that attend everywhere and are attended by all (Longformer's
   global attention; BigBird's ITC, Zaheer et al. 2020 s2);
 - `RandomBlocks(per_row, block, seed)`: each query block sees `per_row` random key blocks,
@@ -48,6 +49,7 @@ __all__ = [
     "Union",
     "Window",
     "bigbird",
+    "dense_mask",
     "layout",
 ]
 
