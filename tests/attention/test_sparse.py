@@ -256,3 +256,126 @@ def test_flex_backend_serves_patterns_with_the_same_blocks():
     with torch.no_grad():
         output = qkv.attention(q, k, v, pattern=pattern, causal=True, backend="flex")
     torch.testing.assert_close(output.double(), expected, atol=2e-5, rtol=2e-5)
+
+
+@st.composite
+def packed_calls(draw):
+    """Sequences of query and key lengths (each query part no longer than its keys' total),
+    with causal and/or a window aligned per sequence."""
+    count = draw(st.integers(1, 4))
+    key_lengths = draw(st.lists(st.integers(0, 12), min_size=count, max_size=count))
+    query_lengths = [draw(st.integers(0, n)) for n in key_lengths]
+    if sum(query_lengths) == 0:  # at least one query
+        key_lengths[0] = max(key_lengths[0], 1)
+        query_lengths[0] = 1
+    window = draw(st.one_of(st.none(), st.tuples(st.integers(0, 4), st.integers(0, 4))))
+    pattern = sparse.Packed.from_lengths(
+        query_lengths, key_lengths, causal=draw(st.booleans()), window=window
+    )
+    return pattern, query_lengths, key_lengths
+
+
+def packed_definition(pattern, query_lengths, key_lengths) -> torch.Tensor:
+    """Bool (sum L_q, sum L_k): same sequence, and causal/window aligned within it."""
+    rows = []
+    for s, n_q in enumerate(query_lengths):
+        for i in range(n_q):
+            position = i + key_lengths[s] - n_q  # aligned within sequence s
+            row = []
+            for t, n_k in enumerate(key_lengths):
+                for j in range(n_k):
+                    ok = s == t
+                    if pattern.causal:
+                        ok = ok and j <= position
+                    if pattern.window is not None:
+                        left, right = pattern.window
+                        ok = ok and position - left <= j <= position + right
+                    row.append(ok)
+            rows.append(row)
+    return torch.tensor(rows, dtype=torch.bool).view(sum(query_lengths), sum(key_lengths))
+
+
+@settings(max_examples=80, deadline=None)
+@given(call=packed_calls(), block_q=st.integers(1, 7), block_k=st.integers(1, 7))
+def test_packed_sequences_mask_and_layout_equal_the_definition(call, block_q, block_k):
+    pattern, query_lengths, key_lengths = call
+    L_q, L_k = sum(query_lengths), sum(key_lengths)
+    expected = packed_definition(pattern, query_lengths, key_lengths)
+    assert torch.equal(qkv.masks.from_pattern(pattern, L_q, L_k), expected)
+    computed, full = sparse.layout(pattern, L_q, L_k, block_q, block_k)
+    n_q, n_k = math.ceil(L_q / block_q), math.ceil(L_k / block_k)
+    padded = torch.zeros(n_q * block_q, n_k * block_k, dtype=torch.bool)
+    padded[:L_q, :L_k] = expected
+    tiles = padded.view(n_q, block_q, n_k, block_k)
+    assert torch.equal(computed, tiles.any(dim=3).any(dim=1))
+    inside = torch.zeros_like(padded)
+    inside[:L_q, :L_k] = True
+    every = (tiles | ~inside.view(n_q, block_q, n_k, block_k)).all(dim=3).all(dim=1)
+    assert not (full & ~every).any()
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "tiled"])
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"causal": True, "window": (3, 0)}])
+def test_packed_sequences_equal_each_sequence_alone(backend, options):
+    query_lengths, key_lengths = [5, 1, 0, 9], [7, 4, 3, 9]
+    pattern = sparse.Packed.from_lengths(query_lengths, key_lengths, **options)
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 15, 8, dtype=torch.float64, generator=generator, requires_grad=True)
+    k, v = (torch.randn(1, 2, 23, 8, dtype=torch.float64, generator=generator).requires_grad_()
+            for _ in "kv")  # fmt: skip
+    output = qkv.attention(q, k, v, pattern=pattern, backend=backend)
+    starts_q, starts_k = pattern.query_offsets, pattern.key_offsets
+    for s in range(len(query_lengths)):
+        rows = slice(starts_q[s], starts_q[s + 1])
+        keys = slice(starts_k[s], starts_k[s + 1])
+        if rows.start == rows.stop:
+            continue
+        alone = qkv.attention(q[:, :, rows], k[:, :, keys], v[:, :, keys],
+                              backend="reference", **options)  # fmt: skip
+        torch.testing.assert_close(output[:, :, rows], alone)
+    d_out = torch.randn_like(output)
+    grads = torch.autograd.grad(output, (q, k, v), d_out)
+    visible = packed_definition(pattern, query_lengths, key_lengths)
+    expected, _ = eager_attention(q, k, v, visible)
+    for got, want in zip(grads, torch.autograd.grad(expected, (q, k, v), d_out), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_packed_sequences_equal_pytorch_nested_jagged_sdpa():
+    """PyTorch's nested (jagged) tensors run SDPA per sequence without padding (non-causal
+    on the CPU in torch 2.13)."""
+    import torch.nn.functional as F
+
+    lengths = [5, 9, 3, 12]
+    generator = torch.Generator().manual_seed(0)
+    parts = [[torch.randn(n, 2, 8, generator=generator) for n in lengths] for _ in "qkv"]
+    q, k, v = (torch.cat(p).transpose(0, 1)[None] for p in parts)  # (1, H, sum L, D)
+    output = qkv.attention(q, k, v, pattern=sparse.Packed.from_lengths(lengths))
+    nested = [torch.nested.nested_tensor(p, layout=torch.jagged).transpose(1, 2) for p in parts]
+    expected = F.scaled_dot_product_attention(*nested).transpose(1, 2)  # (B, j, H, D)
+    expected = torch.cat(expected.unbind()).transpose(0, 1)[None]
+    torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_offsets_are_checked():
+    with pytest.raises(ValueError, match="query_offsets"):
+        sparse.Packed((0, 5, 3))
+    with pytest.raises(ValueError, match="key_offsets"):
+        sparse.Packed((0, 5, 8), (0, 8))
+    with pytest.raises(TypeError, match="query_lengths"):
+        sparse.Packed.from_lengths([])
+    q = torch.randn(1, 1, 8, 4)
+    with pytest.raises(ValueError, match="L_k=8"):
+        qkv.attention(q, q, q, pattern=sparse.Packed.from_lengths([3, 4]))
+
+
+def test_flex_backend_serves_packed_sequences():
+    pattern = sparse.Packed.from_lengths([100, 0, 212], [100, 50, 300], causal=True)
+    generator = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 2, 312, 16, generator=generator)
+    k, v = (torch.randn(1, 2, 450, 16, generator=generator) for _ in "kv")
+    with torch.no_grad():
+        output = qkv.attention(q, k, v, pattern=pattern, backend="flex")
+    visible = packed_definition(pattern, [100, 0, 212], [100, 50, 300])
+    expected, _ = eager_attention(q.double(), k.double(), v.double(), visible)
+    torch.testing.assert_close(output.double(), expected, atol=2e-5, rtol=2e-5)
