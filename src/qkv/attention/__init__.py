@@ -14,6 +14,7 @@ from qkv.attention.linear import (
     linear_attention_step,
     orthogonal_random_features,
 )
+from qkv.attention.lsh import LSHAttentionCost, lsh_attention, lsh_attention_cost, lsh_hash
 from qkv.attention.request import AttentionRequest
 from qkv.attention.tiled import TraceStep, attention_weights, flash_attention
 from qkv.attention.tiled import backend as _tiled_backend
@@ -28,6 +29,7 @@ __all__ = [
     "AttentionRequest",
     "BACKENDS",
     "FavorFeatureMap",
+    "LSHAttentionCost",
     "LinearAttention",
     "LinearAttentionState",
     "TraceStep",
@@ -39,6 +41,9 @@ __all__ = [
     "linear_attention",
     "linear_attention_state",
     "linear_attention_step",
+    "lsh_attention",
+    "lsh_attention_cost",
+    "lsh_hash",
     "masks",
     "orthogonal_random_features",
     "register_backend",
