@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import qkv
 from qkv.analysis.cost.memory import peak_bytes
 from qkv.attention.tiled import kernels
-from qkv.attention.tiled.tiles import dropout_keep
+from qkv.attention.tiles import dropout_keep
 from tests.attention.reference_math import eager_reference, visible_with_sinks
 
 

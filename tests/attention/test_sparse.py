@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import qkv
 from qkv.attention import sparse
-from qkv.attention.tiled.tiles import Tile
+from qkv.attention.tiles import Tile
 
 
 def definition(pattern, i: int, j: int, L_k: int) -> bool:

@@ -20,7 +20,12 @@ from types import ModuleType
 import torch
 
 from qkv.attention import reference, sdpa
-from qkv.attention.request import AttentionRequest, make_request, request_key
+from qkv.attention.request import (
+    AttentionRequest,
+    check_row_lengths,
+    make_request,
+    request_key,
+)
 from qkv.attention.sparse import SparsePattern
 
 # Fastest first: `auto` walks this order. Later backends (tiled, triton) register themselves.
@@ -52,6 +57,8 @@ def attention(
     softcap: float | None = None,
     score_mod: Callable | None = None,
     pattern: SparsePattern | None = None,
+    lengths: torch.Tensor | None = None,
+    query_lengths: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
     backend: str = "auto",
@@ -81,6 +88,12 @@ def attention(
             windows, dilated and strided heads, global tokens, BigBird's random blocks, and
             their unions), intersected with everything else; the tiled backend computes only
             the blocks it leaves visible. Needs L_q <= L_k.
+        lengths: (B,) integers, the real keys of each batch row (keys past them are padding):
+            padding without a mask tensor.
+        query_lengths: (B,) integers, the real queries of each row (later ones are padding
+            and get output 0). Given, causal and windows align each row on its own, its last
+            real query with its last real key (FlashAttention's varlen rule); without it, they
+            align the padded L_q with the padded L_k.
         dropout_p: dropout on the attention weights, applied whenever > 0: modules pass 0 in
             eval mode (as with `F.scaled_dot_product_attention`).
         return_weights: also return the weights (B, H, L_q, L_k) that multiplied V.
@@ -110,6 +123,8 @@ def attention(
         "softcap": softcap,
         "score_mod": score_mod,
         "pattern": pattern,
+        "lengths": lengths,
+        "query_lengths": query_lengths,
     }
     if isinstance(backend, str) and backend == "auto":
         request, chosen = _auto_request(q, k, v, options)
@@ -138,6 +153,8 @@ def explain(
     softcap: float | None = None,
     score_mod: Callable | None = None,
     pattern: SparsePattern | None = None,
+    lengths: torch.Tensor | None = None,
+    query_lengths: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
     backend: str = "auto",
@@ -159,6 +176,8 @@ def explain(
         softcap=softcap,
         score_mod=score_mod,
         pattern=pattern,
+        lengths=lengths,
+        query_lengths=query_lengths,
     )
     chosen = _choose(request, backend)
     how = "named explicitly" if backend != "auto" else "the fastest backend that serves this call"
@@ -196,6 +215,8 @@ _DEFAULT_OPTIONS = {
     "softcap": None,
     "score_mod": None,
     "pattern": None,
+    "lengths": None,
+    "query_lengths": None,
 }
 
 
@@ -242,7 +263,9 @@ def _auto_request(
         chosen, checked = known  # scale, window, ... as make_request normalised them
         slopes = options["alibi_slopes"]
         slopes = {"alibi_slopes": None if slopes is None else slopes.detach()}
-        return AttentionRequest(q=q, k=k, v=v, **{**options, **checked, **slopes}), chosen
+        rows = check_row_lengths(options["lengths"], options["query_lengths"], q, k, None)
+        request = AttentionRequest(q=q, k=k, v=v, **{**options, **checked, **slopes, **rows})
+        return request, chosen
     request = make_request(q, k, v, **options)
     chosen = _choose(request, "auto")
     if key is not None:

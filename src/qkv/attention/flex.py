@@ -2,7 +2,7 @@
 
 FlexAttention fuses attention around two user functions, and qkv's options map onto them:
 - causal, window and sinks -> `mask_mod(b, h, q_idx, k_idx) -> bool` and a BlockMask: qkv's
-  tile rule (`qkv.attention.tiled.tiles.TilePlan`, the interval arithmetic of the tiled
+  tile rule (`qkv.attention.tiles.TilePlan`, the interval arithmetic of the tiled
   backend) marks each 128 x 128 block hidden (skipped), whole (no mask_mod) or partial, with no
   pass over an L_q x L_k grid. Cached per pattern and shape.
 - soft-capping, bias and float mask, ALiBi, `score_mod`, then a dense bool mask (as -inf) ->
@@ -28,7 +28,7 @@ import torch
 from qkv import capabilities
 from qkv.attention import masks
 from qkv.attention.request import AttentionRequest
-from qkv.attention.tiled.tiles import TilePlan
+from qkv.attention.tiles import TilePlan
 
 name = "flex"
 summary = "PyTorch's FlexAttention, compiled: qkv's patterns as score_mod + BlockMask"
@@ -49,6 +49,8 @@ def why_not(request: AttentionRequest) -> str | None:
         return "it returns no weights"
     if request.dropout_p > 0.0:
         return "it has no dropout"
+    if request.lengths is not None or request.query_lengths is not None:
+        return "per-row lengths are not turned into its BlockMask"
     device = request.q.device.type
     if device not in ("cpu", "cuda"):
         return f"it runs on CPU and CUDA tensors, not {device}"

@@ -15,6 +15,7 @@ import torch
 
 from qkv.attention import masks
 from qkv.attention.sparse import SparsePattern, dense_mask
+from qkv.attention.tiles import TilePlan
 
 
 @dataclass(frozen=True)
@@ -26,15 +27,18 @@ class AttentionRequest:
     (B, H, L_q, L_k). bias: additive float, same shapes. window: (left, right) key counts.
     sinks: first keys visible on top of the window. alibi_slopes: (H,) float. softcap: > 0.
     score_mod: f(score, batch, head, q_idx, k_idx) -> score. pattern: a sparse pattern
-    (qkv.attention.sparse), intersected with the rest; L_q <= L_k.
+    (qkv.attention.sparse), intersected with the rest; L_q <= L_k. lengths: real keys per batch
+    row (the rest is padding); query_lengths: real queries per row, whose presence aligns each
+    row on its own: i' = i + lengths[b] - query_lengths[b] (both tuples of ints).
 
     The score of query i and key j, in this order (every backend computes this):
         s = scale * q_i . k_j                            (fp32 at least)
         s = softcap * tanh(s / softcap)                  (Gemma 2), if softcap
         s = s + bias + float mask - slope_h * |i' - j|   (ALiBi), each if given
         s = score_mod(s, b, h, i, j)                     (FlexAttention's signature), if given
-        s = -inf where causal, window (with sinks), a pattern or a bool mask hides key j
-    with i' = i + L_k - L_q, the query aligned bottom-right; score_mod gets the raw index i.
+        s = -inf where causal, window (with sinks), a pattern, a bool mask or padding hides j
+    with i' = i + L_k - L_q, the query aligned bottom-right (per row with query_lengths);
+    score_mod gets the raw index i.
     """
 
     q: torch.Tensor
@@ -52,6 +56,8 @@ class AttentionRequest:
     softcap: float | None = None
     score_mod: Callable | None = None
     pattern: SparsePattern | None = None
+    lengths: tuple[int, ...] | None = None
+    query_lengths: tuple[int, ...] | None = None
 
     @property
     def batch(self) -> int:
@@ -98,6 +104,8 @@ class AttentionRequest:
         if key is not None:
             return structural_visibility(*key)
         sinks = self.sinks if self.window is not None else 0
+        if self.lengths is not None or self.query_lengths is not None:
+            return self.row_visibility()
         return _structure(
             self.query_len, self.key_len, self.causal, self.window, sinks, self.q.device,
             self.pattern,
@@ -108,7 +116,8 @@ class AttentionRequest:
         on; None where it is not to be cached (traced lengths, over MAX_CACHED_SCORES, no
         structure)."""
         structured = self.causal or self.window is not None or self.pattern is not None
-        if torch.compiler.is_compiling() or not structured:
+        per_row = self.lengths is not None or self.query_lengths is not None
+        if torch.compiler.is_compiling() or not structured or per_row:
             return None
         if self.query_len * self.key_len > MAX_CACHED_SCORES:
             return None
@@ -117,6 +126,20 @@ class AttentionRequest:
             self.query_len, self.key_len, self.causal, self.window, sinks, self.q.device,
             self.pattern,
         )  # fmt: skip
+
+    def row_visibility(self) -> torch.Tensor:
+        """Bool (B, 1, L_q, L_k) of a call with per-row lengths: the tiled backend's rule
+        (`TilePlan.visible`), row by row."""
+        plan = TilePlan(
+            query_len=self.query_len, key_len=self.key_len, block_q=1, block_k=1,
+            causal=self.causal, window=self.window,
+            sinks=self.sinks if self.window is not None else 0, lengths=self.lengths,
+            has_dense_mask=False, pattern=self.pattern, query_lengths=self.query_lengths,
+        )  # fmt: skip
+        device = self.q.device
+        visible = plan.visible(torch.arange(self.query_len, device=device),
+                               torch.arange(self.key_len, device=device))  # fmt: skip
+        return visible.expand(self.batch, 1, self.query_len, self.key_len)
 
     def allowed(self) -> torch.Tensor | None:
         """Every boolean constraint at once (causal, window, bool mask), broadcastable, or None."""
@@ -222,6 +245,8 @@ def make_request(
     softcap: float | None = None,
     score_mod: Callable | None = None,
     pattern: SparsePattern | None = None,
+    lengths: torch.Tensor | None = None,
+    query_lengths: torch.Tensor | None = None,
 ) -> AttentionRequest:
     """Check every argument of `qkv.attention` and bundle them into an `AttentionRequest`."""
     _check_qkv(q, k, v)
@@ -250,6 +275,7 @@ def make_request(
         softcap=check_softcap(softcap),
         score_mod=check_callable("score_mod", score_mod),
         pattern=check_pattern(pattern, q.shape[2], k.shape[2]),
+        **check_row_lengths(lengths, query_lengths, q, k, pattern),
     )
 
 
@@ -270,6 +296,8 @@ def request_key(
     softcap: float | None = None,
     score_mod: Callable | None = None,
     pattern: SparsePattern | None = None,
+    lengths: torch.Tensor | None = None,
+    query_lengths: torch.Tensor | None = None,
 ) -> tuple | None:
     """Everything `make_request` checks, as a hashable key; None for a call it cannot describe.
 
@@ -282,7 +310,9 @@ def request_key(
     gradients (FlexAttention has no backward on the CPU).
     """
     try:
-        tensors = tuple(_tensor_key(t) for t in (q, k, v, mask, bias, alibi_slopes))
+        tensors = tuple(
+            _tensor_key(t) for t in (q, k, v, mask, bias, alibi_slopes, lengths, query_lengths)
+        )
         options = tuple(
             _option_key(o)
             for o in (causal, scale, window, dropout_p, return_weights, sinks, softcap)
@@ -483,15 +513,38 @@ def _check_dropout(dropout_p: float) -> float:
     return float(dropout_p)
 
 
-def check_lengths(lengths, batch: int, key_len: int) -> tuple[int, ...] | None:
-    """Valid keys per batch row, (B,) integers in [0, L_k], as Python ints (one host sync)."""
+def check_lengths(
+    lengths, batch: int, key_len: int, name: str = "lengths", axis: str = "L_k"
+) -> tuple[int, ...] | None:
+    """Valid keys (or queries) per batch row, (B,) integers in [0, L_k], as Python ints (one
+    host sync); a tuple of ints (already on the host) is taken as it is, once checked."""
     if lengths is None:
         return None
-    if not isinstance(lengths, torch.Tensor) or lengths.shape != (batch,):
-        raise ValueError(f"lengths: expected a tensor of shape ({batch},), got {lengths!r}")
-    if lengths.is_floating_point() or lengths.dtype == torch.bool:
-        raise TypeError(f"lengths: expected an integer tensor, got dtype {lengths.dtype}")
-    values = tuple(int(n) for n in lengths.tolist())
+    if isinstance(lengths, tuple) and all(type(n) is int for n in lengths):
+        values = lengths
+    else:
+        if not isinstance(lengths, torch.Tensor) or lengths.shape != (batch,):
+            raise ValueError(f"{name}: expected a tensor of shape ({batch},), got {lengths!r}")
+        if lengths.is_floating_point() or lengths.dtype == torch.bool:
+            raise TypeError(f"{name}: expected an integer tensor, got dtype {lengths.dtype}")
+        values = tuple(int(n) for n in lengths.tolist())
+    if len(values) != batch:
+        raise ValueError(f"{name}: expected {batch} values, one per batch row, got {values}")
     if any(n < 0 or n > key_len for n in values):
-        raise ValueError(f"lengths: expected values in [0, L_k={key_len}], got {list(values)}")
+        raise ValueError(f"{name}: expected values in [0, {axis}={key_len}], got {list(values)}")
     return values
+
+
+def check_row_lengths(lengths, query_lengths, q, k, pattern) -> dict:
+    """{"lengths": ..., "query_lengths": ...} as tuples of ints, checked."""
+    if query_lengths is not None and pattern is not None:
+        raise ValueError(
+            "query_lengths: not supported with a pattern (which aligns the whole call); for "
+            "sequences of their own lengths use pattern=qkv.sparse.Packed.from_lengths(...)"
+        )
+    return {
+        "lengths": check_lengths(lengths, q.shape[0], k.shape[2]),
+        "query_lengths": check_lengths(
+            query_lengths, q.shape[0], q.shape[2], "query_lengths", "L_q"
+        ),  # fmt: skip
+    }

@@ -67,6 +67,8 @@ def notes(request: AttentionRequest) -> list[str]:
         out.append("ALiBi: a dense (1, H, L_q, L_k) bias built from the slopes")
     if request.pattern is not None:
         out.append("sparse pattern: an explicit (L_q, L_k) mask; every score is computed")
+    if request.lengths is not None or request.query_lengths is not None:
+        out.append("per-row lengths: an explicit (B, 1, L_q, L_k) mask")
     if _needs_mask(request):
         out.append(
             "rows with no visible key are unmasked for the kernel and their output zeroed "
@@ -165,6 +167,8 @@ def _needs_mask(request: AttentionRequest) -> bool:
         and request.window is None
         and request.alibi_slopes is None
         and request.pattern is None
+        and request.lengths is None
+        and request.query_lengths is None
     )
     causal_free = not request.causal or _plain_causal(request) or _sees_every_key(request)
     return not (structural_only and causal_free)

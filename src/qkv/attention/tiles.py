@@ -5,7 +5,9 @@ interval arithmetic on the block bounds, whether the tile is entirely hidden (sk
 windowed attention then cost work proportional to what is visible), entirely visible (no mask at
 all), or partly visible (build the small (bq, bk) mask from index arithmetic).
 
-Visibility of key j from query i (positions aligned bottom-right: i' = i + L_k - L_q):
+Visibility of key j from query i (positions aligned bottom-right: i' = i + L_k - L_q; with
+per-row query lengths, row b aligns its own: i' = i + lengths[b] - query_lengths[b], and its
+queries from query_lengths[b] on are padding, seeing nothing):
     structural(i', j) = [not causal or j <= i'] and [i' - left <= j <= i' + right]   (window)
     sink(i', j)       = j < sinks and j <= i' + future      (StreamingLLM: the first keys stay)
     visible           = (structural or sink) and j < lengths[b] and dense_mask[b, h, i, j]
@@ -46,11 +48,27 @@ class TilePlan:
     lengths: tuple[int, ...] | None  # valid keys per batch row, as Python ints (one host sync)
     has_dense_mask: bool
     pattern: SparsePattern | None = None  # intersected with the rest
+    query_lengths: tuple[int, ...] | None = None  # real queries per row: per-row alignment
 
     @property
     def shift(self) -> int:
         """Query i sits at key position i + shift (bottom-right alignment)."""
         return self.key_len - self.query_len
+
+    def row_shifts(self) -> tuple[int, ...] | None:
+        """Each row's shift when rows align their own last query with their own last key (with
+        query_lengths), else None: one shift for every row."""
+        if self.query_lengths is None:
+            return None
+        keys = (
+            self.lengths if self.lengths is not None else (self.key_len,) * len(self.query_lengths)
+        )
+        return tuple(k - q for q, k in zip(self.query_lengths, keys, strict=True))
+
+    def shift_range(self) -> tuple[int, int]:
+        """The smallest and largest shift of any row: tile decisions hold for all rows."""
+        shifts = self.row_shifts()
+        return (self.shift, self.shift) if shifts is None else (min(shifts), max(shifts))
 
     @property
     def future(self) -> float:
@@ -79,9 +97,10 @@ class TilePlan:
     def grid(self, block_q: int, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(computed, whole): bool (n_q, n_k) CPU tensors over tiles of block_q x block_k: does
         any query of the tile see any of its keys; does every query see every key (no mask)."""
-        q_lo = torch.arange(0, self.query_len, block_q).view(-1, 1)  # (n_q, 1)
-        q_hi = (q_lo + block_q).clamp(max=self.query_len) - 1 + self.shift
-        q_lo = q_lo + self.shift  # aligned bottom-right
+        index_lo = torch.arange(0, self.query_len, block_q).view(-1, 1)  # (n_q, 1)
+        index_hi = (index_lo + block_q).clamp(max=self.query_len) - 1
+        lowest, highest = self.shift_range()  # aligned bottom-right: every row's positions
+        q_lo, q_hi = index_lo + lowest, index_hi + highest
         k_lo = torch.arange(0, self.key_len, block_k).view(1, -1)  # (1, n_k)
         k_hi = (k_lo + block_k).clamp(max=self.key_len) - 1
         shape = (q_lo.shape[0], k_lo.shape[1])
@@ -90,6 +109,9 @@ class TilePlan:
         if self.pattern is not None:
             some, every = self.pattern.tiles(q_lo, q_hi, k_lo, k_hi, self.key_len)
             computed, whole = computed & some, whole & every
+        if self.query_lengths is not None:  # padding queries see nothing
+            computed = computed & (index_lo < max(self.query_lengths))
+            whole = whole & (index_hi < min(self.query_lengths))
         return computed, whole & computed
 
     def hides(self, q_min, q_max, k_min, k_max):
@@ -131,11 +153,14 @@ class TilePlan:
 
     def visible(self, query_index: torch.Tensor, key_index: torch.Tensor) -> torch.Tensor:
         """Bool (B|1, 1, n_q, n_k): may query query_index[a] see key key_index[b]?"""
-        query_pos = query_index.view(-1, 1) + self.shift  # (n_q, 1), aligned bottom-right
-        key_pos = key_index.view(1, -1)  # (1, n_k)
+        device, shifts = key_index.device, self.row_shifts()
+        shift = self.shift if shifts is None else torch.tensor(shifts, device=device).view(-1, 1, 1)
+        query_pos = query_index.view(1, -1, 1) + shift  # (B|1, n_q, 1), aligned bottom-right
+        key_pos = key_index.view(1, 1, -1)  # (1, 1, n_k)
         structural = torch.ones(
-            query_pos.shape[0], key_pos.shape[1], dtype=torch.bool, device=key_pos.device
-        )
+            query_pos.shape[0], query_pos.shape[1], key_pos.shape[2], dtype=torch.bool,
+            device=device,
+        )  # fmt: skip
         if self.causal:
             structural &= key_pos <= query_pos
         if self.window is not None:
@@ -148,10 +173,13 @@ class TilePlan:
             structural |= sink
         if self.pattern is not None:
             structural &= self.pattern.visible(query_pos, key_pos, self.key_len)
-        mask = structural[None, None]  # (1, 1, n_q, n_k)
+        mask = structural[:, None]  # (B|1, 1, n_q, n_k)
         if self.lengths is not None:
-            lengths = torch.tensor(self.lengths, device=key_pos.device).view(-1, 1, 1, 1)
-            mask = mask & (key_pos.view(1, 1, 1, -1) < lengths)  # (B, 1, n_q, n_k)
+            lengths = torch.tensor(self.lengths, device=device).view(-1, 1, 1, 1)
+            mask = mask & (key_index.view(1, 1, 1, -1) < lengths)  # (B, 1, n_q, n_k)
+        if self.query_lengths is not None:
+            real = torch.tensor(self.query_lengths, device=device).view(-1, 1, 1, 1)
+            mask = mask & (query_index.view(1, 1, -1, 1) < real)  # padding queries: nothing
         return mask
 
 

@@ -2,7 +2,7 @@
 
 from qkv.attention.tiled.function import flash_attention
 from qkv.attention.tiled.kernels import TraceStep
-from qkv.attention.tiled.tiles import Tile
 from qkv.attention.tiled.weights import attention_weights
+from qkv.attention.tiles import Tile
 
 __all__ = ["Tile", "TraceStep", "attention_weights", "flash_attention"]

@@ -18,7 +18,7 @@ from qkv.attention.tiled.function import (
     PATTERN_BLOCK,
     flash_backend_call,
 )
-from qkv.attention.tiled.tiles import TilePlan
+from qkv.attention.tiles import TilePlan
 
 name = "tiled"
 summary = "FlashAttention in PyTorch: online softmax over tiles, O(L) memory, skips hidden tiles"

@@ -15,13 +15,12 @@ import torch
 from qkv.attention.request import (
     AttentionRequest,
     check_callable,
-    check_lengths,
     check_softcap,
     make_request,
 )
 from qkv.attention.sparse import SparsePattern
 from qkv.attention.tiled import kernels
-from qkv.attention.tiled.tiles import TilePlan
+from qkv.attention.tiles import TilePlan
 from qkv.validation import check_int
 
 DEFAULT_BLOCK_Q = 256
@@ -56,6 +55,7 @@ def flash_attention(
     bias: torch.Tensor | None = None,
     score_mod: kernels.ScoreMod | None = None,
     lengths: torch.Tensor | None = None,
+    query_lengths: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
     pattern: SparsePattern | None = None,
     scale: float | None = None,
@@ -83,6 +83,9 @@ def flash_attention(
             bias with broadcastable index tensors, e.g. ALiBi as
             `lambda s, b, h, i, j: s - slopes[h] * (i - j).abs()`; differentiated per tile.
         lengths: (B,) valid keys per batch row (padding without an L x L mask).
+        query_lengths: (B,) valid queries per batch row; given, causal, windows and sinks align
+            each row's last real query with its last real key (FlashAttention's varlen rule),
+            and padding queries get output 0.
         mask: an optional dense mask as in `qkv.attention` (bool, True = may attend).
         pattern: a sparse pattern (`qkv.attention.sparse`), intersected with the rest: only
             the tiles it leaves visible are computed, forward and backward (L_q <= L_k).
@@ -107,11 +110,13 @@ def flash_attention(
         dropout_p=dropout_p,
         return_weights=False,
         pattern=pattern,
+        lengths=lengths,
+        query_lengths=query_lengths,
     )
     bias = request.additive()  # a float mask is one more additive term
     mask = request.mask if request.has_bool_mask else None
     settings = Settings(
-        plan=_plan(request, sinks, lengths, block_q, block_k),
+        plan=_plan(request, sinks, block_q, block_k),
         scale=request.scale,
         softcap=check_softcap(softcap),
         score_mod=check_callable("score_mod", score_mod),
@@ -136,6 +141,8 @@ def flash_backend_call(request: AttentionRequest) -> torch.Tensor:
         bias=request.bias,
         mask=request.mask,
         pattern=request.pattern,
+        lengths=request.lengths,
+        query_lengths=request.query_lengths,
         scale=request.scale,
         dropout_p=request.dropout_p,
         sinks=request.sinks,
@@ -200,7 +207,7 @@ def _grouped(t: torch.Tensor, H: int, H_kv: int) -> torch.Tensor:
     return t.view(t.shape[0], H_kv, H // H_kv, *t.shape[2:])
 
 
-def _plan(request: AttentionRequest, sinks, lengths, block_q, block_k) -> TilePlan:
+def _plan(request: AttentionRequest, sinks, block_q, block_k) -> TilePlan:
     return TilePlan(
         query_len=request.query_len,
         key_len=request.key_len,
@@ -209,7 +216,8 @@ def _plan(request: AttentionRequest, sinks, lengths, block_q, block_k) -> TilePl
         causal=request.causal,
         window=request.window,
         sinks=check_int("sinks", sinks, minimum=0),
-        lengths=check_lengths(lengths, request.batch, request.key_len),
+        lengths=request.lengths,
+        query_lengths=request.query_lengths,
         has_dense_mask=request.has_bool_mask,  # a float mask was folded into the bias
         pattern=request.pattern,
     )

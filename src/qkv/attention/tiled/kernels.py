@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qkv.attention.tiled.tiles import Tile, TilePlan, dropout_keep
+from qkv.attention.tiles import Tile, TilePlan, dropout_keep
 
 ScoreMod = Callable[..., torch.Tensor]
 LOG2_E = math.log2(math.e)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from qkv.attention.request import make_request
-from qkv.attention.tiled.tiles import TilePlan
+from qkv.attention.tiles import TilePlan
 
 
 def attention_weights(

@@ -37,6 +37,8 @@ def why_not(request: AttentionRequest) -> str | None:
         )
     if request.dropout_p > 0:
         return "it has no dropout"
+    if request.query_lengths is not None:
+        return "its queries align with the padded key length (it takes no query_lengths)"
     if request.modifies_scores:
         return "it has no soft-cap or score_mod"
     return unsupported(request.q, request.v)
@@ -69,6 +71,7 @@ def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:
         sinks=request.sinks,
         alibi_slopes=request.alibi_slopes,
         pattern=request.pattern,
+        lengths=request.lengths,
         scale=request.scale,
     )
     return output, None

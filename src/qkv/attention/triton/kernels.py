@@ -15,7 +15,7 @@ block accumulates dK and dV over every query head of its group and every visible
 and one program per query block accumulates dQ over the visible key blocks, so no atomics.
 
 Visibility of key j from query i, with i' = i + L_k - L_q (bottom-right alignment), matches
-`qkv.attention.tiled.tiles`: ([j <= i'] if causal) and (i' - left <= j <= i' + right if a
+`qkv.attention.tiles`: ([j <= i'] if causal) and (i' - left <= j <= i' + right if a
 window), or (j < sinks and j <= i' + future); and always j < length[b].
 
 With a sparse pattern (`SPARSE`, qkv.attention.sparse), the blocks to visit come from lists

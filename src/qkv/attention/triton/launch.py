@@ -16,7 +16,7 @@ import torch
 import triton
 
 from qkv.attention.sparse import SparsePattern
-from qkv.attention.tiled.tiles import TilePlan
+from qkv.attention.tiles import TilePlan
 from qkv.attention.triton import kernels
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
