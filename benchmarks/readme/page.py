@@ -17,6 +17,7 @@ from .decode_batch import decode_batch_section
 from .flash import FLASH_FILES, WINDOW, flash_section, merged_flash_rows
 from .format import dtype_name, dtype_rank, get, num, prose, span
 from .gpu import gpu_section
+from .linear import linear_section
 from .machine import machine_table
 from .models import MODELS_FILES, default_ratios, models_section
 from .patterns import PATTERN_FILES, patterns_section
@@ -37,6 +38,7 @@ KNOWN = (
     "decode",
     "decode_batch",
     "sparse",
+    "linear",
 )
 
 
@@ -162,6 +164,8 @@ def render(results_dir: Path = RESULTS) -> str:
         sections.append(flash_section(results))
     if "sparse" in results:
         sections.append(sparse_section(results["sparse"]))
+    if "linear" in results:
+        sections.append(linear_section(results["linear"]))
     sections.append(gpu_section(results.get("flash_gpu")))
     sections.append(models_section(results))
     if "decode" in results:
