@@ -15,7 +15,8 @@ def test_a_hook_sees_what_attention_receives_and_goes_away_when_removed():
     x = torch.randn(2, 5, 32)
     seen = []
 
-    def hook(module, q, k, *, mask, causal, window, bias, cross):
+    def hook(module, q, k, *, mask, causal, window, bias, cross, pattern):
+        assert pattern is None
         seen.append((module, q, k, mask, causal, window, bias, cross))
 
     handle = layer.register_attention_hook(hook)

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from qkv.attention import attention
+from qkv.attention.sparse import SparsePattern
 from qkv.layers import torch_interop
 from qkv.layers.kv_cache import CrossAttentionCache, LayerCache
 from qkv.layers.linear import Linear
@@ -103,12 +104,12 @@ class MultiHeadAttention(nn.Module):
         self._attention_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
 
     def register_attention_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        """Call `hook(module, q, k, *, mask, causal, window, bias, cross)` before each attention
-        this layer computes, as `nn.Module.register_forward_hook` does around its forward:
-        q (B, H, L_q, D) and k (B, H_kv, L_k, D) as attention receives them (after RoPE, over
-        the whole cache when decoding), the mask, causal and window of the call, the ALiBi
-        bias (or None), and whether it is cross-attention. Returns a handle whose `remove()`
-        unregisters the hook."""
+        """Call `hook(module, q, k, *, mask, causal, window, bias, cross, pattern)` before each
+        attention this layer computes, as `nn.Module.register_forward_hook` does around its
+        forward: q (B, H, L_q, D) and k (B, H_kv, L_k, D) as attention receives them (after
+        RoPE, over the whole cache when decoding), the mask, causal and window of the call, the
+        ALiBi bias (or None), whether it is cross-attention, and the call's sparse pattern (or
+        None). Returns a handle whose `remove()` unregisters the hook."""
         if not callable(hook):
             raise TypeError(f"hook: expected a callable, got {type(hook).__name__}")
         handle = RemovableHandle(self._attention_hooks)
@@ -126,6 +127,7 @@ class MultiHeadAttention(nn.Module):
         positions: torch.Tensor | None = None,
         return_weights: bool = False,
         cache: LayerCache | CrossAttentionCache | None = None,
+        pattern: SparsePattern | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend from `x` (B, L_q, E) to itself, or to `context` (B, L_k, context_dim).
 
@@ -137,6 +139,7 @@ class MultiHeadAttention(nn.Module):
         values into a `LayerCache` and attends over everything cached (x holds only the new
         tokens); cross-attention computes the context's keys and values once into a
         `CrossAttentionCache`.
+        pattern: a sparse pattern (`qkv.sparse`), e.g. `Packed` for sequences packed along L.
 
         Returns the output (B, L_q, E), or (output, weights (B, H, L_q, L_k)) if return_weights;
         the weights are computed only then (`qkv.attention` then picks a backend that has them).
@@ -167,7 +170,8 @@ class MultiHeadAttention(nn.Module):
         if self._attention_hooks:  # they see the post-RoPE q and k of every call, cached or not
             cross = context is not None
             for hook in list(self._attention_hooks.values()):
-                hook(self, q, k, mask=mask, causal=causal, window=window, bias=bias, cross=cross)
+                hook(self, q, k, mask=mask, causal=causal, window=window, bias=bias, cross=cross,
+                     pattern=pattern)  # fmt: skip
         attend = attention if self.attention is None else self.attention
         result = attend(
             q,
@@ -180,6 +184,7 @@ class MultiHeadAttention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             return_weights=return_weights,
             backend=self.backend,
+            **({} if pattern is None else {"pattern": pattern}),
         )
         output, weights = result if return_weights else (result, None)
         output = output.transpose(1, 2).reshape(B, L_q, H * D)  # (B, L_q, H * D): concat heads

@@ -22,10 +22,13 @@ window masks bottom-right for L_q < L_k, which is exactly the decoding case.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qkv.attention.sparse import Packed, SparsePattern
 from qkv.layers import FeedForward, LayerNorm, MultiHeadAttention, RMSNorm, SwiGLU, pre_norm
 from qkv.layers._dropout import make_dropout
 from qkv.layers.kv_cache import LayerCache, SinkKVCache, StaticKVCache
@@ -111,15 +114,18 @@ class GPTBlock(nn.Module):
         mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         cache: LayerCache | None = None,
+        pattern: SparsePattern | None = None,
     ) -> torch.Tensor:
         """x (B, L, E) -> (B, L, E). mask: a qkv key mask (B, 1, 1, L_k), True = real token.
         positions: (L,) or (B, L) for RoPE; None means 0 .. L - 1. cache: this layer's KV
-        cache when decoding (x then holds only the new tokens)."""
+        cache when decoding (x then holds only the new tokens). pattern: a sparse pattern
+        (`qkv.sparse.Packed` for sequences packed along L), intersected with causal."""
 
         def attend(h: torch.Tensor) -> torch.Tensor:
             return self.self_attn(
-                h, mask=mask, causal=True, window=self.window, positions=positions, cache=cache
-            )
+                h, mask=mask, causal=True, window=self.window, positions=positions, cache=cache,
+                pattern=pattern,
+            )  # fmt: skip
 
         x = pre_norm(x, attend, self.attn_norm, self.dropout)
         return pre_norm(x, self.ffn, self.ffn_norm, self.dropout)
@@ -183,6 +189,7 @@ class GPT(PretrainedIO, nn.Module):
         *,
         logits_to_keep: int | None = None,
         check_ids: bool = True,
+        sequence_lengths: Sequence[int] | None = None,
     ) -> CausalLMOutput:
         """Next-token logits for every position.
 
@@ -199,6 +206,10 @@ class GPT(PretrainedIO, nn.Module):
         check_ids: False skips checking that input_ids lie in [0, V), which reads their min and
         max back to the host: a synchronisation per call. `qkv.generate` checks the prompt and
         passes False for the tokens it chose itself, which are in range by construction.
+        sequence_lengths: several sequences packed along L without padding (their lengths sum
+            to L): each attends only to itself (`qkv.sparse.Packed`: tiles across sequences
+            are skipped), positions restart at 0 for each (unless position_ids are given), and
+            no loss is taken on a sequence's first token predicted from the one before it.
 
         Returns CausalLMOutput(logits (B, L, V), loss (mean next-token cross-entropy) or None,
         last_hidden_state (B, L, E) after the final norm).
@@ -207,6 +218,9 @@ class GPT(PretrainedIO, nn.Module):
         mask = _key_mask(attention_mask, B, L + (0 if cache is None else cache.length))
         _check_labels(labels, B, L, logits_to_keep)
         _check_position_ids(position_ids, B, L)
+        pattern, position_ids, labels = _packed(
+            sequence_lengths, L, cache, position_ids, labels, input_ids.device
+        )
         x = self.token_embedding(input_ids)  # (B, L, E)
         rope_positions = position_ids
         if self.position_embedding is not None:
@@ -218,7 +232,7 @@ class GPT(PretrainedIO, nn.Module):
         x = self.dropout(x)
         for index, block in enumerate(self.blocks):
             layer_cache = None if cache is None else cache.layer(index)
-            x = block(x, mask=mask, positions=rope_positions, cache=layer_cache)
+            x = block(x, mask=mask, positions=rope_positions, cache=layer_cache, pattern=pattern)
         if cache is not None:
             cache.advance(L)
         hidden = self.final_norm(x)  # (B, L, E)
@@ -226,6 +240,29 @@ class GPT(PretrainedIO, nn.Module):
         logits = self.lm_head(kept)  # (B, L, V), or (B, n, V)
         loss = None if labels is None else next_token_loss(logits, labels)
         return CausalLMOutput(logits=logits, loss=loss, last_hidden_state=hidden)
+
+
+def _packed(sequence_lengths, L: int, cache, position_ids, labels, device):
+    """(pattern, position_ids, labels) of a packed call (see GPT.forward), or the given ones."""
+    if sequence_lengths is None:
+        return None, position_ids, labels
+    if cache is not None:
+        raise ValueError("sequence_lengths: packed sequences are for training and scoring; "
+                         "expected cache=None")  # fmt: skip
+    pattern = Packed.from_lengths(sequence_lengths)
+    if pattern.query_offsets[-1] != L:
+        raise ValueError(
+            f"sequence_lengths: {list(sequence_lengths)} sum to {pattern.query_offsets[-1]}, "
+            f"expected the packed length L={L}"
+        )
+    starts = torch.tensor(pattern.query_offsets[:-1], device=device)
+    if position_ids is None:  # 0 .. n_s - 1 in each sequence
+        index = torch.arange(L, device=device)
+        position_ids = index - starts[torch.bucketize(index, starts, right=True) - 1]
+    if labels is not None:  # a sequence's first token is not predicted from the one before
+        labels = labels.clone()
+        labels[:, starts[1:]] = IGNORE_INDEX
+    return pattern, position_ids, labels
 
 
 def _check_input_ids(

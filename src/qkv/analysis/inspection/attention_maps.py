@@ -32,6 +32,7 @@ from torch import nn
 
 from qkv.attention import attention_weights
 from qkv.attention.request import make_request
+from qkv.attention.sparse import SparsePattern
 from qkv.layers.attention import MultiHeadAttention
 
 __all__ = [
@@ -156,20 +157,21 @@ def attention_map(
     window: int | tuple[int, int] | None = None,
     bias: torch.Tensor | None = None,
     scale: float | None = None,
+    pattern: SparsePattern | None = None,
 ) -> torch.Tensor:
     """Exact weights (B, len(heads), len(rows), L_k), float32, of `qkv.attention(q, k, v, ...)`.
 
     q: (B, H, L_q, D), k: (B, H_kv, L_k, D) (GQA: each query head reads its group's K head);
-    mask, causal, window, bias, scale as in `qkv.attention`. No log-sum-exp is needed: each row
-    is shifted by an upper bound of its scores (max_j q_i . k_j * scale plus the largest additive
-    term), exponentiated in float64 by `qkv.attention_weights` (which applies the masking) and
-    normalised, so nothing overflows and the result is softmax(s_i) to float64 rounding. (A row
-    whose visible scores all lie over 700 below that bound, which only finite -1e9-style masks
-    on every visible key produce, would read as empty and get 0.)
+    mask, causal, window, bias, scale, pattern as in `qkv.attention`. No log-sum-exp is needed:
+    each row is shifted by an upper bound of its scores (max_j q_i . k_j * scale plus the
+    largest additive term), exponentiated in float64 by `qkv.attention_weights` (which applies
+    the masking) and normalised, so nothing overflows and the result is softmax(s_i) to float64
+    rounding. (A row whose visible scores all lie over 700 below that bound, which only finite
+    -1e9-style masks on every visible key produce, would read as empty and get 0.)
     """
     request = make_request(
         q, k, k, mask=mask, causal=causal, scale=scale, bias=bias, window=window, dropout_p=0.0,
-        return_weights=True,
+        return_weights=True, pattern=pattern,
     )  # fmt: skip
     B, H, L_q, _ = q.shape
     L_k = k.shape[2]
@@ -184,6 +186,7 @@ def attention_map(
             "causal": causal,
             "window": window,
             "scale": request.scale,
+            "pattern": pattern,
         }
         headroom = _largest_additive(masking["mask"], masking["bias"])
         weights = q.new_empty(B, len(head_index), len(row_index), L_k, dtype=torch.float32)
@@ -217,12 +220,12 @@ class _Observer:
         self.recording, self.path, self.name = recording, path, display_name(path)
         self.heads, self.rows, self.calls = heads, rows, 0
 
-    def __call__(self, module, q, k, *, mask, causal, window, bias, cross) -> None:
+    def __call__(self, module, q, k, *, mask, causal, window, bias, cross, pattern) -> None:
         head_index = _indices("heads", self.heads, q.shape[1])
         row_index = _indices("rows", self.rows, q.shape[2])
         weights = attention_map(
             q, k, heads=head_index, rows=row_index, mask=mask, causal=causal, window=window,
-            bias=bias,
+            bias=bias, pattern=pattern,
         )  # fmt: skip
         self.recording.maps.append(
             AttentionMap(

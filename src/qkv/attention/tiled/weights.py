@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from qkv.attention.request import make_request
+from qkv.attention.sparse import SparsePattern
 from qkv.attention.tiles import TilePlan
 
 
@@ -29,6 +30,7 @@ def attention_weights(
     mask: torch.Tensor | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    pattern: SparsePattern | None = None,
 ) -> torch.Tensor:
     """Probabilities (B, len(heads), len(rows), L_k) of the selected heads and query rows.
 
@@ -47,6 +49,7 @@ def attention_weights(
         window=window,
         dropout_p=0.0,
         return_weights=False,
+        pattern=pattern,
     )
     B, H, L_q, _ = q.shape
     if lse.shape != (B, H, L_q):
