@@ -18,6 +18,7 @@ from .flash import FLASH_FILES, WINDOW, flash_section, merged_flash_rows
 from .format import dtype_name, dtype_rank, get, num, prose, span
 from .gpu import gpu_section
 from .linear import linear_section
+from .long_documents import long_documents_section
 from .machine import machine_table
 from .models import MODELS_FILES, default_ratios, models_section
 from .patterns import PATTERN_FILES, patterns_section
@@ -39,6 +40,7 @@ KNOWN = (
     "decode_batch",
     "sparse",
     "linear",
+    "long_documents",
 )
 
 
@@ -166,6 +168,8 @@ def render(results_dir: Path = RESULTS) -> str:
         sections.append(sparse_section(results["sparse"]))
     if "linear" in results:
         sections.append(linear_section(results["linear"]))
+    if "long_documents" in results:
+        sections.append(long_documents_section(results["long_documents"]))
     sections.append(gpu_section(results.get("flash_gpu")))
     sections.append(models_section(results))
     if "decode" in results:

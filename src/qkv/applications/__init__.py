@@ -7,6 +7,14 @@
 """
 
 from qkv.applications.embed import SentenceEncoder, embed
+from qkv.applications.hierarchical import (
+    CHUNK_POOLINGS,
+    DOCUMENT_POOLINGS,
+    AttentionPooling,
+    HierarchicalClassifier,
+    HierarchicalEncoder,
+    group_chunks,
+)
 from qkv.applications.long_text import (
     AGGREGATIONS,
     Windows,
@@ -23,6 +31,11 @@ from qkv.applications.long_text import (
 
 __all__ = [
     "AGGREGATIONS",
+    "CHUNK_POOLINGS",
+    "DOCUMENT_POOLINGS",
+    "AttentionPooling",
+    "HierarchicalClassifier",
+    "HierarchicalEncoder",
     "SentenceEncoder",
     "Windows",
     "aggregate_windows",
@@ -34,5 +47,6 @@ __all__ = [
     "embed",
     "embed_long",
     "embed_long_texts",
+    "group_chunks",
     "truncate_ids",
 ]
