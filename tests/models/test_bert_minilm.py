@@ -83,3 +83,27 @@ def test_float64_matches_transformers_in_float64(models, padded_batch):
         torch.testing.assert_close(got, want.last_hidden_state, rtol=0, atol=1e-10)
     finally:
         ours.float(), theirs.float()
+
+
+def test_packed_inputs_equal_transformers_on_each_input_alone(models, padded_batch):
+    """The three inputs packed one after the other without padding (`sequence_lengths`):
+    every token's state and every [CLS] pooling equal transformers' run of that input alone."""
+    ours, theirs = models
+    ids, mask, segments = padded_batch
+    lengths = [23, 11, 4]
+    packed_ids = torch.cat([ids[b, :n] for b, n in enumerate(lengths)])[None]  # (1, 38)
+    packed_segments = torch.cat([segments[b, :n] for b, n in enumerate(lengths)])[None]
+    with torch.no_grad():
+        packed = ours(packed_ids, token_type_ids=packed_segments, sequence_lengths=lengths)
+        start = 0
+        for b, n in enumerate(lengths):
+            alone = theirs(ids[b : b + 1, :n], token_type_ids=segments[b : b + 1, :n])
+            torch.testing.assert_close(
+                packed.last_hidden_state[:, start : start + n], alone.last_hidden_state,
+                atol=2e-5, rtol=2e-5,
+            )  # fmt: skip
+            torch.testing.assert_close(packed.pooler_output[:, b], alone.pooler_output,
+                                       atol=2e-5, rtol=2e-5)  # fmt: skip
+            start += n
+    with pytest.raises(ValueError, match="attention_mask: packed inputs"):
+        ours(packed_ids, attention_mask=torch.ones_like(packed_ids), sequence_lengths=lengths)

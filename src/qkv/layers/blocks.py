@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from qkv.attention.sparse import SparsePattern
 from qkv.layers import torch_interop
 from qkv.layers._dropout import make_dropout
 from qkv.layers.attention import MultiHeadAttention
@@ -86,12 +87,20 @@ class EncoderBlock(nn.Module):
         self.residual = pre_norm if norm_first else post_norm
 
     def forward(
-        self, x: torch.Tensor, *, mask: torch.Tensor | None = None, causal: bool = False
+        self,
+        x: torch.Tensor,
+        *,
+        mask: torch.Tensor | None = None,
+        causal: bool = False,
+        pattern: SparsePattern | None = None,
     ) -> torch.Tensor:
-        """x (B, L, E) -> (B, L, E). mask: a qkv mask (True = may attend), e.g. padding."""
-        x = self.residual(
-            x, lambda h: self.self_attn(h, mask=mask, causal=causal), self.norm1, self.dropout
-        )
+        """x (B, L, E) -> (B, L, E). mask: a qkv mask (True = may attend), e.g. padding.
+        pattern: a sparse pattern (`qkv.sparse`), e.g. `Packed` for sequences packed along L."""
+
+        def attend(h: torch.Tensor) -> torch.Tensor:
+            return self.self_attn(h, mask=mask, causal=causal, pattern=pattern)
+
+        x = self.residual(x, attend, self.norm1, self.dropout)
         return self.residual(x, self.ffn, self.norm2, self.dropout)
 
     @classmethod

@@ -17,9 +17,12 @@ The pre-training and classification heads live in `qkv.models.bert_heads`; check
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
+from qkv.attention.sparse import Packed
 from qkv.layers import EncoderBlock, LayerNorm
 from qkv.layers._dropout import make_dropout
 from qkv.layers.linear import Linear
@@ -49,9 +52,15 @@ class BertEmbeddings(nn.Module):
         self.norm = LayerNorm(E, eps=config.norm_eps)
         self.dropout = make_dropout(config.dropout)
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids, token_type_ids (B, L) -> (B, L, E)."""
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)  # (L,)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids, token_type_ids (B, L) -> (B, L, E); positions (L,), default 0 .. L - 1."""
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)  # (L,)
         x = self.token_embedding(input_ids) + self.segment_embedding(token_type_ids)  # (B, L, E)
         x = x + self.position_embedding(positions)  # (B, L, E) + (L, E)
         return self.dropout(self.norm(x))
@@ -119,23 +128,32 @@ class BertModel(PretrainedIO, nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
+        *,
+        sequence_lengths: Sequence[int] | None = None,
     ) -> EncoderOutput:
         """input_ids (B, L) token ids; attention_mask (B, L), 1/True on real tokens and 0/False
         on padding (the polarity of `qkv.masks`); token_type_ids (B, L) segment ids, default 0.
+        sequence_lengths: several inputs packed along L without padding (lengths summing to L,
+        each at most max_positions): each attends only to itself (`qkv.sparse.Packed`) and its
+        positions restart at 0.
 
-        Returns EncoderOutput(last_hidden_state (B, L, E), pooler_output (B, E)).
+        Returns EncoderOutput(last_hidden_state (B, L, E), pooler_output (B, E) from the
+        [CLS] position; (B, S, E) with sequence_lengths, one per packed input).
         """
+        pattern, positions, starts = _packed(self.config, input_ids, attention_mask,
+                                             sequence_lengths)  # fmt: skip
         key_mask, token_type_ids = _check_inputs(
-            self.config, input_ids, attention_mask, token_type_ids
+            self.config, input_ids, attention_mask, token_type_ids, packed=pattern is not None
         )
-        x = self.embeddings(input_ids, token_type_ids)  # (B, L, E)
+        x = self.embeddings(input_ids, token_type_ids, positions)  # (B, L, E)
         # An all-real mask is dropped so attention takes its mask-free fast path (as GPT does).
         if key_mask is not None and bool(key_mask.all()):
             key_mask = None
         mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, L)
         for index in range(self.config.num_layers):
-            x = self.layer(index)(x, mask=mask)
-        pooled = torch.tanh(self.pooler(x[:, 0]))  # (B, E), from the [CLS] position
+            x = self.layer(index)(x, mask=mask, pattern=pattern)
+        first = x[:, 0] if starts is None else x[:, starts]  # (B, E), or (B, S, E) packed
+        pooled = torch.tanh(self.pooler(first))  # from the [CLS] position(s)
         return EncoderOutput(last_hidden_state=x, pooler_output=pooled)
 
 
@@ -168,16 +186,46 @@ def mean_pool(
     return total / weights.sum(dim=1).clamp(min=1e-9)  # (B, E)
 
 
+def _packed(config: BertConfig, input_ids, attention_mask, sequence_lengths):
+    """(pattern, positions (L,), starts (S,)) of a packed call, or (None, None, None)."""
+    if sequence_lengths is None:
+        return None, None, None
+    if attention_mask is not None:
+        raise ValueError(
+            "attention_mask: packed inputs (sequence_lengths) have no padding; expected None"
+        )
+    _check_ids("input_ids", input_ids, None, config.vocab_size)
+    pattern = Packed.from_lengths(sequence_lengths)
+    L = input_ids.shape[-1]
+    if pattern.query_offsets[-1] != L:
+        raise ValueError(
+            f"sequence_lengths: {list(sequence_lengths)} sum to {pattern.query_offsets[-1]}, "
+            f"expected the packed length L={L}"
+        )
+    if max(sequence_lengths) > config.max_positions:
+        raise ValueError(
+            f"sequence_lengths: an input of {max(sequence_lengths)} tokens exceeds "
+            f"max_positions={config.max_positions}"
+        )
+    device = input_ids.device
+    starts = torch.tensor(pattern.query_offsets[:-1], device=device)
+    index = torch.arange(L, device=device)
+    positions = index - starts[torch.bucketize(index, starts, right=True) - 1]  # (L,)
+    return pattern, positions, starts
+
+
 def _check_inputs(
     config: BertConfig,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     token_type_ids: torch.Tensor | None,
+    *,
+    packed: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Validate a BERT call; returns (key mask as bool (B, L) or None, token_type_ids (B, L))."""
     _check_ids("input_ids", input_ids, None, config.vocab_size)
     B, L = input_ids.shape
-    if config.max_positions < L:
+    if config.max_positions < L and not packed:  # packed: each input is checked alone
         raise ValueError(
             f"input_ids: length {L} exceeds max_positions={config.max_positions}; expected at "
             f"most {config.max_positions} tokens (truncate or split the text)"
