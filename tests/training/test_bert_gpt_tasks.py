@@ -254,3 +254,29 @@ def test_qkv_train_bert_writes_its_model_and_metrics(tmp_path, capsys):
     model = load(out / "model")
     assert isinstance(model, BertForPreTraining)
     assert (out / "model" / "tokenizer.json").is_file()
+
+
+def test_bert_packed_batches_give_the_padded_loss_and_gradients(bert_task):
+    """--pack: the same pairs and masks in one row without padding; loss terms, counts and
+    every gradient equal the padded batch's (float64, so that only the algebra is compared)."""
+    torch.manual_seed(0)
+    model = bert_task.build_model().double().eval()
+    packed_task = BertTask(dataclasses.replace(TINY_BERT, pack=True))  # the same pairs
+    indices = list(range(9))
+    padded, packed = bert_task.collate(indices, step=5), packed_task.collate(indices, step=5)
+    assert packed["input_ids"].shape == (1, int(padded["attention_mask"].sum()))
+    assert packed["sequence_lengths"].tolist() == padded["attention_mask"].sum(dim=1).tolist()
+    assert bert_task.counts(padded) == packed_task.counts(packed)
+    results = []
+    for task, batch in ((bert_task, padded), (packed_task, packed)):
+        model.zero_grad()
+        sums = task.loss_sums(model, batch)
+        (sums["mlm"] + sums["nsp"]).backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        results.append(({k: v.detach() for k, v in sums.items()}, grads))
+    (padded_sums, padded_grads), (packed_sums, packed_grads) = results
+    for name in ("mlm", "nsp"):
+        torch.testing.assert_close(packed_sums[name], padded_sums[name])
+    assert len(packed_grads) == len(padded_grads)
+    for got, want in zip(packed_grads, padded_grads, strict=True):
+        torch.testing.assert_close(got, want)

@@ -73,8 +73,11 @@ class BertForPreTraining(PretrainedIO, nn.Module):
         next_sentence_label: torch.Tensor | None = None,
         *,
         masked_positions: torch.Tensor | None = None,
+        sequence_lengths: Sequence[int] | None = None,
     ) -> PreTrainingOutput:
-        """input_ids, attention_mask, token_type_ids as in `BertModel.forward` (B, L).
+        """input_ids, attention_mask, token_type_ids, sequence_lengths as in `BertModel.forward`
+        (B, L); packed (sequence_lengths), next-sentence logits and labels are one per input,
+        (B * S, 2) and (B * S,).
 
         labels (B, L): the original ids of the selected tokens, -100 elsewhere (no loss there).
         next_sentence_label (B,): 0 if sentence B follows A, 1 if it is random.
@@ -85,14 +88,16 @@ class BertForPreTraining(PretrainedIO, nn.Module):
         positions in row-major order. The MLM head (E x V) at every position is most of a small
         model's step otherwise.
         """
-        encoded = self.bert(input_ids, attention_mask, token_type_ids)
+        encoded = self.bert(
+            input_ids, attention_mask, token_type_ids, sequence_lengths=sequence_lengths
+        )
         token_embedding = self.bert.embeddings.token_embedding.weight  # (V, E), tied
         hidden = encoded.last_hidden_state  # (B, L, E)
         if masked_positions is not None:
             _check_positions(masked_positions, tuple(input_ids.shape))
             hidden = hidden[masked_positions]  # (N, E)
         logits = self.mlm_head(hidden, token_embedding)  # (B, L, V), or (N, V)
-        nsp_logits = self.nsp_head(encoded.pooler_output)  # (B, 2)
+        nsp_logits = self.nsp_head(encoded.pooler_output).reshape(-1, 2)  # (B, 2), or (B * S, 2)
         losses = []
         if labels is not None:
             _check_labels("labels", labels, tuple(input_ids.shape))
@@ -101,7 +106,7 @@ class BertForPreTraining(PretrainedIO, nn.Module):
             flat_logits = logits.reshape(-1, logits.shape[-1])  # (B * L, V) or (N, V)
             losses.append(cross_entropy(flat_logits, labels.reshape(-1)))  # skips -100
         if next_sentence_label is not None:
-            _check_labels("next_sentence_label", next_sentence_label, (input_ids.shape[0],))
+            _check_labels("next_sentence_label", next_sentence_label, (nsp_logits.shape[0],))
             losses.append(F.cross_entropy(nsp_logits, next_sentence_label))
         return PreTrainingOutput(
             logits=logits,

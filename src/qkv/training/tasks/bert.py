@@ -80,6 +80,7 @@ class BertOptions:
     dupe_factor: int = 5  # pair sets drawn from the training text, each with its own seed
     validation_fraction: float = 0.1
     data_seed: int = 0  # the split, the pairs and the masks
+    pack: bool = False  # each micro-batch's pairs in one row, no padding (sparse.Packed)
 
     FLAG_HELP: ClassVar[dict[str, str]] = {
         "tokenizer": "'trained' (a WordPiece trained on the corpus) or 'minilm' (30,522 tokens)",
@@ -89,6 +90,8 @@ class BertOptions:
         "dupe_factor": "pair sets drawn from the training text, each with its own masks",
         "validation_fraction": "share of the documents held out for validation",
         "data_seed": "seed of the split, the pairs and the masks",
+        "pack": "pack each micro-batch's pairs into one row without padding, each attending "
+        "only to itself (the same loss, no work on padding)",
     }
 
 
@@ -155,8 +158,10 @@ class BertTask:
 
     def collate(self, indices: list[int], *, step: int = 0) -> dict[str, torch.Tensor]:
         """The training pairs at `indices`, padded and masked for this step: input_ids,
-        attention_mask, token_type_ids, labels (B, L), next_sentence_label (B,)."""
-        return self._masked(self.train_pairs, indices, split="train", step=step)
+        attention_mask, token_type_ids, labels (B, L), next_sentence_label (B,); with the
+        `pack` option, the same tokens and masks packed into one row (`pack_batch`)."""
+        batch = self._masked(self.train_pairs, indices, split="train", step=step)
+        return pack_batch(batch) if self.options.pack else batch
 
     def counts(self, batch: dict[str, torch.Tensor]) -> dict[str, int]:
         return {
@@ -171,9 +176,11 @@ class BertTask:
         """Cross-entropy summed over the selected tokens ("mlm") and over the pairs ("nsp").
         The MLM head scores the selected positions only (`masked_positions`)."""
         selected = batch["labels"] != IGNORE_INDEX
+        lengths = batch.get("sequence_lengths")
+        packed = {} if lengths is None else {"sequence_lengths": lengths.tolist()}
         output = model(
-            batch["input_ids"], batch["attention_mask"], batch["token_type_ids"],
-            masked_positions=selected,
+            batch["input_ids"], None if packed else batch["attention_mask"],
+            batch["token_type_ids"], masked_positions=selected, **packed,
         )  # fmt: skip
         return _summed_losses(output, batch, selected)
 
@@ -233,6 +240,24 @@ class BertTask:
                 generator=torch.Generator().manual_seed(seed),
             )
         return {**batch, "input_ids": input_ids, "labels": labels}
+
+
+def pack_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A padded batch's real tokens in one row, pair after pair: input_ids, token_type_ids,
+    labels and attention_mask (1, T), sequence_lengths (B,) and next_sentence_label (B,) for
+    `BertForPreTraining(..., sequence_lengths=...)` (FlashAttention's varlen layout: no
+    padding, attention kept within each pair by `qkv.sparse.Packed`)."""
+    real = batch["attention_mask"].bool()  # (B, L), right-padded rows
+    packed = {
+        name: batch[name][real][None]  # (1, T): row after row, real tokens only
+        for name in ("input_ids", "token_type_ids", "labels", "attention_mask")
+    }
+    lengths = real.sum(dim=1)  # (B,)
+    return {
+        **packed,
+        "sequence_lengths": lengths,
+        "next_sentence_label": batch["next_sentence_label"],
+    }
 
 
 def _summed_losses(
