@@ -13,6 +13,7 @@ from qkv.data import END_OF_TEXT, pad_examples, pydoc_texts, train_validation_sp
 from qkv.models import GPT, BertForPreTraining, load
 from qkv.training import TrainingConfig, train
 from qkv.training.tasks import TASKS, BertOptions, BertTask, GPTOptions, GPTTask
+from qkv.training.tasks.gpt import summed_next_token_loss
 
 TINY_BERT = BertOptions(
     vocab_size=1000, max_length=32, embed_dim=32, num_layers=1, num_heads=2, ffn_dim=64,
@@ -280,3 +281,28 @@ def test_bert_packed_batches_give_the_padded_loss_and_gradients(bert_task):
     assert len(packed_grads) == len(padded_grads)
     for got, want in zip(packed_grads, padded_grads, strict=True):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_gpt_packed_documents_give_the_loss_of_every_piece_alone(family):
+    """--pack: blocks cut after every <|endoftext|>, each piece attending only to itself; the
+    summed loss equals running every piece alone (a padded batch of documents)."""
+    torch.manual_seed(0)
+    task = GPTTask(dataclasses.replace(TINY_GPT, family=family, pack=True))
+    model = task.build_model().double().eval()
+    end = task.end_of_text
+    ending = [i for i, block in enumerate(task.train_blocks.blocks) if (block == end).any()]
+    batch = task.collate([0, *ending[:2]], step=0)  # blocks where documents end
+    lengths = batch["sequence_lengths"].tolist()
+    assert batch["input_ids"].shape == (1, 3 * 32) and sum(lengths) == 3 * 32
+    assert len(lengths) > 3
+    pieces = torch.split(batch["input_ids"][0], lengths)
+    assert all(int(end) not in piece[:-1].tolist() for piece in pieces)  # an end closes a piece
+    expected = sum(
+        float(summed_next_token_loss(model(piece[None]).logits, {"input_ids": piece[None]}))
+        for piece in pieces
+    )
+    with torch.no_grad():
+        sums = task.loss_sums(model, batch)
+    assert task.counts(batch) == {"tokens": sum(n - 1 for n in lengths)}
+    assert math.isclose(float(sums["tokens"]), expected, rel_tol=1e-6)  # the sum is in fp32

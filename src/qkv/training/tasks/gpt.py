@@ -14,6 +14,12 @@ separate head, with GQA through num_kv_heads. Evaluation reports the validation 
 perplexity exp(loss) and, as the number to beat, the unigram entropy of the training tokens:
 the loss of the best model that ignores context.
 
+With `pack` (`qkv train gpt --pack`), each document attends only to itself: a micro-batch's
+blocks are laid end to end in one row, cut after every <|endoftext|> and at block edges, and
+the pieces go to the model as `sequence_lengths` (`qkv.sparse.Packed`: positions restart per
+piece, no attention and no loss across a cut). The loss is then exactly that of running every
+piece alone, as a padded batch of documents would, with no work spent on padding.
+
 After `qkv train gpt`, `qkv generate runs/gpt/model --prompt "The"` continues a prompt: the
 model folder holds qkv's checkpoint and the tokenizer.json that `load_for_generation` reads.
 """
@@ -32,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from qkv.data import (
+    END_OF_TEXT,
     IGNORE_INDEX,
     causal_lm_blocks,
     pydoc_texts,
@@ -67,6 +74,7 @@ class GPTOptions:
     dropout: float = 0.1
     validation_fraction: float = 0.1
     data_seed: int = 0  # which documents go to validation
+    pack: bool = False  # documents attend only to themselves (cut at <|endoftext|>)
 
     FLAG_HELP: ClassVar[dict[str, str]] = {
         "family": "'gpt2' (learned positions, LayerNorm, GELU, tied head) or 'llama' (RoPE, "
@@ -76,6 +84,8 @@ class GPTOptions:
         "num_layers": "decoder blocks",
         "num_kv_heads": "key/value heads (fewer than num-heads: GQA; 1: MQA; default: MHA)",
         "validation_fraction": "share of the documents held out for validation",
+        "pack": "each document attends only to itself: blocks cut after every <|endoftext|>, "
+        "packed into one row (no attention or loss across documents)",
     }
 
 
@@ -111,6 +121,7 @@ class GPTTask:
         self.train_blocks = causal_lm_blocks(train, self.tokenizer, block_size=options.block_size)
         self.valid_blocks = causal_lm_blocks(valid, self.tokenizer, block_size=options.block_size)
         self.unigram_entropy = unigram_entropy(self.train_blocks.blocks)
+        self.end_of_text = self.tokenizer.token_to_id(END_OF_TEXT)
 
     def __len__(self) -> int:
         return len(self.train_blocks)
@@ -130,19 +141,29 @@ class GPTTask:
         return GPT(config)
 
     def collate(self, indices: list[int], *, step: int = 0) -> dict[str, torch.Tensor]:
-        """The blocks at `indices`: {"input_ids": (B, T)}; no randomness, so step is unused."""
-        return {"input_ids": self.train_blocks.blocks[indices]}  # (B, T)
+        """The blocks at `indices`: {"input_ids": (B, T)}; no randomness, so step is unused.
+        With `pack`: {"input_ids": (1, B * T), "sequence_lengths": (S,)} (`pack_documents`)."""
+        return self._batch(self.train_blocks.blocks[indices])  # (B, T)
 
     def counts(self, batch: dict[str, torch.Tensor]) -> dict[str, int]:
         B, T = batch["input_ids"].shape
-        return {"tokens": B * (T - 1)}  # every position but the last predicts the next token
+        pieces = len(batch["sequence_lengths"]) if "sequence_lengths" in batch else B
+        return {"tokens": B * T - pieces}  # every position but a piece's last predicts
 
     def num_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         return batch["input_ids"].numel()
 
     def loss_sums(self, model, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Summed cross-entropy of logits[:, i] against input_ids[:, i + 1]."""
-        return {"tokens": summed_next_token_loss(model(batch["input_ids"]).logits, batch)}
+        """Summed cross-entropy of logits[:, i] against input_ids[:, i + 1] (within a piece)."""
+        lengths = batch.get("sequence_lengths")
+        packed = {} if lengths is None else {"sequence_lengths": lengths.tolist()}
+        logits = model(batch["input_ids"], **packed).logits
+        return {"tokens": summed_next_token_loss(logits, batch)}
+
+    def _batch(self, blocks: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not self.options.pack:
+            return {"input_ids": blocks}
+        return pack_documents(blocks, self.end_of_text)
 
     @torch.no_grad()
     def evaluate(self, model: GPT) -> dict[str, float]:
@@ -151,8 +172,8 @@ class GPTTask:
         total, count = 0.0, 0
         for start in range(0, len(self.valid_blocks), _EVAL_BATCH):
             stop = min(start + _EVAL_BATCH, len(self.valid_blocks))
-            batch = {"input_ids": self.valid_blocks.blocks[start:stop]}  # (B, T)
-            total += float(summed_next_token_loss(model(batch["input_ids"]).logits, batch))
+            batch = self._batch(self.valid_blocks.blocks[start:stop])  # (B, T), or packed
+            total += float(self.loss_sums(model, batch)["tokens"])
             count += self.counts(batch)["tokens"]
         loss = total / max(count, 1)
         return {
@@ -170,14 +191,28 @@ class GPTTask:
         return path
 
 
+def pack_documents(blocks: torch.Tensor, end_of_text: int) -> dict[str, torch.Tensor]:
+    """Blocks (B, T) laid end to end in one row and cut after every end_of_text token and at
+    every block edge: {"input_ids": (1, B * T), "sequence_lengths": (S,) the pieces' lengths}."""
+    B, T = blocks.shape
+    flat = blocks.reshape(-1)  # (B * T,)
+    cuts = set(range(0, B * T + 1, T))  # block edges
+    cuts.update((torch.nonzero(flat == end_of_text).flatten() + 1).tolist())  # after each end
+    edges = torch.tensor(sorted(cuts))
+    return {"input_ids": flat[None], "sequence_lengths": edges.diff()}
+
+
 def summed_next_token_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Sum over b and i < T - 1 of -log softmax(logits[b, i])[input_ids[b, i + 1]], in fp32.
+    """Sum over b and i < T - 1 of -log softmax(logits[b, i])[input_ids[b, i + 1]], in fp32;
+    packed (a "sequence_lengths" entry), no piece's last token predicts the next piece's first.
 
     The targets move rather than the logits (the last position gets the ignored label), so the
     (B, T, V) logits are not copied; as `qkv.models.gpt.next_token_loss`, but summed.
     """
     input_ids = batch["input_ids"]  # (B, T)
     targets = F.pad(input_ids[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T)
+    if "sequence_lengths" in batch:  # (1, T): the last token of every piece predicts nothing
+        targets[:, batch["sequence_lengths"].cumsum(0) - 1] = IGNORE_INDEX
     return F.cross_entropy(
         logits.flatten(0, 1).float(),  # (B * T, V)
         targets.flatten(),
