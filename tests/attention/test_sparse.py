@@ -379,3 +379,24 @@ def test_flex_backend_serves_packed_sequences():
     visible = packed_definition(pattern, [100, 0, 212], [100, 50, 300])
     expected, _ = eager_attention(q.double(), k.double(), v.double(), visible)
     torch.testing.assert_close(output.double(), expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_runs_packed_self_attention_as_a_padded_batch(causal):
+    """Packed self-attention (one offsets list, nothing else masked): SDPA gathers it into a
+    padded batch of sequences; outputs and gradients equal each sequence alone."""
+    lengths = [5, 0, 9, 1, 12]
+    pattern = sparse.Packed.from_lengths(lengths, causal=causal)
+    generator = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 27, 8, dtype=torch.float64, generator=generator, requires_grad=True)
+    k, v = (torch.randn(2, 2, 27, 8, dtype=torch.float64, generator=generator).requires_grad_()
+            for _ in "kv")  # fmt: skip
+    assert "padded batch of sequences" in qkv.explain(q, k, v, pattern=pattern)
+    output = qkv.attention(q, k, v, pattern=pattern)
+    visible = packed_definition(pattern, lengths, lengths)
+    expected, _ = eager_attention(q, k, v, visible)
+    torch.testing.assert_close(output, expected)
+    d_out = torch.randn_like(output)
+    for got, want in zip(torch.autograd.grad(output, (q, k, v), d_out),
+                         torch.autograd.grad(expected, (q, k, v), d_out), strict=True):  # fmt: skip
+        torch.testing.assert_close(got, want)

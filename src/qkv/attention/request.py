@@ -496,6 +496,7 @@ def check_pattern(pattern, L_q: int, L_k: int) -> SparsePattern | None:
             f"pattern: expected L_q <= L_k (queries aligned bottom-right within the keys), got "
             f"L_q={L_q}, L_k={L_k}"
         )
+    pattern.check(L_q, L_k)
     return pattern
 
 

@@ -10,7 +10,10 @@ What this wrapper adds to the raw call, and nothing more:
   versions and kernels: NaN on some, uniform weights on others);
 - GQA/MQA via `enable_gqa` (torch >= 2.5), so K/V are not repeated where the kernel allows it;
 - one bf16/fp16 query on the CPU (a decoding step) runs in fp32, where PyTorch's CPU kernel is
-  several times faster (see `_compute_dtype`).
+  several times faster (see `_compute_dtype`);
+- sequences packed along L (`qkv.sparse.Packed`, causal or not, nothing else masked) are
+  gathered into a padded batch of sequences for the kernel and scattered back (`_repadded`):
+  the kernel's work is that of a padded batch, not of the whole packed length squared.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from qkv.attention.request import AttentionRequest, structural_visibility
+from qkv.attention.sparse import Packed
 
 name = "sdpa"
 summary = "PyTorch's fused scaled_dot_product_attention (flash / memory-efficient / math kernels)"
@@ -37,8 +41,9 @@ def why_not(request: AttentionRequest) -> str | None:
 
 
 def why_not_auto(request: AttentionRequest) -> str | None:
-    """Why `auto` passes over a request this backend could serve: dropout on the CPU."""
-    if request.dropout_p > 0.0 and request.q.device.type == "cpu":
+    """Why `auto` passes over a request this backend could serve: dropout on the CPU (but for
+    packed sequences, which the reference math would attend over the whole packed length)."""
+    if request.dropout_p > 0.0 and request.q.device.type == "cpu" and not repads(request):
         return (
             "dropout on the CPU: PyTorch's kernel falls back to its math path and draws the "
             "mask with bernoulli_; the reference backend runs the same math with qkv's cheaper "
@@ -65,7 +70,12 @@ def notes(request: AttentionRequest) -> list[str]:
         out.append(f"window {request.window}{sinks}: an explicit (L_q, L_k) mask")
     if request.alibi_slopes is not None:
         out.append("ALiBi: a dense (1, H, L_q, L_k) bias built from the slopes")
-    if request.pattern is not None:
+    if repads(request):
+        out.append(
+            "packed sequences: gathered into a padded batch of sequences for the kernel, "
+            "scattered back (no score across sequences is computed)"
+        )
+    elif request.pattern is not None:
         out.append("sparse pattern: an explicit (L_q, L_k) mask; every score is computed")
     if request.lengths is not None or request.query_lengths is not None:
         out.append("per-row lengths: an explicit (B, 1, L_q, L_k) mask")
@@ -93,6 +103,8 @@ def notes(request: AttentionRequest) -> list[str]:
 
 def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:
     """Returns (output (B, H, L_q, D_v), None), in q's dtype."""
+    if repads(request):
+        return _repadded(request), None
     q, k, v = request.q, request.k, request.v
     dtype = _compute_dtype(request)
     if dtype != q.dtype:
@@ -121,6 +133,65 @@ def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:
     )
     output = output * row_visible.to(output.dtype)  # rows with no visible key -> 0
     return _cast_back(output, request), None
+
+
+def repads(request: AttentionRequest) -> bool:
+    """Whether the call is packed self-attention sequences and nothing else (`_repadded`)."""
+    pattern = request.pattern
+    return (
+        isinstance(pattern, Packed)
+        and pattern.window is None
+        and pattern.query_offsets == pattern.key_offsets
+        and request.window is None
+        and request.mask is None
+        and request.bias is None
+        and request.alibi_slopes is None
+        and request.lengths is None
+        and request.query_lengths is None
+    )
+
+
+def _repadded(request: AttentionRequest) -> torch.Tensor:
+    """Packed sequences through the kernel as a padded batch: gather (B, H, T, D) into
+    (B * S, H, n_max, D), attend with each sequence's key padding (causal within it, if the
+    pattern or the call asks), scatter back; (B, H, T, D_v)."""
+    q, k, v = request.q, request.k, request.v
+    B, H, T, _ = q.shape
+    offsets = torch.tensor(request.pattern.query_offsets, device=q.device)
+    lengths = offsets.diff()  # (S,)
+    n_max = max(int(lengths.max()), 1)
+    slot = torch.arange(n_max, device=q.device)  # (n_max,)
+    real = slot < lengths[:, None]  # (S, n_max)
+    index = (offsets[:-1, None] + slot).clamp(max=max(T - 1, 0))  # (S, n_max) packed positions
+    flat = index.reshape(-1)
+
+    def gather(x: torch.Tensor) -> torch.Tensor:  # (B, H_x, T, D) -> (B * S, H_x, n_max, D)
+        picked = x[:, :, flat].view(B, x.shape[1], *index.shape, x.shape[-1])
+        return picked.permute(0, 2, 1, 3, 4).reshape(-1, x.shape[1], n_max, x.shape[-1])
+
+    # each sequence's own keys; an empty sequence gets one dummy key, its rows are dropped
+    keys = real | ((lengths == 0)[:, None] & (slot == 0))
+    allowed = keys[:, None, None, :]  # (S, 1, 1, n_max)
+    if request.causal or request.pattern.causal:
+        allowed = allowed & torch.ones(n_max, n_max, dtype=torch.bool, device=q.device).tril()
+    allowed = allowed.repeat(B, 1, 1, 1)  # (B * S, 1, n_max | 1, n_max)
+    gqa = {"enable_gqa": True} if request.group_size > 1 and _HAS_ENABLE_GQA else {}
+    k_rows, v_rows = gather(k), gather(v)
+    if request.group_size > 1 and not gqa:
+        k_rows = k_rows.repeat_interleave(request.group_size, dim=1)
+        v_rows = v_rows.repeat_interleave(request.group_size, dim=1)
+    output = F.scaled_dot_product_attention(
+        gather(q),
+        k_rows,
+        v_rows,
+        attn_mask=allowed,
+        dropout_p=request.dropout_p,
+        scale=request.scale,
+        **gqa,
+    )  # fmt: skip  (B * S, H, n_max, D_v)
+    output = output.view(B, -1, H, n_max, output.shape[-1]).permute(0, 2, 1, 3, 4)
+    keep = real.reshape(-1)  # (S * n_max,): the slots that hold a token
+    return output.reshape(B, H, -1, output.shape[-1])[:, :, keep]  # (B, H, T, D_v)
 
 
 def _cast_back(output: torch.Tensor, request: AttentionRequest) -> torch.Tensor:

@@ -25,6 +25,9 @@ class SparsePattern:
     def tiles(self, q_lo, q_hi, k_lo, k_hi, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def check(self, query_len: int, key_len: int) -> None:
+        """Raise a ValueError naming `pattern` if it cannot describe a call of these lengths."""
+
     def __or__(self, other: SparsePattern) -> Union:
         if not isinstance(other, SparsePattern):
             return NotImplemented
@@ -55,6 +58,10 @@ class Union(SparsePattern):
             return functools.reduce(torch.logical_or, (r(query_pos, key_pos) for r in rules))
 
         return visible
+
+    def check(self, query_len, key_len):
+        for part in self.parts:
+            part.check(query_len, key_len)
 
     def tiles(self, q_lo, q_hi, k_lo, k_hi, key_len):
         answers = [p.tiles(q_lo, q_hi, k_lo, k_hi, key_len) for p in self.parts]

@@ -117,6 +117,14 @@ class Packed(SparsePattern):
             every |= whole
         return some, every
 
+    def check(self, query_len, key_len):
+        self._check_key_len(key_len)
+        if query_len != self.query_offsets[-1]:
+            raise ValueError(
+                f"pattern: packed sequences of {self.query_offsets[-1]} queries in all, but the "
+                f"call has L_q={query_len}; expected the packed length"
+            )
+
     def _check_key_len(self, key_len: int) -> None:
         if key_len != self.key_offsets[-1]:
             raise ValueError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from qkv.attention import sdpa
 from qkv.attention.request import AttentionRequest
 from qkv.attention.tiled.function import (
     DEFAULT_BLOCK_K,
@@ -79,6 +80,8 @@ def why_not_auto(request: AttentionRequest) -> str | None:
 
 def _why_not_pattern(request: AttentionRequest, scores: int) -> str | None:
     """A sparse pattern: tiled skips the blocks it hides, where SDPA reads a dense mask."""
+    if sdpa.repads(request):
+        return "packed sequences: SDPA runs them as a padded batch, faster than tiles"
     least = MIN_SCORES_FOR_WINDOW.get(request.q.dtype, MIN_SCORES_LOW_PRECISION)
     if scores < least:
         return f"L_q * L_k = {scores} < {least}: SDPA with the pattern's dense mask is faster"

@@ -91,7 +91,7 @@ class BertOptions:
         "validation_fraction": "share of the documents held out for validation",
         "data_seed": "seed of the split, the pairs and the masks",
         "pack": "pack each micro-batch's pairs into one row without padding, each attending "
-        "only to itself (the same loss, no work on padding)",
+        "only to itself (the same loss; projections and FFN skip the padding)",
     }
 
 
