@@ -98,8 +98,9 @@ class AttentionRequest:
         return self.softcap is not None or self.score_mod is not None
 
     def structural_mask(self) -> torch.Tensor | None:
-        """The bool (L_q, L_k) mask implied by `causal`, `window`, `sinks` and `pattern`, or
-        None. Shared between calls of one structure (do not modify it in place)."""
+        """The bool (L_q, L_k) mask implied by `causal`, `window`, `sinks` and `pattern` ((B,
+        1, L_q, L_k) with per-row lengths), or None. Shared between calls of one structure (do
+        not modify it in place)."""
         key = self.structure_key()
         if key is not None:
             return structural_visibility(*key)
