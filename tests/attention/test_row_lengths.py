@@ -98,6 +98,9 @@ def test_bad_row_lengths_name_the_argument():
         qkv.attention(q, k, v, query_lengths=torch.tensor([7, 1, 1]))
     with pytest.raises(ValueError, match="query_lengths: expected a tensor of shape \\(3,\\)"):
         qkv.attention(q, k, v, query_lengths=torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="query_lengths: not supported with alibi_slopes"):
+        qkv.attention(q, k, v, query_lengths=torch.tensor([1, 1, 1]),
+                      alibi_slopes=torch.ones(4, dtype=torch.float64))  # fmt: skip
     with pytest.raises(ValueError, match="query_lengths: not supported with a pattern"):
         qkv.attention(q, k, v, query_lengths=torch.tensor([1, 1, 1]),
                       pattern=qkv.sparse.Window(2))  # fmt: skip

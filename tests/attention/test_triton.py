@@ -163,3 +163,26 @@ def test_packed_sequences_equal_each_sequence_alone():
     theirs = torch.autograd.grad(expected, exact, grad.cpu().double())
     for got, want in zip(ours, theirs, strict=True):
         torch.testing.assert_close(got.cpu().double(), want, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"causal": True}, {"causal": False}, {"causal": True, "window": (4, 0), "sinks": 1}],
+)
+def test_per_row_query_lengths_align_each_row_on_its_own(options):
+    """query_lengths: row b's last real query sits on its last real key; padding queries get
+    output 0; against float64 eager attention with the definition's (B, 1, L_q, L_k) mask."""
+    from tests.attention.test_row_lengths import eager, row_mask
+
+    q, k, v = _inputs(B=3, L_q=19, L_k=37)
+    query_lengths, key_lengths = [19, 5, 0], [37, 12, 20]
+    output = qkv.triton_attention(q, k, v, lengths=torch.tensor(key_lengths),
+                                  query_lengths=torch.tensor(query_lengths), **options)  # fmt: skip
+    exact = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    expected = eager(*exact, row_mask(query_lengths, key_lengths, 19, 37, **options))
+    torch.testing.assert_close(output.cpu().double(), expected, atol=2e-5, rtol=2e-5)
+    grad = torch.randn_like(expected)
+    ours = torch.autograd.grad(output, (q, k, v), grad.float().to(DEVICE))
+    theirs = torch.autograd.grad(expected, exact, grad)
+    for got, want in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(got.cpu().double(), want, atol=2e-4, rtol=2e-4)

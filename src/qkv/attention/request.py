@@ -276,7 +276,7 @@ def make_request(
         softcap=check_softcap(softcap),
         score_mod=check_callable("score_mod", score_mod),
         pattern=check_pattern(pattern, q.shape[2], k.shape[2]),
-        **check_row_lengths(lengths, query_lengths, q, k, pattern),
+        **check_row_lengths(lengths, query_lengths, q, k, pattern, alibi_slopes),
     )
 
 
@@ -537,8 +537,13 @@ def check_lengths(
     return values
 
 
-def check_row_lengths(lengths, query_lengths, q, k, pattern) -> dict:
+def check_row_lengths(lengths, query_lengths, q, k, pattern, alibi_slopes=None) -> dict:
     """{"lengths": ..., "query_lengths": ...} as tuples of ints, checked."""
+    if query_lengths is not None and alibi_slopes is not None:
+        raise ValueError(
+            "query_lengths: not supported with alibi_slopes (ALiBi's distances would need the "
+            "per-row alignment too); expected one of them"
+        )
     if query_lengths is not None and pattern is not None:
         raise ValueError(
             "query_lengths: not supported with a pattern (which aligns the whole call); for "

@@ -37,8 +37,6 @@ def why_not(request: AttentionRequest) -> str | None:
         )
     if request.dropout_p > 0:
         return "it has no dropout"
-    if request.query_lengths is not None:
-        return "its queries align with the padded key length (it takes no query_lengths)"
     if request.modifies_scores:
         return "it has no soft-cap or score_mod"
     return unsupported(request.q, request.v)
@@ -72,6 +70,7 @@ def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:
         alibi_slopes=request.alibi_slopes,
         pattern=request.pattern,
         lengths=request.lengths,
+        query_lengths=request.query_lengths,
         scale=request.scale,
     )
     return output, None

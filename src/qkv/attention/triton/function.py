@@ -26,6 +26,7 @@ def triton_attention(
     sinks: int = 0,
     alibi_slopes: torch.Tensor | None = None,
     lengths: torch.Tensor | None = None,
+    query_lengths: torch.Tensor | None = None,
     pattern: SparsePattern | None = None,
     scale: float | None = None,
     return_lse: bool = False,
@@ -35,9 +36,10 @@ def triton_attention(
     q: (B, H, L_q, D); k, v: (B, H_kv, L_k, D) with H % H_kv == 0 (no K/V copy); D <= 128;
     fp16, bf16 (fp32 accumulation) or fp32. causal/window aligned bottom-right; `sinks` first
     keys always visible (StreamingLLM); `alibi_slopes` (H,) adds -slope_h * |i' - j| (ALiBi);
-    `lengths` (B,) valid keys per row; `pattern` a sparse pattern (`qkv.attention.sparse`):
-    only the blocks it leaves visible are loaded, forward and backward. Returns output, or
-    (output, lse (B, H, L_q) fp32).
+    `lengths` (B,) valid keys per row; `query_lengths` (B,) valid queries per row, each row
+    then aligned on its own (as `qkv.attention`); `pattern` a sparse pattern
+    (`qkv.attention.sparse`): only the blocks it leaves visible are loaded, forward and
+    backward. Returns output, or (output, lse (B, H, L_q) fp32).
     """
     from qkv.attention.triton.launch import Masking
 
@@ -53,6 +55,7 @@ def triton_attention(
         dropout_p=0.0,
         return_weights=False,
         pattern=pattern,
+        query_lengths=query_lengths,
     )
     reason = unsupported(q, v)
     if reason is not None:
@@ -65,6 +68,9 @@ def triton_attention(
         slopes=_device_slopes(alibi_slopes, request.num_heads, q.device),
         scale=request.scale,
         pattern=request.pattern,
+        query_lengths=_device_lengths(
+            request.query_lengths, request.batch, request.query_len, q.device
+        ),  # fmt: skip
     )
     q, k, v = (t.contiguous() for t in (q, k, v))
     output, lse = _TritonAttention.apply(q, k, v, masking)

@@ -16,7 +16,10 @@ and one program per query block accumulates dQ over the visible key blocks, so n
 
 Visibility of key j from query i, with i' = i + L_k - L_q (bottom-right alignment), matches
 `qkv.attention.tiles`: ([j <= i'] if causal) and (i' - left <= j <= i' + right if a
-window), or (j < sinks and j <= i' + future); and always j < length[b].
+window), or (j < sinks and j <= i' + future); and always j < length[b]. With per-row query
+lengths (`HAS_QUERY_LENGTHS`), i' = i + length[b] - query_length[b], and the rows past
+query_length[b] are padding: the forward stores output 0 and lse -inf there, so the backward's
+recomputed probabilities of those rows are 0.
 
 With a sparse pattern (`SPARSE`, qkv.attention.sparse), the blocks to visit come from lists
 instead of the loop bounds: for each query block, its key blocks (`BlockRows`, CSR offsets, and
@@ -55,6 +58,15 @@ def _visible(
         structural = structural & (k_pos[None, :] <= q_pos[:, None] + right)
     sink = ok & (k_pos[None, :] < sinks) & (k_pos[None, :] <= q_pos[:, None] + future)
     return structural | sink
+
+
+@triton.jit
+def _shift(QueryLengths, batch, key_len, L_q, L_k, HAS_QUERY_LENGTHS: tl.constexpr):
+    """Query i sits at key position i + shift: the padded lengths' bottom-right alignment, or,
+    with per-row query lengths, the row's own (its last real query on its last real key)."""
+    if HAS_QUERY_LENGTHS:
+        return key_len - tl.load(QueryLengths + batch)
+    return L_k - L_q
 
 
 @triton.jit
@@ -164,6 +176,7 @@ def attention_forward_kernel(
     Lse,
     Lengths,
     Slopes,
+    QueryLengths,
     BlockRows,
     BlockCols,
     BlockMasks,
@@ -198,6 +211,7 @@ def attention_forward_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPARSE: tl.constexpr = False,
+    HAS_QUERY_LENGTHS: tl.constexpr = False,
 ):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     batch, head = pid_bh // num_heads, pid_bh % num_heads
@@ -206,10 +220,11 @@ def attention_forward_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < head_dim
-    q_pos = offs_m + (L_k - L_q)
     key_len = L_k
     if HAS_LENGTHS:
         key_len = tl.load(Lengths + batch)
+    shift = _shift(QueryLengths, batch, key_len, L_q, L_k, HAS_QUERY_LENGTHS)
+    q_pos = offs_m + shift
     slope_log2 = 0.0
     if ALIBI:
         slope_log2 = tl.load(Slopes + head) * 1.4426950408889634
@@ -229,7 +244,7 @@ def attention_forward_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
 
-    q_first = pid_m * BLOCK_M + (L_k - L_q)
+    q_first = pid_m * BLOCK_M + shift
     lo, hi = _key_range(
         q_first, q_first + BLOCK_M - 1, key_len, left, right, CAUSAL, WINDOW, BLOCK_N
     )
@@ -300,6 +315,8 @@ def attention_forward_kernel(
     )
 
     empty = l_i == 0.0  # no visible key: output 0, lse -inf
+    if HAS_QUERY_LENGTHS:  # a row's padding queries (aligned past its last key): the same
+        empty = empty | (q_pos >= key_len)
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
     row_mask = offs_m < L_q
@@ -382,6 +399,7 @@ def attention_backward_dkdv_kernel(
     Delta,
     Lengths,
     Slopes,
+    QueryLengths,
     ColRows,
     ColQBlocks,
     ColSlots,
@@ -417,6 +435,7 @@ def attention_backward_dkdv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPARSE: tl.constexpr = False,
+    HAS_QUERY_LENGTHS: tl.constexpr = False,
 ):
     """One program: one key block of one K/V head; loops over its group's query heads."""
     pid_n, pid_bh = tl.program_id(0), tl.program_id(1)
@@ -441,7 +460,7 @@ def attention_backward_dkdv_kernel(
     )
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    shift = L_k - L_q
+    shift = _shift(QueryLengths, batch, key_len, L_q, L_k, HAS_QUERY_LENGTHS)
     # The queries that can see this key block (sinks may be seen by every later query).
     q_lo = 0
     if CAUSAL:
@@ -591,6 +610,7 @@ def attention_backward_dq_kernel(
     Delta,
     Lengths,
     Slopes,
+    QueryLengths,
     BlockRows,
     BlockCols,
     BlockMasks,
@@ -625,6 +645,7 @@ def attention_backward_dq_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPARSE: tl.constexpr = False,
+    HAS_QUERY_LENGTHS: tl.constexpr = False,
 ):
     """One program: one query block of one query head; loops over the visible key blocks."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
@@ -648,8 +669,9 @@ def attention_backward_dq_kernel(
     lse = tl.load(Lse + pid_bh * L_q + offs_m, mask=row_mask, other=float("inf"))
     lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta = tl.load(Delta + pid_bh * L_q + offs_m, mask=row_mask, other=0.0)
-    q_pos = offs_m + (L_k - L_q)
-    q_first = pid_m * BLOCK_M + (L_k - L_q)
+    shift = _shift(QueryLengths, batch, key_len, L_q, L_k, HAS_QUERY_LENGTHS)
+    q_pos = offs_m + shift
+    q_first = pid_m * BLOCK_M + shift
     lo, hi = _key_range(
         q_first, q_first + BLOCK_M - 1, key_len, left, right, CAUSAL, WINDOW, BLOCK_N
     )

@@ -33,6 +33,7 @@ class Masking:
     slopes: torch.Tensor | None  # (H,) fp32 ALiBi slopes on the device
     scale: float
     pattern: SparsePattern | None = None
+    query_lengths: torch.Tensor | None = None  # (B,) int32: rows aligned on their own
 
     def kernel_args(self, L_q: int, L_k: int) -> dict:
         left, right = self.window if self.window is not None else (0, 0)
@@ -52,6 +53,7 @@ class Masking:
             "WINDOW": self.window is not None,
             "ALIBI": self.slopes is not None,
             "HAS_LENGTHS": self.lengths is not None,
+            "HAS_QUERY_LENGTHS": self.query_lengths is not None,
         }
 
 
@@ -172,6 +174,7 @@ def forward(q, k, v, masking: Masking) -> tuple[torch.Tensor, torch.Tensor]:
         lse,
         _or(masking.lengths, q),
         _or(masking.slopes, q),
+        _or(masking.query_lengths, q),
         *blocks,
         *_strides(q, k, v, out),
         H,
@@ -208,7 +211,7 @@ def backward(q, k, v, out, lse, d_out, masking: Masking):
         **masking.kernel_args(L_q, L_k), PRECISION=_precision(q.dtype), BLOCK_D=_block_d(D)
     )
     strides = _strides(q, k, v, d_out)
-    extras = (_or(masking.lengths, q), _or(masking.slopes, q))
+    extras = (_or(masking.lengths, q), _or(masking.slopes, q), _or(masking.query_lengths, q))
     dkdv, dq, by_key, by_query, fixed = _backward_dkdv, _backward_dq, (q,) * 4, (q,) * 3, {}
     if masking.pattern is not None:
         sparse = _sparse_of(masking, L_q, L_k, q.device)
