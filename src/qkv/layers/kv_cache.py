@@ -191,6 +191,7 @@ class SinkKVCache(_KVStorage):
                 base=rope.base,
                 layout=rope.layout,
                 dtype=torch.promote_types(keys.dtype, torch.float32),
+                scaling=rope.scaling,
             )
             keys = apply_rope(keys, cos, sin, layout=rope.layout)
             q = apply_rope(q, cos[-1:], sin[-1:], layout=rope.layout)  # the newest position

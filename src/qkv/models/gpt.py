@@ -64,7 +64,9 @@ def make_rope(config: GPTConfig) -> RotaryEmbedding | None:
     """RoPE for the attention layers when positions are rotary, else None (learned positions
     are added to the embeddings instead). Half-split layout: that of Hugging Face's Llama."""
     if config.position == "rope":
-        return RotaryEmbedding(config.head_dim, base=config.rope_base, layout="half")
+        return RotaryEmbedding(
+            config.head_dim, base=config.rope_base, layout="half", scaling=config.rope_scaling
+        )
     return None
 
 

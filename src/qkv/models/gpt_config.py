@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 from qkv.layers.attention import check_heads
+from qkv.positional import RopeScaling
 from qkv.validation import check_positive_int, check_probability
 
 __all__ = ["FFN_KINDS", "GPTConfig", "NORM_KINDS", "POSITION_KINDS", "PRESETS"]
@@ -39,10 +40,12 @@ class GPTConfig:
     vocab_size V, embed_dim E, num_layers, num_heads H, num_kv_heads H_kv (None: = H, plain
     MHA; 1 < H_kv < H: GQA; 1: MQA), ffn_dim (the FFN's hidden width), max_positions (the
     learned table's rows, or the trained context length with RoPE), position / norm / ffn (the
-    component kinds above), rope_base (theta of RoPE), norm_eps, bias (on every projection and
-    LayerNorm), tie_embeddings (lm_head shares the token embedding), sliding_window (None, or W:
-    each query sees itself and the W - 1 keys before it), dropout (embeddings and residual
-    branches) and attention_dropout (attention weights).
+    component kinds above), rope_base (theta of RoPE), rope_scaling (None, or a
+    `qkv.positional.RopeScaling` rule for contexts past the training one; a dict of its fields
+    or a Hugging Face `rope_scaling` dict is converted to one), norm_eps, bias (on every
+    projection and LayerNorm), tie_embeddings (lm_head shares the token embedding),
+    sliding_window (None, or W: each query sees itself and the W - 1 keys before it), dropout
+    (embeddings and residual branches) and attention_dropout (attention weights).
     """
 
     vocab_size: int
@@ -54,6 +57,7 @@ class GPTConfig:
     max_positions: int = 2048
     position: str = "rope"
     rope_base: float = 10000.0
+    rope_scaling: RopeScaling | None = None
     norm: str = "rmsnorm"
     norm_eps: float = 1e-5
     ffn: str = "swiglu"
@@ -120,6 +124,23 @@ def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
 
 def _check_rope(config: GPTConfig) -> None:
     _check_positive_float("rope_base", config.rope_base)
+    scaling = config.rope_scaling
+    if isinstance(scaling, dict):  # frozen: resolve once
+        if "kind" in scaling:  # RopeScaling's own fields (dataclasses.asdict)
+            scaling = RopeScaling(**scaling)
+        else:  # Hugging Face's rope_scaling object
+            scaling = RopeScaling.from_hf(scaling, max_positions=config.max_positions)
+        object.__setattr__(config, "rope_scaling", scaling)
+    if scaling is not None and not isinstance(scaling, RopeScaling):
+        raise TypeError(
+            f"rope_scaling: expected None, a qkv.positional.RopeScaling or a Hugging Face "
+            f"rope_scaling dict, got {type(scaling).__name__} {scaling!r:.80}"
+        )
+    if scaling is not None and config.position != "rope":
+        raise ValueError(
+            f"rope_scaling: given ({scaling.kind!r}) but position={config.position!r}; "
+            f"expected position='rope' or rope_scaling=None"
+        )
     if config.position == "rope" and config.head_dim % 2:
         raise ValueError(
             f"embed_dim: head_dim = {config.embed_dim} // {config.num_heads} = {config.head_dim} "

@@ -234,10 +234,13 @@ def _is_frozen_dataclass_type(value: object) -> bool:
 
 
 def _config_to_json(config: object) -> dict:
-    """The dataclass fields as JSON values (tuples become lists); refuses anything else."""
+    """The dataclass fields as JSON values (tuples become lists, a nested frozen dataclass such
+    as a RoPE scaling rule its dict of fields); refuses anything else."""
     fields = {}
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            value = dataclasses.asdict(value)
         if not _is_json_value(value):
             raise TypeError(
                 f"config.{field.name}: expected a JSON value (None, bool, int, finite float, str, "

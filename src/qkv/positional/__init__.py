@@ -3,12 +3,14 @@
 - Absolute, added to the token embeddings: `sinusoidal_table` / `SinusoidalPositionalEncoding`
   (Vaswani et al. 2017) and `LearnedPositionalEmbedding` (BERT, GPT-2).
 - Relative, inside attention: RoPE rotates queries and keys (`rope_cos_sin`, `apply_rope`,
-  `RotaryEmbedding`; Su et al. 2021), ALiBi biases the scores (`alibi_slopes`, `alibi_bias`;
-  Press et al. 2022), passed to `qkv.attention(..., bias=alibi_bias(...))`.
+  `RotaryEmbedding`; Su et al. 2021; `RopeScaling` stretches it past the training context),
+  ALiBi biases the scores (`alibi_slopes`, `alibi_bias`; Press et al. 2022), passed to
+  `qkv.attention(..., bias=alibi_bias(...))`.
 """
 
 from qkv.positional.alibi import alibi_bias, alibi_slopes
 from qkv.positional.learned import LearnedPositionalEmbedding
+from qkv.positional.rope_scaling import ROPE_SCALING_KINDS, RopeScaling
 from qkv.positional.rotary import (
     RotaryEmbedding,
     apply_rope,
@@ -20,6 +22,8 @@ from qkv.positional.sinusoidal import SinusoidalPositionalEncoding, sinusoidal_t
 
 __all__ = [
     "LearnedPositionalEmbedding",
+    "ROPE_SCALING_KINDS",
+    "RopeScaling",
     "RotaryEmbedding",
     "SinusoidalPositionalEncoding",
     "alibi_bias",

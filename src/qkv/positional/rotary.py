@@ -33,6 +33,7 @@ from qkv.positional._checks import (
     check_floating_dtype,
     check_positions,
 )
+from qkv.positional.rope_scaling import RopeScaling, scaled_inverse_frequencies
 from qkv.validation import check_int
 
 __all__ = [
@@ -54,13 +55,15 @@ def rope_cos_sin(
     base: float = 10000.0,
     layout: str = "half",
     dtype: torch.dtype = torch.float32,
+    scaling: RopeScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos(m * theta) and sin(m * theta) for every position m, laid out for `apply_rope`.
 
     positions: a tensor of any shape, usually (L,) or (B, L); integer, or float for
     interpolated positions. theta_i = base^(-2i / head_dim) for i < head_dim / 2 (RoFormer
     section 3.4.2). Angles are computed in float32 (float64 when `dtype` is float64), then
-    cast to `dtype`.
+    cast to `dtype`. scaling: a `RopeScaling` rule that changes theta_i (and, for YaRN, scales
+    cos and sin), or None for plain RoPE.
 
     Returns (cos, sin), each (*positions.shape, head_dim): frequency i sits at columns i and
     i + head_dim/2 for layout "half", at columns 2i and 2i + 1 for layout "interleaved".
@@ -70,15 +73,24 @@ def rope_cos_sin(
     base = check_base(base)
     _check_layout(layout)
     check_floating_dtype("dtype", dtype)
+    _check_scaling(scaling)
     compute_dtype = angle_dtype(dtype)
-    # Written as Hugging Face writes it, 1 / base^(2i/D), so float32 results agree bit for bit.
-    pair_index = torch.arange(0, head_dim, 2, dtype=compute_dtype, device=positions.device)
-    inverse_frequencies = 1.0 / (base ** (pair_index / head_dim))  # (D/2,)
+    if scaling is None:
+        # Written as Hugging Face writes it, 1 / base^(2i/D), so float32 results agree bit for bit.
+        pair_index = torch.arange(0, head_dim, 2, dtype=compute_dtype, device=positions.device)
+        inverse_frequencies = 1.0 / (base ** (pair_index / head_dim))  # (D/2,)
+    else:
+        inverse_frequencies = scaled_inverse_frequencies(
+            head_dim, base, scaling, positions=positions, dtype=compute_dtype
+        )  # (D/2,)
     angles = positions.to(compute_dtype).unsqueeze(-1) * inverse_frequencies  # (*P, D/2)
     if layout == "half":
         angles = torch.cat((angles, angles), dim=-1)  # (*P, D): frequency i at i and i + D/2
     else:
         angles = angles.repeat_interleave(2, dim=-1)  # (*P, D): frequency i at 2i and 2i + 1
+    if scaling is not None and scaling.attention_scale() != 1.0:
+        scale = scaling.attention_scale()
+        return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -112,13 +124,24 @@ class RotaryEmbedding(nn.Module):
     count (GQA/MQA). positions, (L,) or (B, L), gives the absolute position of each of the L
     tokens of both q and k (e.g. offset by the cache length when decoding); None means
     arange(L) and then q and k must have the same length. Returns (q_rotated, k_rotated).
+
+    scaling: a `qkv.positional.RopeScaling` rule for contexts longer than the training one
+    (position interpolation, dynamic NTK, YaRN, Llama 3), or None for plain RoPE.
     """
 
-    def __init__(self, head_dim: int, *, base: float = 10000.0, layout: str = "half") -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        *,
+        base: float = 10000.0,
+        layout: str = "half",
+        scaling: RopeScaling | None = None,
+    ) -> None:
         super().__init__()
         self.head_dim = check_even_dim("head_dim", head_dim)
         self.base = check_base(base)
         self.layout = _check_layout(layout)
+        self.scaling = _check_scaling(scaling)
         self._last: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # (key, cos, sin)
 
     def forward(
@@ -166,7 +189,12 @@ class RotaryEmbedding(nn.Module):
         if positions is None:
             positions = torch.arange(length, device=device)  # (L,)
         cos, sin = rope_cos_sin(
-            positions, self.head_dim, base=self.base, layout=self.layout, dtype=dtype
+            positions,
+            self.head_dim,
+            base=self.base,
+            layout=self.layout,
+            dtype=dtype,
+            scaling=self.scaling,
         )
         if cos.dim() == 3:  # (B, L, D) -> (B, 1, L, D): broadcast over heads
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -178,7 +206,8 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, base={self.base}, layout={self.layout!r}"
+        text = f"head_dim={self.head_dim}, base={self.base}, layout={self.layout!r}"
+        return text if self.scaling is None else f"{text}, scaling={self.scaling}"
 
 
 def _reuse_key(positions: torch.Tensor | None, length: int, device, dtype) -> tuple | None:
@@ -236,6 +265,14 @@ def _check_layout(layout: object) -> str:
     if layout not in LAYOUTS:
         raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
     return layout
+
+
+def _check_scaling(scaling: object) -> RopeScaling | None:
+    if scaling is not None and not isinstance(scaling, RopeScaling):
+        raise TypeError(
+            f"scaling: expected a qkv.positional.RopeScaling or None, got {type(scaling).__name__}"
+        )
+    return scaling
 
 
 def _check_heads(name: str, x: object, head_dim: int | None) -> None:

@@ -19,6 +19,10 @@ Mistral's sliding window: transformers 5.x builds it as `kv_idx > q_idx - slidin
 of the causal mask (masking_utils.sliding_window_overlay), i.e. query i sees keys
 i - W < j <= i: itself and the W - 1 keys before it. That is exactly qkv's `window=W`, so the
 number is carried over unchanged.
+
+RoPE scaling: config.json's `rope_parameters` (transformers 5) or `rope_scaling` (4.x) with a
+rope_type of "linear", "dynamic", "yarn" or "llama3" becomes `GPTConfig.rope_scaling` (see
+`qkv.positional.RopeScaling`) and is written back in both places; other types are refused.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from qkv.models.checkpoints import fields
 from qkv.models.checkpoints.core import CheckpointError, KeyMap
 from qkv.models.checkpoints.registry import Architecture, register
 from qkv.models.gpt import GPT, GPTConfig
+from qkv.positional import RopeScaling
 
 __all__ = ["gpt_config_from_llama", "llama_config", "llama_key_map", "mistral_config"]
 
@@ -84,6 +89,7 @@ def gpt_config_from_llama(config: dict) -> GPTConfig:
     _refuse_unsupported(config)
     heads = fields.integer(config, "num_attention_heads")
     attention_bias = fields.boolean(config, "attention_bias", False)
+    max_positions = fields.integer(config, "max_position_embeddings", 2048)
     return GPTConfig(
         vocab_size=fields.integer(config, "vocab_size"),
         embed_dim=fields.integer(config, "hidden_size"),
@@ -91,9 +97,10 @@ def gpt_config_from_llama(config: dict) -> GPTConfig:
         num_heads=heads,
         num_kv_heads=fields.optional_integer(config, "num_key_value_heads") or heads,
         ffn_dim=fields.integer(config, "intermediate_size"),
-        max_positions=fields.integer(config, "max_position_embeddings", 2048),
+        max_positions=max_positions,
         position="rope",
         rope_base=fields.number(_rope_parameters(config), "rope_theta", 10000.0),
+        rope_scaling=_rope_scaling(config, max_positions),
         norm="rmsnorm",
         norm_eps=fields.number(config, "rms_norm_eps", 1e-6),
         ffn="swiglu",
@@ -114,6 +121,21 @@ def _rope_parameters(config: dict) -> dict:
     return parameters
 
 
+def _rope_scaling(config: dict, max_positions: int) -> RopeScaling | None:
+    """The RoPE scaling rule of config.json, None for plain RoPE; CheckpointError otherwise."""
+    parameters = _rope_parameters(config)
+    if parameters.get("rope_type", parameters.get("type", "default")) == "default":
+        return None
+    kind = parameters.get("rope_type", parameters.get("type"))
+    if kind in ("yarn", "llama3") and "original_max_position_embeddings" in config:
+        # a top-level value (Phi-3's configs) wins over the one in rope_parameters
+        parameters["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+    try:
+        return RopeScaling.from_hf(parameters, max_positions=max_positions)
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"config.json: unsupported {error}") from error
+
+
 def _refuse_unsupported(config: dict) -> None:
     required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
     missing = [key for key in (*required, "intermediate_size") if key not in config]
@@ -122,10 +144,7 @@ def _refuse_unsupported(config: dict) -> None:
             f"config.json: missing {missing}; expected a Llama/Mistral config, got model_type "
             f"{config.get('model_type')!r}"
         )
-    rope_type = _rope_parameters(config).get("rope_type", _rope_parameters(config).get("type"))
     problems = []
-    if rope_type not in (None, "default"):
-        problems.append(f"rope_type={rope_type!r} (qkv implements 'default' RoPE only)")
     if config.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={config['hidden_act']!r} (expected 'silu': SwiGLU)")
     head_dim = fields.optional_integer(config, "head_dim")
@@ -150,6 +169,14 @@ def _check_llama_layout(config: GPTConfig, *, windowed: bool) -> None:
         problems.append(f"dropout={config.dropout} (Llama has attention dropout only; expected 0)")
     if windowed and config.bias:
         problems.append("bias=True (Mistral has no attention_bias; expected False)")
+    scaling = config.rope_scaling
+    dynamic = scaling is not None and scaling.kind == "dynamic"
+    if dynamic and scaling.original_max_positions != config.max_positions:
+        problems.append(
+            f"rope_scaling.original_max_positions={scaling.original_max_positions} (dynamic "
+            f"NTK in transformers starts at max_position_embeddings; expected "
+            f"{config.max_positions})"
+        )
     if windowed != (config.sliding_window is not None):
         want = "an int (Mistral)" if windowed else "None (Llama; use Mistral for a window)"
         problems.append(f"sliding_window={config.sliding_window!r} (expected {want})")
@@ -161,6 +188,10 @@ def _common_config(model: GPT) -> dict:
     config = model.config
     dtype = str(model.token_embedding.weight.dtype).removeprefix("torch.")
     rope = {"rope_theta": config.rope_base, "rope_type": "default"}
+    scaling = {}
+    if config.rope_scaling is not None:
+        scaling = {"rope_scaling": config.rope_scaling.to_hf()}
+        rope.update(scaling["rope_scaling"])
     return {
         "vocab_size": config.vocab_size,
         "hidden_size": config.embed_dim,
@@ -174,6 +205,7 @@ def _common_config(model: GPT) -> dict:
         "rms_norm_eps": config.norm_eps,
         "rope_parameters": rope,  # transformers 5
         "rope_theta": config.rope_base,  # transformers 4
+        **scaling,  # transformers 4
         "tie_word_embeddings": config.tie_embeddings,
         "attention_dropout": config.attention_dropout,
         "dtype": dtype,  # transformers 5
