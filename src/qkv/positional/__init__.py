@@ -5,11 +5,14 @@
 - Relative, inside attention: RoPE rotates queries and keys (`rope_cos_sin`, `apply_rope`,
   `RotaryEmbedding`; Su et al. 2021; `RopeScaling` stretches it past the training context),
   ALiBi biases the scores (`alibi_slopes`, `alibi_bias`; Press et al. 2022), passed to
-  `qkv.attention(..., bias=alibi_bias(...))`.
+  `qkv.attention(..., bias=alibi_bias(...))`; T5's bucketed bias (`T5RelativeBias`, Raffel et
+  al. 2020) and Shaw et al.'s relative keys (`ShawRelativeKeys`, 2018), as a bias or a
+  `score_mod` (qkv.positional.relative).
 """
 
 from qkv.positional.alibi import alibi_bias, alibi_slopes
 from qkv.positional.learned import LearnedPositionalEmbedding
+from qkv.positional.relative import ShawRelativeKeys, T5RelativeBias, t5_relative_bucket
 from qkv.positional.rope_scaling import ROPE_SCALING_KINDS, RopeScaling
 from qkv.positional.rotary import (
     RotaryEmbedding,
@@ -25,7 +28,9 @@ __all__ = [
     "ROPE_SCALING_KINDS",
     "RopeScaling",
     "RotaryEmbedding",
+    "ShawRelativeKeys",
     "SinusoidalPositionalEncoding",
+    "T5RelativeBias",
     "alibi_bias",
     "alibi_slopes",
     "apply_rope",
@@ -33,4 +38,5 @@ __all__ = [
     "interleaved_to_half_split",
     "rope_cos_sin",
     "sinusoidal_table",
+    "t5_relative_bucket",
 ]
