@@ -38,6 +38,7 @@ CLASSIC_FIGURES = [
     "scaling_comparison",
     "rope_vs_sinusoidal_decay",
     "alibi_biases",
+    "permutation_equivariance",
     "gelu_vs_relu",
 ]  # fmt: skip  (the figures of the "figures" section, in page order)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -74,6 +74,10 @@ CLASSIC_FIGURES: dict[str, tuple[str, Callable[[], dict]]] = {
     "scaling_comparison": ("Scaling by d_k vs sqrt(d_k) vs none", dict),
     "rope_vs_sinusoidal_decay": ("RoPE's decay vs sinusoidal encodings (Su et al. 2021)", dict),
     "alibi_biases": ("ALiBi's per-head linear biases (Press et al. 2022)", dict),
+    "permutation_equivariance": (
+        "Without positions, permuting the input permutes the output (Vaswani et al. 2017, s3.5)",
+        dict,
+    ),
     "gelu_vs_relu": ("GELU vs ReLU and their derivatives (Hendrycks & Gimpel 2016)", dict),
 }
 

@@ -13,7 +13,8 @@ no backend is chosen and no global state is touched; write it with `save_figure`
   structured masks).
 - Why sqrt(d_k) (Vaswani et al. 2017, s3.2.1): `softmax_scaling`, `softmax_saturation`
   ([a, a, 2a]), `scaling_comparison` (d_k vs sqrt(d_k) vs none).
-- Positions: `rope_vs_sinusoidal_decay` (Su et al. 2021), `alibi_biases` (Press et al. 2022).
+- Positions: `rope_vs_sinusoidal_decay` (Su et al. 2021), `alibi_biases` (Press et al. 2022),
+  `permutation_equivariance` (without positions, permuting the input permutes the output).
 - Activations: `gelu_vs_relu` (Hendrycks & Gimpel 2016).
 """
 
@@ -24,6 +25,7 @@ from pathlib import Path
 from qkv.analysis.plots.activations import gelu_vs_relu
 from qkv.analysis.plots.attention import attention_heatmaps, bidirectional_vs_causal, mask_gallery
 from qkv.analysis.plots.common import Figure
+from qkv.analysis.plots.equivariance import equivariance_gaps, permutation_equivariance
 from qkv.analysis.plots.positional import alibi_biases, rope_vs_sinusoidal_decay
 from qkv.analysis.plots.softmax import scaling_comparison, softmax_saturation, softmax_scaling
 
@@ -32,8 +34,10 @@ __all__ = [
     "alibi_biases",
     "attention_heatmaps",
     "bidirectional_vs_causal",
+    "equivariance_gaps",
     "gelu_vs_relu",
     "mask_gallery",
+    "permutation_equivariance",
     "rope_vs_sinusoidal_decay",
     "save_figure",
     "scaling_comparison",
