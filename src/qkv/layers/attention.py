@@ -30,7 +30,7 @@ from qkv.layers.linear import Linear
 from qkv.positional import RotaryEmbedding, alibi_bias
 from qkv.validation import check_positive_int, check_probability
 
-__all__ = ["MultiHeadAttention", "check_heads"]
+__all__ = ["MultiHeadAttention", "check_heads", "check_rope"]
 
 
 class MultiHeadAttention(nn.Module):
@@ -80,7 +80,7 @@ class MultiHeadAttention(nn.Module):
         self.head_dim = embed_dim // num_heads
         self.context_dim = context_dim
         self.dropout = check_probability("dropout", dropout)
-        self.rope = _check_rope(rope, self.head_dim)
+        self.rope = check_rope(rope, self.head_dim)
         if not isinstance(alibi, bool):
             raise TypeError(f"alibi: expected a bool, got {type(alibi).__name__} {alibi!r}")
         self.alibi = alibi
@@ -287,7 +287,10 @@ def check_heads(embed_dim: int, num_heads: int, num_kv_heads: int) -> None:
         )
 
 
-def _check_rope(rope: RotaryEmbedding | None, head_dim: int) -> RotaryEmbedding | None:
+def check_rope(
+    rope: RotaryEmbedding | None, head_dim: int, *, size: str = "embed_dim // num_heads"
+) -> RotaryEmbedding | None:
+    """`rope` is None or a rotary embedding built for `head_dim` (`size` says what that is)."""
     if rope is None:
         return None
     if not isinstance(rope, nn.Module):
@@ -297,8 +300,7 @@ def _check_rope(rope: RotaryEmbedding | None, head_dim: int) -> RotaryEmbedding 
     rope_dim = getattr(rope, "head_dim", head_dim)
     if rope_dim != head_dim:
         raise ValueError(
-            f"rope: built for head_dim={rope_dim}, expected head_dim={head_dim} "
-            f"(embed_dim // num_heads)"
+            f"rope: built for head_dim={rope_dim}, expected head_dim={head_dim} ({size})"
         )
     return rope
 

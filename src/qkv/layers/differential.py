@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from qkv.attention import attention
-from qkv.layers.attention import check_heads
+from qkv.layers.attention import check_heads, check_rope
 from qkv.layers.linear import Linear
 from qkv.layers.norms import RMSNorm
 from qkv.positional import RotaryEmbedding
@@ -89,7 +89,9 @@ class DifferentialAttention(nn.Module):
         self.head_dim = embed_dim // num_heads // 2  # d: one query/key half; values are 2d
         self.depth = check_positive_int("depth", depth)
         self.lambda_init = lambda_init(depth)
-        self.rope = _check_rope(rope, self.head_dim)
+        self.rope = check_rope(
+            rope, self.head_dim, size="embed_dim // num_heads // 2, the size of one query/key half"
+        )
         if not isinstance(bias, bool):
             raise TypeError(f"bias: expected a bool, got {describe(bias)}")
         if not isinstance(backend, str):
@@ -206,19 +208,3 @@ def _check_sizes(embed_dim: int, num_heads: int, num_kv_heads: int) -> None:
             f"embed_dim // (2 * num_heads))"
         )
     check_heads(embed_dim, num_heads, num_kv_heads)
-
-
-def _check_rope(rope: RotaryEmbedding | None, head_dim: int) -> RotaryEmbedding | None:
-    if rope is None:
-        return None
-    if not isinstance(rope, nn.Module):
-        raise TypeError(
-            f"rope: expected a qkv.positional.RotaryEmbedding or None, got {type(rope).__name__}"
-        )
-    rope_dim = getattr(rope, "head_dim", head_dim)
-    if rope_dim != head_dim:
-        raise ValueError(
-            f"rope: built for head_dim={rope_dim}, expected head_dim={head_dim} "
-            f"(embed_dim // num_heads // 2, the size of one query/key half)"
-        )
-    return rope

@@ -207,11 +207,8 @@ def _packed(config: BertConfig, input_ids, attention_mask, sequence_lengths):
             f"sequence_lengths: an input of {max(sequence_lengths)} tokens exceeds "
             f"max_positions={config.max_positions}"
         )
-    device = input_ids.device
-    starts = torch.tensor(pattern.query_offsets[:-1], device=device)
-    index = torch.arange(L, device=device)
-    positions = index - starts[torch.bucketize(index, starts, right=True) - 1]  # (L,)
-    return pattern, positions, starts
+    starts = torch.tensor(pattern.query_offsets[:-1], device=input_ids.device)
+    return pattern, pattern.positions(input_ids.device), starts  # positions (L,)
 
 
 def _check_inputs(

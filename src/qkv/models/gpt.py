@@ -259,8 +259,7 @@ def _packed(sequence_lengths, L: int, cache, position_ids, labels, device):
         )
     starts = torch.tensor(pattern.query_offsets[:-1], device=device)
     if position_ids is None:  # 0 .. n_s - 1 in each sequence
-        index = torch.arange(L, device=device)
-        position_ids = index - starts[torch.bucketize(index, starts, right=True) - 1]
+        position_ids = pattern.positions(device)
     if labels is not None:  # a sequence's first token is not predicted from the one before
         labels = labels.clone()
         labels[:, starts[1:]] = IGNORE_INDEX

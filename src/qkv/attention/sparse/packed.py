@@ -56,6 +56,13 @@ class Packed(SparsePattern):
             window=window,
         )
 
+    def positions(self, device=None) -> torch.Tensor:
+        """(L_q,) int64: each query's position within its own sequence, 0 .. n_s - 1."""
+        lengths = torch.tensor(self.query_offsets, device=device).diff()  # (S,)
+        starts = torch.tensor(self.query_offsets[:-1], device=device)
+        index = torch.arange(self.query_offsets[-1], device=device)
+        return index - starts.repeat_interleave(lengths)
+
     def rule(self, key_len, device=None):
         self._check_key_len(key_len)
         query_lengths = torch.tensor(self.query_offsets, device=device).diff()  # (S,)
