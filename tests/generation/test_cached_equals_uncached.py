@@ -45,6 +45,18 @@ def test_cached_logits_and_tokens_equal_recompute_on_a_left_padded_batch(preset)
     assert torch.equal(cached_tokens, expected_ids[:, ids.shape[1] :])
 
 
+@pytest.mark.parametrize("position", ["sinusoidal", "alibi", "t5", "none"])
+def test_cached_logits_equal_recompute_for_every_position_kind(position):
+    """Sinusoids added at each row's positions; ALiBi's and T5's biases over the cache, whose
+    left padding shifts no distance between real tokens; no positions at all."""
+    model = qkv_model("tiny-llama", position=position)
+    ids, mask = left_padded_prompts()
+    steps = list(decode_steps(model, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS))
+    cached_logits = torch.stack([s.logits for s in steps], dim=1)  # (B, new, V)
+    _, expected_logits = _recompute(model, ids, mask, NEW_TOKENS)
+    torch.testing.assert_close(cached_logits, expected_logits, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-llama"])
 def test_generate_stream_and_on_token_agree(preset):
     model = qkv_model(preset)

@@ -190,7 +190,7 @@ def test_incremental_text_holds_back_split_characters():
         (["--top-p", "1.5"], "top_p: expected a probability in (0, 1]"),
         (["--max-new-tokens", "-2"], "max_new_tokens: expected an int >= 0, got -2"),
         (["--max-new-tokens", "100"], "exceed the model's context of 64"),
-        (["--sinks", "2", "10"], "sinks: StreamingLLM caches re-rotate keys"),
+        (["--sinks", "2", "10"], "sinks: StreamingLLM caches give keys their position"),
     ],
 )
 def test_bad_arguments_print_one_error_line_and_exit_1(checkpoint, capsys, arguments, message):

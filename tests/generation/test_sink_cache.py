@@ -39,11 +39,16 @@ def _recompute_last_logits(model, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens).logits[:, -1]
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-llama-mqa"])
-def test_every_step_equals_a_recompute_over_sinks_and_window(preset):
+@pytest.mark.parametrize(
+    ("preset", "position"),
+    [("tiny-llama", "rope"), ("tiny-llama-mqa", "rope"), ("tiny-llama", "alibi"),
+     ("tiny-llama", "t5"), ("tiny-llama", "none")],
+)  # fmt: skip
+def test_every_step_equals_a_recompute_over_sinks_and_window(preset, position):
     """One layer; a 10-token prompt (longer than the 8-slot cache) and 60 new tokens: 70 in
-    all, past the model's context of 64 and 7.5 times the cache."""
-    model = qkv_model(preset, num_layers=1)
+    all, past the model's context of 64 and 7.5 times the cache. ALiBi's and T5's biases, like
+    RoPE, see the kept tokens at their cache positions."""
+    model = qkv_model(preset, num_layers=1, position=position)
     prompt = _prompt(10)
     new_tokens = 60
     assert prompt.shape[1] + new_tokens > model.config.max_positions
@@ -100,7 +105,7 @@ def test_memory_stays_constant_for_four_times_the_cache():
 
 def test_sinks_need_rotary_positions():
     model = qkv_model("tiny-gpt2")  # learned positions: a table indexed by absolute position
-    with pytest.raises(ValueError, match=r"sinks: .*RoPE.*'learned'"):
+    with pytest.raises(ValueError, match=r"sinks: .*inside attention.*'learned'"):
         generate(model, _prompt(4), max_new_tokens=3, sinks=(2, 6))
 
 

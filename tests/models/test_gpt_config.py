@@ -133,7 +133,7 @@ BASE = {"vocab_size": 10, "embed_dim": 8, "num_layers": 1, "num_heads": 2, "ffn_
         ({"vocab_size": 0}, ValueError, "vocab_size: expected a positive int, got 0"),
         ({"num_layers": True}, TypeError, "num_layers: expected a positive int, got bool"),
         ({"ffn_dim": 2.0}, TypeError, "ffn_dim: expected a positive int, got float"),
-        ({"position": "alibi"}, ValueError, r"position: expected one of \('learned', 'rope'\)"),
+        ({"position": "absolute"}, ValueError, r"position: expected one of \('learned', 'rope', "),
         ({"norm": "batchnorm"}, ValueError, "norm: expected one of"),
         ({"ffn": "relu"}, ValueError, r"ffn: expected one of \('gelu_tanh', 'swiglu'\)"),
         ({"embed_dim": 6}, ValueError, "head_dim = 6 // 2 = 3 is odd"),

@@ -278,11 +278,12 @@ def _check_call(config, input_ids, options: DecodeOptions) -> tuple[int, int]:
     _check_tokens(options, config.vocab_size, options.eos_token_id)
     B, L = input_ids.shape
     max_new_tokens = options.max_new_tokens
-    if options.sinks is None and L + max_new_tokens > config.max_positions:
+    context = config.context_length  # max_positions, or RoPE scaling's extended context
+    if options.sinks is None and L + max_new_tokens > context:
         raise ValueError(
             f"input_ids: {L} prompt tokens + max_new_tokens={max_new_tokens} exceed the model's "
-            f"context of {config.max_positions}; expected fewer, or sinks=(num_sinks, window) "
-            f"for StreamingLLM decoding"
+            f"context of {context}; expected fewer, or sinks=(num_sinks, window) for "
+            f"StreamingLLM decoding"
         )
     if options.sinks is not None:
         _check_sinks(config, options.sinks)
@@ -297,10 +298,11 @@ def _check_tokens(options: DecodeOptions, vocab_size: int, eos: int | None) -> N
 
 
 def _check_sinks(config, sinks) -> None:
-    if config.position != "rope":
+    if config.position in ("learned", "sinusoidal"):
         raise ValueError(
-            f"sinks: StreamingLLM caches re-rotate keys by their cache position, which needs "
-            f"RoPE; this model has {config.position!r} positions"
+            f"sinks: StreamingLLM caches give keys their position within the cache, which "
+            f"needs positions inside attention (rope, alibi, t5) or none; this model adds "
+            f"{config.position!r} positions to its embeddings"
         )
     if sinks[0] + sinks[1] > config.max_positions:
         raise ValueError(

@@ -108,8 +108,8 @@ class MultiHeadAttention(nn.Module):
         attention this layer computes, as `nn.Module.register_forward_hook` does around its
         forward: q (B, H, L_q, D) and k (B, H_kv, L_k, D) as attention receives them (after
         RoPE, over the whole cache when decoding), the mask, causal and window of the call, the
-        ALiBi bias (or None), whether it is cross-attention, and the call's sparse pattern (or
-        None). Returns a handle whose `remove()` unregisters the hook."""
+        score bias (ALiBi's plus the call's, or None), whether it is cross-attention, and the
+        call's sparse pattern (or None). Returns a handle whose `remove()` unregisters the hook."""
         if not callable(hook):
             raise TypeError(f"hook: expected a callable, got {type(hook).__name__}")
         handle = RemovableHandle(self._attention_hooks)
@@ -128,6 +128,7 @@ class MultiHeadAttention(nn.Module):
         return_weights: bool = False,
         cache: LayerCache | CrossAttentionCache | None = None,
         pattern: SparsePattern | None = None,
+        bias: torch.Tensor | Callable[[int, int], torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend from `x` (B, L_q, E) to itself, or to `context` (B, L_k, context_dim).
 
@@ -140,6 +141,10 @@ class MultiHeadAttention(nn.Module):
         tokens); cross-attention computes the context's keys and values once into a
         `CrossAttentionCache`.
         pattern: a sparse pattern (`qkv.sparse`), e.g. `Packed` for sequences packed along L.
+        bias: an additive score bias broadcast to (B, H, L_q, L_k), over every key attended to
+            (the cached ones too), or a callable (L_q, L_k) -> such a bias, called once the
+            cache has set L_k: e.g. T5's relative bias, `qkv.positional.T5RelativeBias`, whose
+            offsets align the queries with the last keys. Added to ALiBi's when both are on.
 
         Returns the output (B, L_q, E), or (output, weights (B, H, L_q, L_k)) if return_weights;
         the weights are computed only then (`qkv.attention` then picks a backend that has them).
@@ -166,7 +171,9 @@ class MultiHeadAttention(nn.Module):
             if self.rope is not None:
                 q, k = self.rope(q, k, positions=positions)
         L_k = k.shape[2]
-        bias = self._alibi_bias(L_q, L_k, q)
+        if callable(bias):
+            bias = bias(L_q, L_k)
+        bias = _sum_biases(self._alibi_bias(L_q, L_k, q), bias)
         if self._attention_hooks:  # they see the post-RoPE q and k of every call, cached or not
             cross = context is not None
             for hook in list(self._attention_hooks.values()):
@@ -259,6 +266,12 @@ class MultiHeadAttention(nn.Module):
                 "positions: given, but this layer has no rope to use them; expected "
                 "positions=None, or a layer built with rope=RotaryEmbedding(...)"
             )
+
+
+def _sum_biases(alibi: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor | None:
+    if alibi is None or bias is None:
+        return bias if alibi is None else alibi
+    return alibi + bias
 
 
 def _check_sizes(

@@ -1,6 +1,6 @@
 """`GPT`: the decoder-only language model (GPT-2, Llama, Mistral) in one code path.
 
-    x_0 = token_embedding(input_ids) [+ position_embedding(positions)]
+    x_0 = token_embedding(input_ids) [+ position_embedding(positions)]    learned, sinusoidal
     x_l = x_{l-1} + SelfAttention_causal(norm(x_{l-1}))        pre-norm (Xiong et al. 2020)
     x_l = x_l + FFN(norm(x_l))
     logits = lm_head(final_norm(x_N))                          lm_head = token_embedding^T if tied
@@ -39,7 +39,12 @@ from qkv.models.outputs import CausalLMOutput
 from qkv.models.pretrained import PretrainedIO
 from qkv.models.serialization import register_model_class
 from qkv.models.sizes import check_model_fits
-from qkv.positional import LearnedPositionalEmbedding, RotaryEmbedding
+from qkv.positional import (
+    LearnedPositionalEmbedding,
+    RotaryEmbedding,
+    SinusoidalPositionalEncoding,
+    T5RelativeBias,
+)
 
 __all__ = ["GPT", "GPTBlock", "GPTConfig", "make_ffn", "make_norm", "make_rope", "next_token_loss"]
 
@@ -68,6 +73,27 @@ def make_rope(config: GPTConfig) -> RotaryEmbedding | None:
             config.head_dim, base=config.rope_base, layout="half", scaling=config.rope_scaling
         )
     return None
+
+
+def make_position_embedding(config: GPTConfig) -> nn.Module | None:
+    """What is added to the token embeddings: a learned table (GPT-2) or the sinusoids of
+    Vaswani et al. 2017 (s3.5, computed past the table on the fly); None for the kinds that act
+    inside attention (rope, alibi, t5) and for "none"."""
+    if config.position == "learned":
+        return LearnedPositionalEmbedding(config.max_positions, config.embed_dim)
+    if config.position == "sinusoidal":
+        return SinusoidalPositionalEncoding(config.embed_dim, config.max_positions)
+    return None
+
+
+def make_relative_bias(config: GPTConfig) -> T5RelativeBias | None:
+    """T5's causal bucketed bias (Raffel et al. 2020, s2.1), one table for all the layers."""
+    if config.position != "t5":
+        return None
+    return T5RelativeBias(
+        config.num_heads, bidirectional=False, num_buckets=config.relative_buckets,
+        max_distance=config.relative_max_distance,
+    )  # fmt: skip
 
 
 def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -103,6 +129,7 @@ class GPTBlock(nn.Module):
             bias=config.bias,
             dropout=config.attention_dropout,
             rope=make_rope(config) if rope is None else rope,  # a shared one, or its own
+            alibi=config.position == "alibi",
         )
         self.ffn_norm = make_norm(config)
         self.ffn = make_ffn(config)
@@ -117,16 +144,18 @@ class GPTBlock(nn.Module):
         positions: torch.Tensor | None = None,
         cache: LayerCache | None = None,
         pattern: SparsePattern | None = None,
+        bias=None,
     ) -> torch.Tensor:
         """x (B, L, E) -> (B, L, E). mask: a qkv key mask (B, 1, 1, L_k), True = real token.
         positions: (L,) or (B, L) for RoPE; None means 0 .. L - 1. cache: this layer's KV
         cache when decoding (x then holds only the new tokens). pattern: a sparse pattern
-        (`qkv.sparse.Packed` for sequences packed along L), intersected with causal."""
+        (`qkv.sparse.Packed` for sequences packed along L), intersected with causal. bias: a
+        score bias or a callable (L_q, L_k) -> bias (`MultiHeadAttention`'s), e.g. T5's."""
 
         def attend(h: torch.Tensor) -> torch.Tensor:
             return self.self_attn(
                 h, mask=mask, causal=True, window=self.window, positions=positions, cache=cache,
-                pattern=pattern,
+                pattern=pattern, bias=bias,
             )  # fmt: skip
 
         x = pre_norm(x, attend, self.attn_norm, self.dropout)
@@ -136,8 +165,9 @@ class GPTBlock(nn.Module):
 class GPT(PretrainedIO, nn.Module):
     """Decoder-only Transformer language model: GPT-2, Llama or Mistral by its `GPTConfig`.
 
-    Submodules: token_embedding (V, E), position_embedding (learned positions only, else None),
-    dropout, blocks (num_layers `GPTBlock`s), final_norm, lm_head (E -> V, no bias; its weight
+    Submodules: token_embedding (V, E), position_embedding (learned or sinusoidal positions,
+    else None), relative_bias (T5's, shared by the layers, else None), dropout, blocks
+    (num_layers `GPTBlock`s), final_norm, lm_head (E -> V, no bias; its weight
     is token_embedding.weight when config.tie_embeddings).
 
     Load and save Hugging Face checkpoints (GPT2LMHeadModel, LlamaForCausalLM,
@@ -151,11 +181,8 @@ class GPT(PretrainedIO, nn.Module):
         check_model_fits(config)  # before allocating: sizes may come from a file
         self.config = config
         self.token_embedding = nn.Embedding(config.vocab_size, config.embed_dim)
-        self.position_embedding = (
-            LearnedPositionalEmbedding(config.max_positions, config.embed_dim)
-            if config.position == "learned"
-            else None
-        )
+        self.position_embedding = make_position_embedding(config)
+        self.relative_bias = make_relative_bias(config)
         self.dropout = make_dropout(config.dropout)
         rope = make_rope(config)  # one, shared: its angles are computed once per forward
         self.blocks = nn.ModuleList(GPTBlock(config, rope) for _ in range(config.num_layers))
@@ -174,6 +201,8 @@ class GPT(PretrainedIO, nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding, LearnedPositionalEmbedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
+        if self.relative_bias is not None:  # T5's tables start at 0: no position preference
+            nn.init.zeros_(self.relative_bias.relative_attention_bias.weight)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
         residual_std = std / (2 * self.config.num_layers) ** 0.5
@@ -224,17 +253,20 @@ class GPT(PretrainedIO, nn.Module):
             sequence_lengths, L, cache, position_ids, labels, input_ids.device
         )
         x = self.token_embedding(input_ids)  # (B, L, E)
-        rope_positions = position_ids
+        # RoPE rotates at the positions; ALiBi's and T5's biases need only the keys' order
+        rope_positions = position_ids if self.config.position == "rope" else None
         if self.position_embedding is not None:
             positions = (  # (L,) or (B, L)
                 torch.arange(L, device=input_ids.device) if position_ids is None else position_ids
             )
-            x = x + self.position_embedding(positions)  # (B, L, E)
-            rope_positions = None  # added once here; attention itself needs none
+            x = x + self.position_embedding(positions)  # (B, L, E): added once, here
         x = self.dropout(x)
         for index, block in enumerate(self.blocks):
             layer_cache = None if cache is None else cache.layer(index)
-            x = block(x, mask=mask, positions=rope_positions, cache=layer_cache, pattern=pattern)
+            x = block(
+                x, mask=mask, positions=rope_positions, cache=layer_cache, pattern=pattern,
+                bias=self.relative_bias,
+            )  # fmt: skip
         if cache is not None:
             cache.advance(L)
         hidden = self.final_norm(x)  # (B, L, E)

@@ -28,7 +28,8 @@ from qkv.validation import check_positive_int, check_probability
 
 __all__ = ["FFN_KINDS", "GPTConfig", "NORM_KINDS", "POSITION_KINDS", "PRESETS"]
 
-POSITION_KINDS = ("learned", "rope")
+# "none": no positions at all (causal masking alone orders the tokens; Haviv et al. 2022).
+POSITION_KINDS = ("learned", "rope", "sinusoidal", "alibi", "t5", "none")
 NORM_KINDS = ("layernorm", "rmsnorm")
 FFN_KINDS = ("gelu_tanh", "swiglu")
 
@@ -39,13 +40,15 @@ class GPTConfig:
 
     vocab_size V, embed_dim E, num_layers, num_heads H, num_kv_heads H_kv (None: = H, plain
     MHA; 1 < H_kv < H: GQA; 1: MQA), ffn_dim (the FFN's hidden width), max_positions (the
-    learned table's rows, or the trained context length with RoPE), position / norm / ffn (the
-    component kinds above), rope_base (theta of RoPE), rope_scaling (None, or a
-    `qkv.positional.RopeScaling` rule for contexts past the training one; a dict of its fields
-    or a Hugging Face `rope_scaling` dict is converted to one), norm_eps, bias (on every
-    projection and LayerNorm), tie_embeddings (lm_head shares the token embedding),
-    sliding_window (None, or W: each query sees itself and the W - 1 keys before it), dropout
-    (embeddings and residual branches) and attention_dropout (attention weights).
+    learned or sinusoidal table's rows, or the trained context length with RoPE), position /
+    norm / ffn (the component kinds above), relative_buckets and relative_max_distance (T5's
+    bias: `qkv.positional.T5RelativeBias`, causal), rope_base (theta of RoPE), rope_scaling
+    (None, or a `qkv.positional.RopeScaling` rule for contexts past the training one, which
+    `context_length` reports; a dict of its fields or a Hugging Face `rope_scaling` dict is
+    converted to one), norm_eps, bias (on every projection and LayerNorm), tie_embeddings
+    (lm_head shares the token embedding), sliding_window (None, or W: each query sees itself
+    and the W - 1 keys before it), dropout (embeddings and residual branches) and
+    attention_dropout (attention weights).
     """
 
     vocab_size: int
@@ -56,6 +59,8 @@ class GPTConfig:
     num_kv_heads: int | None = None
     max_positions: int = 2048
     position: str = "rope"
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
     rope_base: float = 10000.0
     rope_scaling: RopeScaling | None = None
     norm: str = "rmsnorm"
@@ -71,6 +76,14 @@ class GPTConfig:
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "ffn_dim"):
             check_positive_int(name, getattr(self, name))
         check_positive_int("max_positions", self.max_positions)
+        check_positive_int("relative_buckets", self.relative_buckets)
+        check_positive_int("relative_max_distance", self.relative_max_distance)
+        if self.relative_max_distance <= self.relative_buckets // 2:
+            raise ValueError(
+                f"relative_max_distance: expected more than relative_buckets // 2 = "
+                f"{self.relative_buckets // 2} (the buckets of one distance each), got "
+                f"{self.relative_max_distance}"
+            )
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)  # frozen: resolve once
         check_positive_int("num_kv_heads", self.num_kv_heads)
@@ -92,6 +105,18 @@ class GPTConfig:
     def head_dim(self) -> int:
         """D = E // H, the width of one attention head."""
         return self.embed_dim // self.num_heads
+
+    @property
+    def context_length(self) -> int:
+        """The tokens one sequence may hold: max_positions, or with RoPE scaling the extended
+        context factor * L_orig (L_orig: original_max_positions, else max_positions) when that
+        is longer. Llama 3.1 (max_positions 131072 = 16 * 8192, factor 8) keeps 131072; a
+        linear factor of 4 on a 4096-token model gives 16384 (Chen et al. 2023)."""
+        scaling = self.rope_scaling
+        if scaling is None:
+            return self.max_positions
+        original = scaling.original_max_positions or self.max_positions
+        return max(self.max_positions, int(scaling.factor * original))
 
     @classmethod
     def from_name(cls, name: str, **overrides: object) -> GPTConfig:

@@ -176,10 +176,14 @@ def _gpt_parts(config) -> list[SizePart]:
     matrices = 3 if config.ffn == "swiglu" else 2
     ffn = matrices * E * F + (((matrices - 1) * F + E) if config.bias else 0)
     tables = 1 if config.tie_embeddings else 2
-    positions = config.max_positions * E if config.position == "learned" else 0
+    positions, position_part = config.max_positions * E, f"max_positions={config.max_positions}"
+    if config.position == "t5":
+        positions, position_part = config.relative_buckets * config.num_heads, "T5 buckets"
+    elif config.position != "learned":
+        positions = 0
     return [
         SizePart(f"vocab_size={V} token embedding (embed_dim={E})", tables * V * E),
-        SizePart(f"max_positions={config.max_positions} learned positions", positions),
+        SizePart(f"{position_part} position parameters", positions),
         SizePart(
             f"num_layers={N} blocks (embed_dim={E}, ffn_dim={F})",
             N * (attention + ffn + 2 * norm) + norm,

@@ -154,7 +154,8 @@ def cost_report(
     batch: int = 1,
 ) -> CostReport:
     """The cost of `model` (a preset name, a checkpoint folder or config.json, or a config) at
-    `context` tokens (default: the model's max_positions), for `batch` sequences of `dtype`
+    `context` tokens (default: the model's context, max_positions or the longer one RoPE
+    scaling gives), for `batch` sequences of `dtype`
     ("fp32", "fp16", "bf16") elements. Pure arithmetic: no weights are built or read."""
     name, config = resolve_model(model)
     layout = layout_of(config)

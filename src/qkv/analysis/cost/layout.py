@@ -127,7 +127,8 @@ class ModelLayout:
 
     family: "decoder-only", "encoder-only" or "encoder-decoder". head_vocab_size: the width of
     the output projection (0 without one); head_parameters: its weights when not tied to an
-    embedding. pooler_parameters: BERT's tanh pooler over [CLS] (E^2 + E).
+    embedding. pooler_parameters: BERT's tanh pooler over [CLS] (E^2 + E). max_positions: the
+    tokens one sequence may hold (a GPT's `context_length`: RoPE scaling extends it).
     """
 
     family: str
@@ -194,13 +195,13 @@ def _gpt_layout(config: GPTConfig) -> ModelLayout:
     ffn = FFNLayout(
         embed_dim=E, hidden_dim=config.ffn_dim, gated=config.ffn == "swiglu", bias=config.bias
     )
-    positions = config.max_positions * E if config.position == "learned" else 0
+    positions = _gpt_position_parameters(config)
     decoder = StackLayout(
         num_layers=config.num_layers, num_blocks=config.num_layers, self_attention=attention,
         ffn=ffn, norm_parameters=2 * norm, final_norm_parameters=norm, causal=True,
     )  # fmt: skip
     return ModelLayout(
-        family="decoder-only", vocab_size=V, embed_dim=E, max_positions=config.max_positions,
+        family="decoder-only", vocab_size=V, embed_dim=E, max_positions=config.context_length,
         embedding_parameters=V * E + positions, encoder=None, decoder=decoder,
         head_vocab_size=V, head_parameters=0 if config.tie_embeddings else V * E,
     )  # fmt: skip
@@ -263,3 +264,12 @@ _BUILDERS = {
     BertConfig: _bert_layout,
     TransformerConfig: _transformer_layout,
 }
+
+
+def _gpt_position_parameters(config: GPTConfig) -> int:
+    """A learned table's max_positions * E, T5's shared buckets * H, else 0."""
+    if config.position == "learned":
+        return config.max_positions * config.embed_dim
+    if config.position == "t5":
+        return config.relative_buckets * config.num_heads
+    return 0
