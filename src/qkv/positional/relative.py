@@ -5,8 +5,8 @@
   ones share logarithmically wider buckets up to `max_distance`, beyond which all share the
   last; an encoder tells the two directions apart (half the buckets each), a decoder sees only
   j <= i. `T5RelativeBias` gives the bias as a dense (1, H, L_q, L_k) tensor (`bias=` of
-  `qkv.attention`, with a gradient) or as a `score_mod` that the tiled path and FlexAttention
-  evaluate tile by tile.
+  `qkv.attention`) or as a `score_mod` that the tiled path and FlexAttention evaluate tile by
+  tile; both give the table its gradient.
 - Shaw et al. 2018 (s3.1, eq. 4): the score gains q_i . a_{clip(j - i, k)}, a learned key vector
   per clipped offset in [-k, k]. `ShawRelativeKeys` precomputes q . a for the 2k + 1 offsets,
   (B, H, L_q, 2k + 1), and turns it into the (B, H, L_q, L_k) bias or a `score_mod` that reads
@@ -101,8 +101,12 @@ class T5RelativeBias(nn.Module):
 
     def score_mod(self, L_q: int, L_k: int):
         """score + bias[h, bucket(j - i')] per score (FlexAttention's signature), without an
-        L_q x L_k tensor; the table enters as a constant (train through `forward`)."""
-        table = self.relative_attention_bias.weight.detach()  # (num_buckets, H)
+        L_q x L_k tensor. Made with gradients enabled, the table gets its gradient from the
+        tiled backend, which differentiates what a score_mod captures; made under no_grad it
+        is a constant (torch 2.13's CPU FlexAttention fails to compile a captured tensor that
+        requires a gradient, and has no backward anyway)."""
+        table = self.relative_attention_bias.weight  # (num_buckets, H)
+        table = table if torch.is_grad_enabled() else table.detach()
         shift = L_k - L_q
 
         def add_bias(score, batch, head, q_idx, k_idx):
@@ -140,9 +144,9 @@ class ShawRelativeKeys(nn.Module):
 
     def score_mod(self, q: torch.Tensor, L_k: int, *, scale: float | None = None):
         """The same term per score, read from the (B, H, L_q, 2k + 1) table (FlexAttention's
-        signature); the table is a constant there (train through `forward`)."""
+        signature); gradients reach q and the relative keys through the table."""
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        table = self._scores(q, scale).detach()  # (B, H, L_q, 2k + 1)
+        table = self._scores(q, scale)  # (B, H, L_q, 2k + 1)
         shift = L_k - q.shape[2]
 
         def add_relative_key(score, batch, head, q_idx, k_idx):

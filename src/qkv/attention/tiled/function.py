@@ -7,6 +7,7 @@ that saves only the inputs, the output and the log-sum-exp (FlashAttention-2, se
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -81,7 +82,9 @@ def flash_attention(
         bias: additive scores, 2-D or 4-D broadcastable to (B, H, L_q, L_k); gets a gradient.
         score_mod: f(score, batch, head, q_idx, k_idx) -> score, applied elementwise after the
             bias with broadcastable index tensors, e.g. ALiBi as
-            `lambda s, b, h, i, j: s - slopes[h] * (i - j).abs()`; differentiated per tile.
+            `lambda s, b, h, i, j: s - slopes[h] * (i - j).abs()`; differentiated per tile,
+            and the tensors it closes over that require a gradient (a learned bias table such
+            as T5's) get theirs, as in FlexAttention.
         lengths: (B,) valid keys per batch row (padding without an L x L mask).
         query_lengths: (B,) valid queries per batch row; given, causal, windows and sinks align
             each row's last real query with its last real key (FlashAttention's varlen rule),
@@ -125,7 +128,8 @@ def flash_attention(
         mask=mask,
         trace=check_callable("trace", trace),
     )
-    output, lse = _FlashAttention.apply(q, k, v, bias, settings)
+    captured = kernels.captured_tensors(settings.score_mod) if torch.is_grad_enabled() else ()
+    output, lse = _FlashAttention.apply(q, k, v, bias, settings, *captured)
     return (output, lse) if return_lse else output
 
 
@@ -155,7 +159,9 @@ def flash_backend_call(request: AttentionRequest) -> torch.Tensor:
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bias, settings: Settings):
+    def forward(ctx, q, k, v, bias, settings: Settings, *captured):
+        # captured: what settings.score_mod reads and needs a gradient; it reads them itself
+        ctx.captured = captured
         problem = _problem(q, k, v, bias, settings)
         out_rows, lse_rows = kernels.forward(problem, settings.trace)
         ctx.save_for_backward(q, k, v, bias, out_rows, lse_rows)
@@ -169,15 +175,15 @@ class _FlashAttention(torch.autograd.Function):
     def backward(ctx, d_output, _d_lse):
         q, k, v, bias, out_rows, lse_rows = ctx.saved_tensors
         settings: Settings = ctx.settings
-        problem = _problem(q, k, v, bias, settings)
+        problem = dataclasses.replace(_problem(q, k, v, bias, settings), captured=ctx.captured)
         d_out_rows = kernels.to_rows(d_output.to(out_rows.dtype), k.shape[1])
-        d_q_rows, d_k, d_v, d_bias = kernels.backward(
+        d_q_rows, d_k, d_v, d_bias, d_captured = kernels.backward(
             problem, out_rows, lse_rows, d_out_rows, need_bias_grad=ctx.needs_input_grad[3]
         )
         d_q = kernels.from_rows(d_q_rows * settings.scale, problem.group).to(q.dtype)
         if d_bias is not None:
             d_bias = d_bias.reshape(bias.shape).to(bias.dtype)
-        return d_q, d_k.to(k.dtype), d_v.to(v.dtype), d_bias, None
+        return d_q, d_k.to(k.dtype), d_v.to(v.dtype), d_bias, None, *d_captured
 
 
 def _problem(q, k, v, bias, settings: Settings) -> kernels.Problem:

@@ -53,6 +53,7 @@ class Problem:
     score_mod: ScoreMod | None
     dropout_p: float
     seed: int
+    captured: tuple[torch.Tensor, ...] = ()  # tensors score_mod reads that need a gradient
 
     def rows(self, start: int, end: int) -> slice:
         return slice(start * self.group, end * self.group)
@@ -89,13 +90,41 @@ def _score_mod_indices(problem: Problem, q_start: int, q_end: int, k_start: int,
     return batch, head.view(1, H_kv, 1, G, 1), q_idx, k_idx
 
 
+def captured_tensors(score_mod: ScoreMod | None) -> tuple[torch.Tensor, ...]:
+    """The tensors a score_mod closes over that need a gradient (a learned bias table), found
+    in its closure and in those of the functions it closes over, as FlexAttention finds the
+    buffers its score_mod captures; each once, in the order met."""
+    found: dict[int, torch.Tensor] = {}
+    pending, seen = [score_mod], set()
+    while pending:
+        function = pending.pop()
+        if id(function) in seen:
+            continue
+        seen.add(id(function))
+        for cell in getattr(function, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # a cell not yet filled
+                continue
+            if isinstance(value, torch.Tensor):
+                if value.requires_grad:
+                    found.setdefault(id(value), value)
+            elif callable(value):
+                pending.append(value)
+    return tuple(found.values())
+
+
+TileChainRule = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, tuple]]
+
+
 def tile_scores(
     problem: Problem, q_start: int, q_end: int, k_start: int, k_end: int, tile: Tile
-) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]]:
+) -> tuple[torch.Tensor, TileChainRule]:
     """Scores of one tile, (B, H_kv, bq * G, bk), masked with -inf; and their chain rule.
 
-    The second result maps d(masked scores) to (d(q k^T * scale), d(bias)), undoing the
-    score_mod (by autograd on the tile) and the soft-cap (d tanh = 1 - tanh^2).
+    The second result maps d(masked scores) to (d(q k^T * scale), d(bias), d(captured)),
+    undoing the score_mod (by autograd on the tile, which also gives the gradient of the
+    tensors it captured) and the soft-cap (d tanh = 1 - tanh^2).
     """
     rows = problem.rows(q_start, q_end)
     raw = problem.q_rows[:, :, rows] @ problem.k[:, :, k_start:k_end].transpose(-1, -2)
@@ -122,12 +151,14 @@ def tile_scores(
         masked = masked.masked_fill(~visible, float("-inf"))
     masked = masked.reshape(raw.shape)  # (B, H_kv, bq * G, bk)
 
-    def chain_rule(d_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def chain_rule(d_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple]:
         d_bias = d_scores.view(B, H_kv, q_end - q_start, problem.group, bk)
+        d_captured: tuple = ()
         if before_mod is not None:
-            (d_bias,) = torch.autograd.grad(modded, before_mod, d_bias)
+            inputs = (before_mod, *problem.captured)
+            d_bias, *d_captured = torch.autograd.grad(modded, inputs, d_bias, allow_unused=True)
         d_raw = d_bias if tanh is None else d_bias * (1 - tanh * tanh)
-        return d_raw.reshape(B, H_kv, n_rows, bk), d_bias
+        return d_raw.reshape(B, H_kv, n_rows, bk), d_bias, tuple(d_captured)
 
     return masked, chain_rule
 
@@ -175,14 +206,16 @@ def backward(
     lse_rows: torch.Tensor,
     d_out_rows: torch.Tensor,
     need_bias_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, list]:
     """Recompute each tile's probabilities from the log-sum-exp (FlashAttention-2, Alg. 2).
 
-    Returns d(q_rows) with respect to the *scaled* queries, dk, dv, and d(bias) (or None).
+    Returns d(q_rows) with respect to the *scaled* queries, dk, dv, d(bias) (or None), and the
+    gradients of the score_mod's captured tensors (summed over tiles; None where unused).
     """
     q_rows, k, v, plan = problem.q_rows, problem.k, problem.v, problem.plan
     d_q_rows, d_k, d_v = torch.zeros_like(q_rows), torch.zeros_like(k), torch.zeros_like(v)
     d_bias = torch.zeros_like(problem.bias) if need_bias_grad else None
+    d_captured: list[torch.Tensor | None] = [None] * len(problem.captured)
     delta = (d_out_rows * out_rows).sum(dim=-1, keepdim=True)  # D_i = rowsum(dO * O)
     lse_finite = lse_rows.masked_fill(lse_rows == float("-inf"), 0.0)  # empty rows: P = 0
     query_blocks = plan.query_blocks()
@@ -199,12 +232,16 @@ def backward(
             d_v[:, :, k_start:k_end] += kept.transpose(-1, -2) @ d_out_rows[:, :, rows]
             d_probs = _dropout(problem, qi, kj, d_probs)
             d_scores = probs * (d_probs - delta[:, :, rows])  # dS = P * (dP - D)
-            d_raw, d_bias_tile = chain_rule(d_scores)
+            d_raw, d_bias_tile, d_captured_tile = chain_rule(d_scores)
+            for index, grad in enumerate(d_captured_tile):
+                if grad is not None:
+                    previous = d_captured[index]
+                    d_captured[index] = grad if previous is None else previous + grad
             d_q_rows[:, :, rows] += d_raw @ k_tile
             d_k[:, :, k_start:k_end] += d_raw.transpose(-1, -2) @ q_rows[:, :, rows]
             if d_bias is not None:
                 _accumulate(tile_of(d_bias, q_start, q_end, k_start, k_end), d_bias_tile)
-    return d_q_rows, d_k, d_v, d_bias
+    return d_q_rows, d_k, d_v, d_bias, d_captured
 
 
 def _by_key_block(tiles: list[list[tuple[int, Tile]]], num_key_blocks: int):
