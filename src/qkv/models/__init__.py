@@ -3,6 +3,7 @@
 - `Transformer` (+ `TransformerConfig`): the encoder-decoder of "Attention Is All You Need".
 - `BertModel`, `BertForPreTraining`, `BertForSequenceClassification` (+ `BertConfig`).
 - `GPT` (+ `GPTConfig`): decoder-only, one code path for the GPT-2, Llama, Mistral and MQA presets.
+- `T5Transformer` (+ `T5Config`): T5 and T5 v1.1, with relative position biases.
 
 One calling convention: `model(input_ids, attention_mask=None, ...)`, the mask (B, L) with
 1/True on real tokens; a small dataclass comes back (`qkv.models.outputs`).
@@ -17,6 +18,8 @@ from qkv.models.encoder_decoder import Transformer, TransformerConfig, shift_rig
 from qkv.models.gpt import GPT, GPTBlock
 from qkv.models.gpt_config import GPTConfig
 from qkv.models.serialization import load, save
+from qkv.models.t5 import T5Transformer
+from qkv.models.t5_config import T5Config
 
 __all__ = [
     "BertConfig",
@@ -27,6 +30,8 @@ __all__ = [
     "GPT",
     "GPTBlock",
     "GPTConfig",
+    "T5Config",
+    "T5Transformer",
     "Transformer",
     "TransformerConfig",
     "from_pretrained",

@@ -70,6 +70,7 @@ _MODULES_THAT_REGISTER = (
     "qkv.models.encoder_decoder",
     "qkv.models.bert_heads",
     "qkv.models.gpt",
+    "qkv.models.t5",
 )
 
 

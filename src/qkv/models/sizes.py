@@ -28,6 +28,7 @@ import torch
 from qkv.models.bert_config import BertConfig
 from qkv.models.encoder_decoder_config import TransformerConfig
 from qkv.models.gpt_config import GPTConfig
+from qkv.models.t5_config import T5Config, t5_parameter_count
 
 __all__ = [
     "FALLBACK_MEMORY_BYTES",
@@ -69,11 +70,12 @@ class SizePart:
 
 
 def size_parts(config: object) -> list[SizePart]:
-    """The parts of the model a `GPTConfig`, `BertConfig` or `TransformerConfig` builds."""
+    """The parts of the model a `GPTConfig`, `BertConfig`, `TransformerConfig` or `T5Config`
+    builds."""
     parts = _parts_function(config)
     if parts is None:
         raise TypeError(
-            f"config: expected a GPTConfig, BertConfig or TransformerConfig, got "
+            f"config: expected a GPTConfig, BertConfig, TransformerConfig or T5Config, got "
             f"{type(config).__name__}"
         )
     return parts(config)
@@ -89,6 +91,7 @@ def _parts_function(config: object):
         (GPTConfig, _gpt_parts),
         (BertConfig, _bert_parts),
         (TransformerConfig, _transformer_parts),
+        (T5Config, _t5_parts),
     ):
         if isinstance(config, config_class):
             return parts
@@ -227,3 +230,12 @@ def _transformer_parts(config) -> list[SizePart]:
         SizePart(f"num_decoder_layers={N_dec} decoder blocks ({sizes})",
                  N_dec * (2 * attention + ffn + 6 * E) + 2 * E, N_dec * BLOCK_OBJECT_BYTES),
     ]  # fmt: skip
+
+
+def _t5_parts(config) -> list[SizePart]:
+    """qkv.models.T5Transformer, counted whole (`t5_parameter_count`)."""
+    what = (
+        f"vocab_size={config.vocab_size}, d_model={config.d_model}, d_ff={config.d_ff}, "
+        f"num_layers={config.num_layers} + {config.num_decoder_layers} T5"
+    )
+    return [SizePart(what, t5_parameter_count(config))]

@@ -3,7 +3,7 @@
 - `core`: reading config.json and tokenizer.json, checking and copying tensors (`KeyMap`,
   `load_into`), writing a folder; `fields`: typed reads of config.json values;
   `weight_files`: which files hold the weights (an index, or model.safetensors alone).
-- `registry`: the architectures qkv reads and writes; `bert`, `gpt2`, `llama` register theirs
+- `registry`: the architectures qkv reads and writes; `bert`, `gpt2`, `llama`, `t5` register theirs
   with their key maps.
 - `pretrained`: `from_pretrained(path)` and `save_pretrained(model, path)`.
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from torch import nn
 
-from qkv.models.checkpoints import bert, gpt2, llama  # noqa: F401  (they register themselves)
+from qkv.models.checkpoints import bert, gpt2, llama, t5  # noqa: F401  (they register themselves)
 from qkv.models.checkpoints.core import (
     CheckpointError,
     check_local_folder,
@@ -32,6 +32,7 @@ _AUTO_CLASSES = {
     "BertModel": "AutoModel",
     "BertForPreTraining": "AutoModelForPreTraining",
     "BertForSequenceClassification": "AutoModelForSequenceClassification",
+    "T5Transformer": "AutoModelForSeq2SeqLM",
 }
 
 

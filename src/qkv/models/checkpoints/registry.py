@@ -3,7 +3,7 @@
 Each supported architecture (the `architectures[0]` of a config.json, e.g. "BertModel",
 "GPT2LMHeadModel", "LlamaForCausalLM") is an `Architecture`: how to build the qkv model from
 config.json, how its keys map, and how to write config.json back. Checkpoint key names live
-only in the family modules (`bert`, `gpt2`, `llama`) beside this file.
+only in the family modules (`bert`, `gpt2`, `llama`, `t5`) beside this file.
 """
 
 from __future__ import annotations
