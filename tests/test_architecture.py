@@ -36,12 +36,14 @@ LAYERS = [
     ("positional", ("qkv.positional",)),
     ("layers", ("qkv.layers",)),
     ("models", ("qkv.models",)),
+    ("distributed", ("qkv.distributed",)),
     ("acceleration", ("qkv.acceleration",)),
     ("generation", ("qkv.generation",)),
     ("data", ("qkv.data",)),
     ("training", ("qkv.training",)),
     ("applications", ("qkv.applications",)),
     ("analysis", ("qkv.analysis",)),
+    ("studies", ("qkv.studies",)),
     ("commands", ("qkv.commands", "qkv.cli")),
 ]
 TOP_LAYER = "top"  # the root `qkv` (src/qkv/__init__.py), above every layer
