@@ -85,7 +85,8 @@ def test_sinusoidal_positions_are_added_to_the_embeddings():
     pos = positions.double().unsqueeze(-1)  # (2, L, 1)
     frequencies = torch.tensor([10000.0 ** (-2 * i / E) for i in range(E // 2)], dtype=torch.double)
     table = torch.stack([torch.sin(pos * frequencies), torch.cos(pos * frequencies)], dim=-1)
-    expected = model.token_embedding(ids) + table.flatten(-2).float()  # interleaved sin, cos
+    tokens = model.token_embedding(ids) * E**0.5  # scaled as in Vaswani et al. s3.4
+    expected = tokens + table.flatten(-2).float()  # interleaved sin, cos
     torch.testing.assert_close(captured[0], expected)
 
 
@@ -138,3 +139,23 @@ def test_sinks_refuse_positions_added_to_embeddings():
     model = _model("sinusoidal")
     with pytest.raises(ValueError, match=r"sinks: .*'sinusoidal'"):
         generate(model, torch.randint(0, 50, (1, 4)), max_new_tokens=3, sinks=(2, 6))
+
+
+def test_initialisation_zeroes_biases_and_t5_tables():
+    """GPT-2's rule (Radford et al. 2019): N(0, 0.02^2) weights and zero biases."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name("tiny-gpt2", position="t5"))
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    biases = [m.bias for m in linears if m.bias is not None]
+    assert len(biases) == len(linears) - 1  # every projection but the (tied) head
+    assert all(torch.all(b == 0) for b in biases)
+    assert torch.all(model.relative_bias.relative_attention_bias.weight == 0)
+    assert 0.015 < model.blocks[0].self_attn.q_proj.weight.std() < 0.025
+
+
+def test_sinusoidal_token_embeddings_are_as_large_as_the_sinusoids():
+    """Vaswani et al. s3.4: embeddings multiplied by sqrt(E), initialised N(0, 1/E)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name("tiny-llama", position="sinusoidal", vocab_size=2000))
+    scaled = model.token_embedding.weight * E**0.5
+    assert 0.9 < scaled.std() < 1.1

@@ -196,15 +196,19 @@ class GPT(PretrainedIO, nn.Module):
         """GPT-2's initialisation (Radford et al. 2019, section 2.3): N(0, 0.02^2) weights,
         zero biases, and the projections that write into the residual stream (out_proj,
         down_proj) scaled by 1/sqrt(2 * num_layers) so the stream's variance does not grow
-        with depth. Norms keep weight 1 and bias 0."""
+        with depth. Norms keep weight 1 and bias 0. With sinusoidal positions the token
+        embeddings are N(0, 1/E) and multiplied by sqrt(E) (Vaswani et al. 2017, s3.4), so that
+        they are as large as the unit sinusoids added to them."""
         std = 0.02
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding, LearnedPositionalEmbedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
-        if self.relative_bias is not None:  # T5's tables start at 0: no position preference
-            nn.init.zeros_(self.relative_bias.relative_attention_bias.weight)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
+        if self.relative_bias is not None:  # T5's tables start at 0: no position preference
+            nn.init.zeros_(self.relative_bias.relative_attention_bias.weight)
+        if self.config.position == "sinusoidal":  # scaled by sqrt(E) in forward: unit scale
+            nn.init.normal_(self.token_embedding.weight, std=self.config.embed_dim**-0.5)
         residual_std = std / (2 * self.config.num_layers) ** 0.5
         for block in self.blocks:
             nn.init.normal_(block.self_attn.out_proj.weight, mean=0.0, std=residual_std)
@@ -253,6 +257,8 @@ class GPT(PretrainedIO, nn.Module):
             sequence_lengths, L, cache, position_ids, labels, input_ids.device
         )
         x = self.token_embedding(input_ids)  # (B, L, E)
+        if self.config.position == "sinusoidal":  # as large as the sinusoids (Vaswani s3.4)
+            x = x * self.config.embed_dim**0.5
         # RoPE rotates at the positions; ALiBi's and T5's biases need only the keys' order
         rope_positions = position_ids if self.config.position == "rope" else None
         if self.position_embedding is not None:
