@@ -16,13 +16,14 @@ from qkv.commands import (
     embed,
     generate,
     report,
+    study,
     train,
     translate,
     viz,
 )
 from qkv.version import __version__
 
-_COMMANDS = (train, translate, check, embed, generate, cost, bench, viz, report)
+_COMMANDS = (train, translate, check, embed, generate, cost, bench, viz, report, study)
 
 
 def build_parser() -> argparse.ArgumentParser:

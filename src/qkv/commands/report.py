@@ -1,5 +1,6 @@
 """`qkv report`: one self-contained HTML page with a model's attention maps, the attention
-viewer, its cost, a small complexity benchmark and classic figures."""
+viewer, its cost, a small complexity benchmark, classic figures and the latest `qkv study`
+results."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ def _report(args: argparse.Namespace) -> int:
     try:
         from qkv.analysis.pages.report import DEFAULT_SECTIONS, build_report
         from qkv.analysis.pages.viz import load_model_and_tokenizers
+        from qkv.studies import report_section
+
+        studies = report_section(args.studies)
+        extra = [] if studies is None else [("studies", "Studies", studies)]
 
         model, tokenizer, _ = load_model_and_tokenizers(args.model)
         sections = (*DEFAULT_SECTIONS, "heads") if args.heads else DEFAULT_SECTIONS
@@ -28,7 +33,7 @@ def _report(args: argparse.Namespace) -> int:
         ):
             page = build_report(
                 model, tokenizer, args.text, model_name=args.model or "all-MiniLM-L6-v2",
-                sections=sections, complexity=not args.no_complexity,
+                sections=sections, complexity=not args.no_complexity, extra_sections=extra,
             )  # fmt: skip
         Path(args.out).write_text(page, encoding="utf-8")
     except (ValueError, TypeError, OSError, ImportError) as error:
@@ -52,6 +57,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--text", default=DEFAULT_TEXT, help=f"the text for the attention maps ({DEFAULT_TEXT!r})"
     )
     report.add_argument("--out", default="report.html", help="page to write (report.html)")
+    report.add_argument(
+        "--studies", default="studies",
+        help="folder of `qkv study` results to include (studies; skipped when it has none)",
+    )  # fmt: skip
     report.add_argument(
         "--no-complexity",
         action="store_true",

@@ -83,11 +83,12 @@ def _run_cli(*argv: str) -> int:
 
 @pytest.fixture(scope="module")
 def page(hf_bert, tmp_path_factory) -> str:
-    """The page `qkv report --model FOLDER --text TEXT --out ... --no-complexity` writes."""
+    """The page `qkv report --model FOLDER --text TEXT --out ... --no-complexity` writes (no
+    study results: --studies names a folder that does not exist)."""
     out_folder = tmp_path_factory.mktemp("report")
     out = out_folder / "report.html"
     assert _run_cli("--model", str(hf_bert[0]), "--text", TEXT, "--out", str(out),
-                    "--no-complexity") == 0  # fmt: skip
+                    "--no-complexity", "--studies", str(out_folder / "none")) == 0  # fmt: skip
     assert list(out_folder.iterdir()) == [out]  # one file, nothing beside it
     return out.read_text(encoding="utf-8")
 
@@ -149,6 +150,21 @@ def test_the_page_parses_balanced_with_every_section_and_its_contents_entry(page
     anchors = [link[1:] for link in parsed.links if link.startswith("#")]
     assert anchors == ["model", "attention", "viewer", "cost", "figures"]
     assert set(anchors) <= set(parsed.ids)
+
+
+def test_study_results_become_the_last_section(hf_bert, tmp_path):
+    """`qkv report --studies DIR` gathers the results `qkv study` wrote there."""
+    from qkv.studies.record import StudyResult, write_result
+
+    result = StudyResult(name="demo", title="A demo study", claim="Claimed (A et al. 2020).",
+                         columns=["what", "value"], rows=[{"what": "x", "value": 0.5}])  # fmt: skip
+    write_result(result, tmp_path / "studies")
+    out = tmp_path / "report.html"
+    assert _run_cli("--model", str(hf_bert[0]), "--text", TEXT, "--out", str(out),
+                    "--no-complexity", "--studies", str(tmp_path / "studies")) == 0  # fmt: skip
+    parsed = _parse(out.read_text(encoding="utf-8"))
+    assert parsed.problems == [] and parsed.headings[-1] == "Studies"
+    assert "studies" in parsed.ids and "#studies" in parsed.links
 
 
 def test_one_embedded_png_per_plot_asked_for(page):

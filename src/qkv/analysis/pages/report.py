@@ -93,6 +93,7 @@ def build_report(
     layers: Sequence[int] = (0, -1),
     heads: Sequence[int] | None = None,
     complexity_lengths: Sequence[int] = COMPLEXITY_LENGTHS,
+    extra_sections: Sequence[tuple[str, str, str]] = (),
 ) -> str:
     """The report page for `model` (a qkv BERT, GPT or encoder-decoder `Transformer`) as one
     HTML string.
@@ -103,7 +104,8 @@ def build_report(
     leaves out "heads", which runs a backward pass);
     complexity=False drops the benchmark (the only part that takes seconds). layers: the layers
     drawn as heat maps (negative ones count from the end); heads: the heads drawn (default all).
-    Needs matplotlib.
+    extra_sections: (id, heading, HTML body) appended after these, e.g. the studies' results
+    (`qkv.studies.report_section`). Needs matplotlib.
     """
     wanted = _check_sections(sections, complexity)
     plots = _import_plots()
@@ -125,7 +127,11 @@ def build_report(
     for name in wanted:
         logger.info("report: building the %s section", name)
         bodies.append(section(name, SECTIONS[name], builders[name]()))
-    return page(f"qkv report: {model_name}", {n: SECTIONS[n] for n in wanted}, bodies)
+    headings = {n: SECTIONS[n] for n in wanted}
+    for name, heading, body in extra_sections:
+        headings[name] = heading
+        bodies.append(section(name, heading, body))
+    return page(f"qkv report: {model_name}", headings, bodies)
 
 
 def _check_sections(sections: Sequence[str], complexity: bool) -> list[str]:

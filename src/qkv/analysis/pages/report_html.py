@@ -9,7 +9,7 @@ import io
 import json
 from collections.abc import Sequence
 
-__all__ = ["CSS", "FIGURE_DPI", "figure", "json_script", "page", "section", "table"]
+__all__ = ["CSS", "FIGURE_DPI", "figure", "image", "json_script", "page", "section", "table"]
 
 FIGURE_DPI = 80  # PNGs of ~20-80 KB each: the page stays around a megabyte
 CSS = """
@@ -43,7 +43,12 @@ def figure(fig, *, figure_id: str, caption: str) -> str:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=FIGURE_DPI)
     fig.clear()
-    encoded = base64.b64encode(buffer.getvalue()).decode("ascii")
+    return image(buffer.getvalue(), figure_id=figure_id, caption=caption)
+
+
+def image(png: bytes, *, figure_id: str, caption: str) -> str:
+    """PNG bytes (a figure already drawn, e.g. a study's) as an inline image with its caption."""
+    encoded = base64.b64encode(png).decode("ascii")
     caption = html.escape(caption)
     return (
         f'<figure id="{html.escape(figure_id)}"><img alt="{caption}" '

@@ -1,0 +1,159 @@
+"""Studies: the claims of the papers qkv implements, turned into runs anyone can repeat.
+
+Each study trains or measures something small, seeded, on data shipped with qkv, and writes a
+`StudyResult` (JSON + Markdown + PNG; `qkv.studies.record`). `qkv study NAME` runs one at its
+default size (minutes on 2 CPU cores); the "tiny" size runs in seconds and is what the tests
+run end to end. A study module defines:
+
+    TITLE, CLAIM            what is tested, citing the paper
+    SIZES                   {"tiny": settings, "default": settings}
+    run(settings, *, seed)  -> StudyResult (its table, findings and figure series)
+    figure(result)          -> a matplotlib Figure drawn from the result alone
+
+Studies (`STUDIES`):
+
+- extrapolation: perplexity past the training length for each position encoding (none,
+  learned, sinusoidal, RoPE, ALiBi, T5's bias) and RoPE scalings at inference (Press et al.
+  2022; Chen et al. 2023; Peng et al. 2023).
+- sinks: attention mass on the first tokens, per layer and head, of a trained model and of
+  MiniLM; window-only vs sinks + window caches past the training length (Xiao et al. 2024).
+"""
+
+from __future__ import annotations
+
+import html
+import importlib
+import logging
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from qkv.analysis.pages.report_html import image, table
+from qkv.studies.record import (
+    StudyResult,
+    command_line,
+    machine,
+    markdown_cell,
+    read_result,
+    write_result,
+)
+
+__all__ = [
+    "SIZES",
+    "STUDIES",
+    "StudyResult",
+    "read_result",
+    "report_section",
+    "run_study",
+    "study_module",
+    "write_index",
+]
+
+STUDIES = {  # name -> module under qkv.studies
+    "extrapolation": "extrapolation",
+    "sinks": "sinks",
+}
+SIZES = ("tiny", "default")
+DEFAULT_OUT = "studies"  # the folder of the committed results, at the repository's root
+
+logger = logging.getLogger(__name__)
+
+
+def study_module(name: str) -> ModuleType:
+    """The module of the study called `name` (ValueError naming the choices otherwise)."""
+    if name not in STUDIES:
+        raise ValueError(f"name: expected one of {sorted(STUDIES)}, got {name!r}")
+    return importlib.import_module(f"qkv.studies.{STUDIES[name]}")
+
+
+def run_study(
+    name: str,
+    *,
+    size: str = "default",
+    seed: int = 0,
+    out: str | Path | None = DEFAULT_OUT,
+    **overrides: Any,
+) -> StudyResult:
+    """Run one study and, unless `out` is None, write NAME.json/.md/.png and the index there.
+
+    size: "tiny" (seconds; the tests) or "default" (minutes on 2 CPU cores; the committed
+    figures). overrides: settings replaced for this run (e.g. train_steps=50), recorded in the
+    result with the rest.
+    """
+    module = study_module(name)
+    if size not in SIZES:
+        raise ValueError(f"size: expected one of {SIZES}, got {size!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed: expected an int >= 0, got {seed!r}")
+    settings = dict(module.SIZES[size])
+    unknown = sorted(set(overrides) - set(settings))
+    if unknown:
+        raise ValueError(f"overrides: {unknown} are not settings of {name}; expected some of "
+                         f"{sorted(settings)}")  # fmt: skip
+    settings.update(overrides)
+    started = time.perf_counter()
+    logger.info("study %s (size %s, seed %d)", name, size, seed)
+    result = module.run(settings, seed=seed)
+    result.seconds = time.perf_counter() - started
+    result.settings, result.size, result.seed = settings, size, seed
+    result.command, result.machine = command_line(), machine()
+    if out is not None:
+        write_result(result, out, _figure(module, result))
+        write_index(out)
+    return result
+
+
+def write_index(out: str | Path) -> Path:
+    """out/README.md: every study result in `out`, its claim and findings, linked."""
+    out = Path(out)
+    lines = [
+        "# Studies",
+        "",
+        "Claims of the papers qkv implements, measured. Each page is generated from its JSON "
+        "by `qkv study NAME`; the JSON records the command, the seed and the machine.",
+        "",
+    ]
+    for path in sorted(out.glob("*.json")):
+        result = read_result(path)
+        lines += [f"## [{result.title}]({result.name}.md)", "", result.claim, ""]
+        lines += [f"- {finding}" for finding in result.findings]
+        lines += ["", f"`{result.command}`, {result.seconds:.0f} s.", ""]
+    index = out / "README.md"
+    index.write_text("\n".join(lines), encoding="utf-8")
+    return index
+
+
+def _figure(module: ModuleType, result: StudyResult):
+    """The study's figure, or None where matplotlib is missing (the JSON and table stay)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+    except ImportError:
+        logger.warning("matplotlib is not installed: %s.png is not drawn", result.name)
+        return None
+    return module.figure(result)
+
+
+def report_section(out: str | Path) -> str | None:
+    """The HTML body of `qkv report`'s studies section: each result in `out` (its claim,
+    table, findings and figure), or None when `out` holds none."""
+    paths = sorted(Path(out).glob("*.json")) if Path(out).is_dir() else []
+    if not paths:
+        return None
+    parts = []
+    for path in paths:
+        result = read_result(path)
+        header = list(result.columns)
+        rows = [[markdown_cell(row.get(column)) for column in header] for row in result.rows]
+        parts += [f"<h3>{html.escape(result.title)}</h3>", f"<p>{html.escape(result.claim)}</p>"]
+        parts.append(table(rows, header=header))
+        parts += [f"<p>{html.escape(finding)}</p>" for finding in result.findings]
+        png = path.with_suffix(".png")
+        if png.is_file():
+            parts.append(image(png.read_bytes(), figure_id=f"study-{result.name}",
+                               caption=result.title))  # fmt: skip
+        parts.append(f'<p class="note">{html.escape(result.command)} (seed {result.seed}, '
+                     f"{result.seconds:.0f} s)</p>")  # fmt: skip
+    return "\n".join(parts)

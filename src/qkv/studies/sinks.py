@@ -1,0 +1,421 @@
+"""Attention sinks, measured: where trained heads put their attention, and what a cache that
+keeps the first tokens buys past the training length (Xiao et al. 2024, "Efficient Streaming
+Language Models with Attention Sinks").
+
+Xiao et al. observe that trained language models put a large share of every query's attention
+on the first few tokens whatever they say (a softmax must put its mass somewhere, and the first
+tokens are visible to every query), and that a window cache that evicts them breaks the model
+as soon as they leave, while keeping 4 of them beside the window ("sinks + window", StreamingLLM)
+stays close to recomputing each token over its window (their Figure 3). For BERT, Clark et al.
+2019 ("What Does BERT Look At?") found heads that attend heavily to [CLS] and [SEP].
+
+Two measurements:
+
+1. Attention mass on the first k tokens (k = 1 and 4), per layer and head, from the exact
+   weights `record_attention` reads whatever the backend: the real all-MiniLM-L6-v2 (a 6-layer
+   BERT, bidirectional: every query sees all L keys, uniform mass k / L) on documentation texts
+   cut to a fixed number of tokens, with the mass on the final [SEP] beside it; and a small GPT
+   (RoPE) trained here on the same texts, for the queries at positions i >= first_query (a
+   causal query sees i + 1 keys, uniform mass k / (i + 1): early queries are excluded, for
+   which any head puts much of its mass on token 0).
+2. The GPT, trained on sequences of L tokens, reads held-out streams many times longer, each
+   token's next-token loss computed under four policies:
+   dense        the whole stream as context (RoPE positions past L; identical to decoding with
+                a cache of every token, so one causal forward computes it);
+   window       `SinkKVCache(num_sinks=0, window=W)`, one token at a time;
+   sinks        `SinkKVCache(num_sinks, window=W - num_sinks)`: the same memory, the first
+                tokens kept;
+   recompute    a fresh forward over the last W tokens for every token (the quality
+                reference: no stale keys, positions 0 .. W - 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import tempfile
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qkv.analysis.inspection.attention_maps import record_attention
+from qkv.data import minilm_wordpiece, pydoc_texts
+from qkv.layers.kv_cache import SinkKVCache
+from qkv.models.bert import BertModel
+from qkv.models.checkpoints.bundled import default_model_path
+from qkv.studies.record import StudyResult
+from qkv.training import TrainingConfig, train
+from qkv.training.tasks.gpt import GPTOptions, GPTTask
+
+__all__ = [
+    "CLAIM",
+    "SIZES",
+    "TITLE",
+    "attention_masses",
+    "cached_losses",
+    "dense_losses",
+    "figure",
+    "recomputed_losses",
+    "run",
+    "uniform_mass",
+]
+
+logger = logging.getLogger(__name__)
+
+TITLE = "Attention sinks: mass on the first tokens, and caches past the training length"
+CLAIM = (
+    "Trained attention heads put far more than a uniform share of their attention on the first "
+    "tokens (Xiao et al. 2024; for BERT's [CLS] and [SEP], Clark et al. 2019), and a cache that "
+    "keeps a few of them beside a window of recent tokens stays close to recomputing each token "
+    "over its window, where a window-only cache does not (Xiao et al. 2024, Figure 3)."
+)
+POLICIES = ("dense", "window", "sinks", "recompute")
+POLICY_NAMES = {
+    "dense": "dense (whole context)",
+    "window": "window only",
+    "sinks": "sinks + window",
+    "recompute": "window, recomputed",
+}
+
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "vocab_size": 300, "train_length": 16, "embed_dim": 32, "num_layers": 2, "num_heads": 2,
+        "ffn_dim": 64, "train_steps": 10, "batch_size": 8, "learning_rate": 2e-3,
+        "mass_blocks": 4, "first_query": 4, "stream_length": 64, "num_streams": 1,
+        "window": 16, "num_sinks": 4, "loss_bin": 8, "minilm_texts": 1, "minilm_length": 16,
+    },
+    "default": {
+        "vocab_size": 1000, "train_length": 64, "embed_dim": 128, "num_layers": 4,
+        "num_heads": 4, "ffn_dim": 384, "train_steps": 600, "batch_size": 16,
+        "learning_rate": 2e-3, "mass_blocks": 64, "first_query": 16, "stream_length": 1024,
+        "num_streams": 4, "window": 64, "num_sinks": 4, "loss_bin": 16, "minilm_texts": 8,
+        "minilm_length": 128,
+    },
+}  # fmt: skip
+FIRST_KS = (1, 4)  # mass on the first k tokens
+_RECOMPUTE_CHUNK = 256  # windows per forward pass
+
+
+def run(settings: dict[str, Any], *, seed: int) -> StudyResult:
+    """Both measurements at `settings` (see SIZES); seed: the data split, initialisation and
+    data order of the GPT."""
+    if settings["window"] <= settings["num_sinks"]:
+        raise ValueError(
+            f"window: expected more than num_sinks={settings['num_sinks']} (sinks + window "
+            f"keeps num_sinks + (window - num_sinks) tokens), got {settings['window']}"
+        )
+    minilm = measure_minilm(settings)
+    task, model, metrics = train_gpt(settings, seed=seed)
+    gpt = measure_gpt(task, model, settings)
+    streams = validation_streams(task, settings)
+    losses = stream_losses(model, streams, settings)
+    return _result(settings, minilm, gpt, losses, metrics, task.unigram_entropy)
+
+
+# --- 1. attention mass on the first tokens -----------------------------------------------------
+
+
+def attention_masses(
+    model: nn.Module, input_ids: torch.Tensor, keys: dict[str, list[int]], *, first_query: int = 0
+) -> dict[str, torch.Tensor]:
+    """Share of attention on chosen keys, per layer and head, averaged over the batch and the
+    queries at positions >= first_query: {name: (layers, heads)} for each `keys[name]`, a list
+    of key positions (negative ones count from the end). input_ids (B, L), no padding."""
+    L = input_ids.shape[1]
+    rows = list(range(first_query, L))
+    with record_attention(model, rows=rows) as recording, torch.no_grad():
+        model(input_ids)
+    maps = sorted(recording, key=lambda recorded: recorded.layer)
+    weights = torch.stack([recorded.weights for recorded in maps])  # (layers, B, H, rows, L)
+    return {
+        name: weights[..., positions].sum(dim=-1).mean(dim=(1, 3))  # (layers, H)
+        for name, positions in keys.items()
+    }
+
+
+def uniform_mass(k: int, length: int, *, first_query: int = 0, causal: bool) -> float:
+    """The mass on the first k keys if every query spread its attention evenly over the keys
+    it sees: k / L (bidirectional), or the mean over i >= first_query of min(k, i + 1) / (i + 1)
+    (causal), the baseline that `attention_masses` is compared with."""
+    if not causal:
+        return k / length
+    shares = [min(k, i + 1) / (i + 1) for i in range(first_query, length)]
+    return sum(shares) / len(shares)
+
+
+def measure_minilm(settings: dict[str, Any]) -> dict[str, Any]:
+    """Masses of all-MiniLM-L6-v2 on `minilm_texts` documentation texts of `minilm_length`
+    tokens each: [CLS] ... [SEP], every query counted."""
+    length, count = settings["minilm_length"], settings["minilm_texts"]
+    logger.info("MiniLM: attention on the first tokens of %d texts of %d tokens", count, length)
+    tokenizer = minilm_wordpiece()
+    tokenizer.enable_truncation(max_length=length)
+    encodings = [tokenizer.encode(text) for text in pydoc_texts()]
+    full = [e.ids for e in encodings if len(e.ids) == length]  # truncated: no padding needed
+    if len(full) < count:
+        raise ValueError(f"minilm_texts: only {len(full)} texts reach {length} tokens, got {count}")
+    chosen = [full[i * len(full) // count] for i in range(count)]  # spread over the topics
+    model = BertModel.from_pretrained(default_model_path()).eval()
+    keys = {f"first_{k}": list(range(k)) for k in FIRST_KS} | {"sep": [-1]}
+    masses = attention_masses(model, torch.tensor(chosen), keys)
+    masses = {name: value.tolist() for name, value in masses.items()}
+    uniform = {f"first_{k}": uniform_mass(k, length, causal=False) for k in FIRST_KS}
+    return {"masses": masses, "uniform": uniform | {"sep": 1 / length}}
+
+
+def train_gpt(settings: dict[str, Any], *, seed: int) -> tuple[GPTTask, nn.Module, dict]:
+    """The gpt task's data (byte-level BPE, blocks of train_length tokens) and a RoPE GPT
+    trained on it (`qkv.training.train`), in eval mode, with its last evaluation."""
+    options = GPTOptions(
+        family="llama", vocab_size=settings["vocab_size"], block_size=settings["train_length"],
+        embed_dim=settings["embed_dim"], num_layers=settings["num_layers"],
+        num_heads=settings["num_heads"], ffn_dim=settings["ffn_dim"], dropout=0.0,
+        data_seed=seed,
+    )  # fmt: skip
+    task = GPTTask(options)
+    config = TrainingConfig(
+        steps=settings["train_steps"], batch_size=settings["batch_size"],
+        learning_rate=settings["learning_rate"], checkpoint_every=0, log_every=0, seed=seed,
+        schedule="cosine",
+    )  # fmt: skip
+    logger.info("training a %d-layer GPT for %d steps on blocks of %d tokens",
+                options.num_layers, config.steps, options.block_size)  # fmt: skip
+    with tempfile.TemporaryDirectory() as folder:  # the checkpoint is not kept
+        result = train(task, config, out_dir=folder)
+    return task, result.model.eval(), result.metrics
+
+
+def measure_gpt(task: GPTTask, model: nn.Module, settings: dict[str, Any]) -> dict[str, Any]:
+    """Masses of the trained GPT on `mass_blocks` validation blocks (queries >= first_query)."""
+    blocks = task.valid_blocks.blocks[: settings["mass_blocks"]]  # (B, L)
+    first_query, length = settings["first_query"], blocks.shape[1]
+    logger.info("GPT: attention on the first tokens of %d validation blocks", len(blocks))
+    keys = {f"first_{k}": list(range(k)) for k in FIRST_KS}
+    masses = attention_masses(model, blocks, keys, first_query=first_query)
+    uniform = {
+        f"first_{k}": uniform_mass(k, length, first_query=first_query, causal=True)
+        for k in FIRST_KS
+    }
+    return {"masses": {name: value.tolist() for name, value in masses.items()}, "uniform": uniform}
+
+
+# --- 2. cache policies past the training length ------------------------------------------------
+
+
+def validation_streams(task: GPTTask, settings: dict[str, Any]) -> torch.Tensor:
+    """(num_streams, stream_length): consecutive stretches of the held-out token stream."""
+    count, length = settings["num_streams"], settings["stream_length"]
+    stream = task.valid_blocks.blocks.flatten()
+    if len(stream) < count * length:
+        raise ValueError(
+            f"stream_length: {count} streams of {length} tokens need {count * length} held-out "
+            f"tokens, there are {len(stream)}"
+        )
+    return stream[: count * length].view(count, length)
+
+
+def stream_losses(model: nn.Module, streams: torch.Tensor, settings: dict[str, Any]) -> dict:
+    """Next-token losses (B, N - 1) of every policy (see the module docstring)."""
+    window, num_sinks = settings["window"], settings["num_sinks"]
+    logger.info("reading %d streams of %d tokens: dense", *streams.shape)
+    losses = {"dense": dense_losses(model, streams)}
+    logger.info("window only (%d tokens), one token at a time", window)
+    losses["window"] = cached_losses(model, streams, num_sinks=0, window=window)
+    logger.info("%d sinks + window of %d, one token at a time", num_sinks, window - num_sinks)
+    losses["sinks"] = cached_losses(model, streams, num_sinks=num_sinks, window=window - num_sinks)
+    logger.info("recomputing every token over its last %d tokens", window)
+    losses["recompute"] = recomputed_losses(model, streams, window=window)
+    return losses
+
+
+def _token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """-log softmax(logits)[target], in fp32: logits (..., V), targets (...) -> (...)."""
+    log_probs = F.log_softmax(logits.float(), dim=-1)
+    return -log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+@torch.no_grad()
+def dense_losses(model: nn.Module, streams: torch.Tensor) -> torch.Tensor:
+    """One causal forward over the whole streams (B, N): losses (B, N - 1)."""
+    logits = model(streams[:, :-1]).logits  # (B, N - 1, V)
+    return _token_losses(logits, streams[:, 1:])
+
+
+@torch.no_grad()
+def cached_losses(
+    model: nn.Module, streams: torch.Tensor, *, num_sinks: int, window: int
+) -> torch.Tensor:
+    """Feed streams (B, N) one token at a time through a `SinkKVCache(num_sinks, window)`:
+    losses (B, N - 1), entry t the loss of predicting token t + 1."""
+    config = model.config
+    cache = SinkKVCache(
+        num_layers=config.num_layers, batch=streams.shape[0], num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim, num_sinks=num_sinks, window=window,
+    )  # fmt: skip
+    losses = []
+    for t in range(streams.shape[1] - 1):
+        output = model(streams[:, t : t + 1], cache=cache, logits_to_keep=1, check_ids=False)
+        losses.append(_token_losses(output.logits[:, -1], streams[:, t + 1]))  # (B,)
+    return torch.stack(losses, dim=1)  # (B, N - 1)
+
+
+@torch.no_grad()
+def recomputed_losses(model: nn.Module, streams: torch.Tensor, *, window: int) -> torch.Tensor:
+    """Each token's loss from a fresh forward over its last `window` tokens (positions 0 ..
+    window - 1): losses (B, N - 1). Tokens t < window - 1 see their whole prefix, which one
+    forward over the first window tokens gives."""
+    B, N = streams.shape
+    head = dense_losses(model, streams[:, : min(window, N)])[:, : window - 1]  # (B, <= W - 1)
+    if window >= N:  # every token sees its whole prefix
+        return head
+    windows = streams[:, :-1].unfold(1, window, 1)  # (B, N - W, W): ends at t = W - 1 .. N - 2
+    targets = streams[:, window:]  # (B, N - W)
+    flat_windows, flat_targets = windows.reshape(-1, window), targets.reshape(-1)
+    tail = []
+    for start in range(0, len(flat_windows), _RECOMPUTE_CHUNK):
+        chunk = flat_windows[start : start + _RECOMPUTE_CHUNK]  # (C, W)
+        logits = model(chunk, logits_to_keep=1, check_ids=False).logits[:, -1]  # (C, V)
+        tail.append(_token_losses(logits, flat_targets[start : start + _RECOMPUTE_CHUNK]))
+    return torch.cat([head, torch.cat(tail).view(B, -1)], dim=1)  # (B, N - 1)
+
+
+# --- the result --------------------------------------------------------------------------------
+
+
+def _result(settings, minilm, gpt, losses, metrics, unigram_entropy) -> StudyResult:
+    window, bin_size = settings["window"], settings["loss_bin"]
+    past = {name: _perplexity(value[:, window - 1 :]) for name, value in losses.items()}
+    binned = {name: _binned(value.mean(dim=0), bin_size) for name, value in losses.items()}
+    first_query = settings["first_query"]
+    rows = _mass_rows("MiniLM", minilm, "all queries")
+    rows += _mass_rows("GPT", gpt, f"queries at positions >= {first_query}")
+    for name in POLICIES:
+        rows.append({
+            "measurement": f"GPT perplexity past token {window}, {POLICY_NAMES[name]} (max: "
+            f"worst {bin_size} tokens; baseline: unigram)",
+            "mean": past[name],
+            "max": math.exp(max(binned[name][window // bin_size :], default=float("nan"))),
+            "baseline": math.exp(unigram_entropy),
+        })  # fmt: skip
+    series = {
+        "minilm": minilm, "gpt": gpt, "train_length": settings["train_length"],
+        "window": window, "num_sinks": settings["num_sinks"], "loss_bin": bin_size,
+        "loss_positions": [i * bin_size for i in range(len(binned["dense"]))],
+        "loss": binned, "perplexity_past_window": past,
+        "valid_perplexity": metrics.get("valid_perplexity"),
+        "unigram_perplexity": math.exp(unigram_entropy),
+    }  # fmt: skip
+    return StudyResult(
+        name="sinks", title=TITLE, claim=CLAIM,
+        columns=["measurement", "mean", "max", "baseline"], rows=rows,
+        findings=_findings(series, settings), series=series,
+    )  # fmt: skip
+
+
+def _mass_rows(model: str, measured: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    labels = {"first_1": "token 0", "first_4": "tokens 0-3", "sep": "the final [SEP]"}
+    if model == "MiniLM":
+        labels["first_1"] = "token 0 ([CLS])"
+    rows = []
+    for name, value in measured["masses"].items():
+        heads = torch.tensor(value)
+        rows.append({
+            "measurement": f"{model} attention mass on {labels[name]}, {where} (over heads; "
+            "baseline: uniform)",
+            "mean": float(heads.mean()), "max": float(heads.max()),
+            "baseline": measured["uniform"][name],
+        })  # fmt: skip
+    return rows
+
+
+def _perplexity(losses: torch.Tensor) -> float:
+    return math.exp(min(float(losses.mean()), 700.0)) if losses.numel() else float("nan")
+
+
+def _binned(losses: torch.Tensor, bin_size: int) -> list[float]:
+    """Mean loss over consecutive bins of bin_size positions (the last one may be shorter)."""
+    return [
+        round(float(losses[i : i + bin_size].mean()), 4) for i in range(0, len(losses), bin_size)
+    ]
+
+
+def _findings(series: dict[str, Any], settings: dict[str, Any]) -> list[str]:
+    return [*_mass_findings(series), _cache_finding(series, settings)]
+
+
+def _mass_findings(series: dict[str, Any]) -> list[str]:
+    findings = []
+    for label, key in (("all-MiniLM-L6-v2", "minilm"), ("The trained GPT", "gpt")):
+        measured = series[key]
+        heads = torch.tensor(measured["masses"]["first_1"])  # (layers, H)
+        uniform = measured["uniform"]["first_1"]
+        ratio = float(heads.mean()) / uniform
+        half = int((heads > 0.5).sum())
+        findings.append(
+            f"{label} puts {heads.mean():.2f} of its attention on the first token on average "
+            f"over its {heads.numel()} heads, {ratio:.1f} times the uniform {uniform:.3f}; "
+            f"{half} heads put more than half of it there (most: {heads.max():.2f})."
+        )
+    sep = torch.tensor(series["minilm"]["masses"]["sep"])  # (layers, H)
+    by_layer = sep.mean(dim=1)
+    findings.append(
+        f"MiniLM's final [SEP] gets {sep.mean():.2f} on average (uniform "
+        f"{series['minilm']['uniform']['sep']:.3f}), most in layer {int(by_layer.argmax())} "
+        f"({by_layer.max():.2f} over its heads)."
+    )
+    return findings
+
+
+def _cache_finding(series: dict[str, Any], settings: dict[str, Any]) -> str:
+    past = series["perplexity_past_window"]
+    window, sinks = settings["window"], settings["num_sinks"]
+    text = (
+        f"Trained on {settings['train_length']}-token blocks (validation perplexity "
+        f"{series['valid_perplexity']:.1f}), the GPT reads {settings['stream_length']}-token "
+        f"streams; past token {window}, perplexity is {past['dense']:.1f} dense (RoPE "
+        f"positions past the training length), {past['window']:.1f} window only, "
+        f"{past['sinks']:.1f} with {sinks} sinks + window, {past['recompute']:.1f} recomputed"
+    )
+    gain = past["window"] / past["sinks"]
+    gpt = series["gpt"]
+    has_sink = max(map(max, gpt["masses"]["first_1"])) > 2 * gpt["uniform"]["first_1"]
+    if gain > 1.05:
+        return f"{text}: keeping {sinks} sinks divides the window-only perplexity by {gain:.2f}."
+    if has_sink:
+        return f"{text}: despite heads that favour token 0, evicting it costs little here."
+    return (
+        f"{text}: with no head favouring token 0 there is no sink to evict, and window only "
+        f"does as well as sinks + window (ratio {gain:.2f})."
+    )
+
+
+def figure(result: StudyResult):
+    """Heat maps (layer x head) of the mass on the first token, MiniLM and the GPT, and the
+    loss of each cache policy against the position in the stream."""
+    from matplotlib.figure import Figure
+
+    series = result.series
+    fig = Figure(figsize=(15, 4.2))
+    axes = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1.4, 0.8, 1.6]})
+    for ax, key, name in ((axes[0], "minilm", "all-MiniLM-L6-v2"), (axes[1], "gpt", "GPT")):
+        masses = series[key]["masses"]["first_1"]
+        image = ax.imshow(masses, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
+        uniform = series[key]["uniform"]["first_1"]
+        ax.set(
+            xlabel="head", ylabel="layer", title=f"{name}: mass on token 0 (uniform {uniform:.3f})"
+        )
+        ax.set_xticks(range(len(masses[0])))
+        ax.set_yticks(range(len(masses)))
+        fig.colorbar(image, ax=ax, fraction=0.05)
+    ax = axes[2]
+    positions = series["loss_positions"]
+    for name, values in series["loss"].items():
+        ax.plot(positions, values, label=POLICY_NAMES.get(name, name), drawstyle="steps-post")
+    ax.axvline(series["train_length"], color="gray", linestyle="--", label="training length")
+    ax.set(xlabel="position in the stream", ylabel=f"loss (mean over {series['loss_bin']} tokens)",
+           title="next-token loss by cache policy")  # fmt: skip
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

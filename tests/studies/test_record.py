@@ -1,0 +1,75 @@
+"""The study record: JSON round trip, the Markdown page, the index, the report section and
+the command's errors. (Each study's own run is tested in its file, at its tiny size.)"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from qkv.cli import main
+from qkv.studies import STUDIES, report_section, run_study, write_index
+from qkv.studies.record import StudyResult, machine, markdown, read_result, write_result
+
+
+def _result() -> StudyResult:
+    return StudyResult(
+        name="example", title="An example", claim="Numbers behave (Someone et al. 2020).",
+        columns=["what", "value", "count"],
+        rows=[{"what": "a", "value": 0.123456, "count": 12345}, {"what": "b", "value": None}],
+        findings=["a is 0.123."], series={"x": [1, 2]}, settings={"steps": 3}, seed=7,
+        command="qkv study example", machine=machine(), seconds=1.5,
+    )  # fmt: skip
+
+
+def test_json_round_trip_and_markdown(tmp_path):
+    result = _result()
+    paths = write_result(result, tmp_path)
+    assert sorted(paths) == ["json", "md"]  # no figure given: no PNG
+    assert read_result(paths["json"]) == result
+    data = json.loads(paths["json"].read_text())
+    assert {"command", "seed", "machine", "settings"} <= set(data)
+    assert data["machine"]["cpu_model"] and "aten_capability" in data["machine"]["isa"]
+    page = paths["md"].read_text()
+    assert page == markdown(result, figure=False)
+    assert "| a | 0.123 | 12,345 |" in page and "| b | - | - |" in page
+    assert "- a is 0.123." in page and "seed 7" in page
+    assert not list(tmp_path.glob("*.tmp"))  # written whole, then renamed
+
+
+def test_index_and_report_section_list_every_result(tmp_path):
+    write_result(_result(), tmp_path)
+    index = write_index(tmp_path).read_text()
+    assert "[An example](example.md)" in index and "- a is 0.123." in index
+    body = report_section(tmp_path)
+    assert "<h3>An example</h3>" in body and "<td>0.123</td>" in body
+    assert report_section(tmp_path / "missing") is None
+
+
+def test_run_study_refuses_bad_arguments_by_name(tmp_path):
+    with pytest.raises(ValueError, match=r"^name: expected one of"):
+        run_study("nope", out=tmp_path)
+    name = next(iter(STUDIES))
+    with pytest.raises(ValueError, match=r"^size: expected one of"):
+        run_study(name, size="huge", out=tmp_path)
+    with pytest.raises(ValueError, match=r"^seed: expected an int >= 0"):
+        run_study(name, seed=-1, out=tmp_path)
+    with pytest.raises(ValueError, match=r"^overrides: \['no_such_setting'\]"):
+        run_study(name, size="tiny", out=tmp_path, no_such_setting=1)
+
+
+def test_command_lists_studies_and_reports_errors_in_one_line(capsys, tmp_path):
+    assert main(["study", "list"]) == 0
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in STUDIES)
+    assert main(["study", "nope", "--out", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.startswith("qkv study: error: name: expected one of")
+    assert main(["study", next(iter(STUDIES)), "--set", "oops", "--out", str(tmp_path)]) == 1
+    assert "--set: expected KEY=VALUE" in capsys.readouterr().err
+
+
+def test_cells_of_non_finite_values_stay_readable(tmp_path):
+    result = _result()
+    result.rows = [{"what": "c", "value": math.inf, "count": 1}]
+    assert "| c | inf | 1 |" in markdown(result, figure=False)
