@@ -45,7 +45,9 @@ __all__ = [
     "EncoderStack",
     "Transformer",
     "TransformerConfig",
+    "decode_masks",
     "shift_right",
+    "teacher_forcing_inputs",
 ]
 
 
@@ -61,6 +63,44 @@ def shift_right(labels: torch.Tensor, *, bos_token_id: int, pad_token_id: int) -
     shifted[:, :1] = bos_token_id
     shifted[:, 1:] = labels[:, :-1]
     return shifted.masked_fill(shifted == IGNORE_INDEX, pad_token_id)
+
+
+def teacher_forcing_inputs(
+    decoder_input_ids: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    *,
+    start_token_id: int,
+    pad_token_id: int,
+) -> torch.Tensor:
+    """The decoder's input of a teacher-forced pass: decoder_input_ids when given, else the
+    labels shifted right behind `start_token_id` (`shift_right`)."""
+    if decoder_input_ids is not None:
+        return decoder_input_ids
+    if labels is None:
+        raise ValueError(
+            "decoder_input_ids: got None and labels=None; expected decoder_input_ids, "
+            "or labels to shift right (teacher forcing)"
+        )
+    return shift_right(labels, bos_token_id=start_token_id, pad_token_id=pad_token_id)
+
+
+def decode_masks(
+    decoder_input_ids: torch.Tensor,
+    memory: torch.Tensor,
+    decoder_attention_mask: torch.Tensor | None,
+    memory_mask: torch.Tensor | None,
+    cache: DecoderCache | None,
+) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+    """(start, target key mask, memory key mask) of a decode call: start is the position of
+    the first new target token (cache.length with a cache, else 0); the target mask covers
+    every target key, (B, 1, 1, start + L_tgt), the memory mask (B, 1, 1, L_src)."""
+    B, L_tgt = decoder_input_ids.shape
+    start = 0 if cache is None else DecoderCache.check_step(cache, B, L_tgt)
+    if not isinstance(memory, torch.Tensor) or memory.dim() != 3:
+        raise ValueError(f"memory: expected a (B, L_src, E) tensor, got {describe(memory)}")
+    target_keys = key_mask("decoder_attention_mask", decoder_attention_mask, (B, start + L_tgt))
+    memory_keys = key_mask("memory_mask", memory_mask, tuple(memory.shape[:2]))
+    return start, target_keys, memory_keys
 
 
 class EncoderStack(nn.Module):
@@ -215,13 +255,10 @@ class Transformer(nn.Module):
         them: (B, cache.length + L_tgt). The logits equal those of the full prefix's decode.
         """
         check_ids("decoder_input_ids", decoder_input_ids)  # the shape; embed_target the values
-        B, L_tgt = decoder_input_ids.shape
-        start = 0 if cache is None else DecoderCache.check_step(cache, B, L_tgt)
+        start, target_keys, memory_keys = decode_masks(
+            decoder_input_ids, memory, decoder_attention_mask, memory_mask, cache
+        )
         x = self.embed_target(decoder_input_ids, start=start)
-        if not isinstance(memory, torch.Tensor) or memory.dim() != 3:
-            raise ValueError(f"memory: expected a (B, L_src, E) tensor, got {describe(memory)}")
-        target_keys = key_mask("decoder_attention_mask", decoder_attention_mask, (B, start + L_tgt))
-        memory_keys = key_mask("memory_mask", memory_mask, tuple(memory.shape[:2]))
         hidden = self.decoder(x, memory, mask=target_keys, memory_mask=memory_keys, cache=cache)
         return self.lm_head(hidden)  # (B, L_tgt, V_tgt)
 
@@ -246,15 +283,10 @@ class Transformer(nn.Module):
         """
         if labels is not None:
             check_ids("labels", labels, vocab_size=self.config.tgt_vocab_size, allow_ignored=True)
-        if decoder_input_ids is None:
-            if labels is None:
-                raise ValueError(
-                    "decoder_input_ids: got None and labels=None; expected decoder_input_ids, "
-                    "or labels to shift right (teacher forcing)"
-                )
-            decoder_input_ids = shift_right(
-                labels, bos_token_id=self.config.bos_token_id, pad_token_id=self.config.pad_token_id
-            )
+        decoder_input_ids = teacher_forcing_inputs(
+            decoder_input_ids, labels, start_token_id=self.config.bos_token_id,
+            pad_token_id=self.config.pad_token_id,
+        )  # fmt: skip
         memory = self.encode(input_ids, attention_mask)
         logits = self.decode(
             decoder_input_ids,

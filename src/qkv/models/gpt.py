@@ -267,11 +267,12 @@ class GPT(PretrainedIO, nn.Module):
             )
             x = x + self.position_embedding(positions)  # (B, L, E): added once, here
         x = self.dropout(x)
+        relative_bias = None if self.relative_bias is None else _once_per_shape(self.relative_bias)
         for index, block in enumerate(self.blocks):
             layer_cache = None if cache is None else cache.layer(index)
             x = block(
                 x, mask=mask, positions=rope_positions, cache=layer_cache, pattern=pattern,
-                bias=self.relative_bias,
+                bias=relative_bias,
             )  # fmt: skip
         if cache is not None:
             cache.advance(L)
@@ -280,6 +281,19 @@ class GPT(PretrainedIO, nn.Module):
         logits = self.lm_head(kept)  # (B, L, V), or (B, n, V)
         loss = None if labels is None else next_token_loss(logits, labels)
         return CausalLMOutput(logits=logits, loss=loss, last_hidden_state=hidden)
+
+
+def _once_per_shape(bias):
+    """`bias(L_q, L_k)` computed once per shape and shared by every layer of one forward (T5's
+    table is one for all layers; each layer learns L_k only from its cache)."""
+    computed: dict[tuple[int, int], torch.Tensor] = {}
+
+    def shared(L_q: int, L_k: int) -> torch.Tensor:
+        if (L_q, L_k) not in computed:
+            computed[L_q, L_k] = bias(L_q, L_k)
+        return computed[L_q, L_k]
+
+    return shared
 
 
 def _packed(sequence_lengths, L: int, cache, position_ids, labels, device):

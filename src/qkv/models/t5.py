@@ -35,7 +35,7 @@ from qkv.layers.linear import Linear
 from qkv.layers.norms import RMSNorm
 from qkv.models._inputs import check_ids, key_mask
 from qkv.models.decoder_cache import DecoderCache
-from qkv.models.encoder_decoder import shift_right
+from qkv.models.encoder_decoder import decode_masks, teacher_forcing_inputs
 from qkv.models.losses import sequence_cross_entropy
 from qkv.models.outputs import Seq2SeqOutput
 from qkv.models.pretrained import PretrainedIO
@@ -43,7 +43,7 @@ from qkv.models.serialization import register_model_class
 from qkv.models.sizes import check_model_fits
 from qkv.models.t5_config import T5_PRESETS, T5Config
 from qkv.positional import T5RelativeBias
-from qkv.validation import check_positive_int, check_probability, describe
+from qkv.validation import check_positive_int, check_probability
 
 __all__ = [
     "T5_PRESETS",
@@ -283,12 +283,9 @@ class T5Transformer(PretrainedIO, nn.Module):
         tokens after the cached ones. The logits equal those of the full prefix's decode.
         """
         check_ids("decoder_input_ids", decoder_input_ids, vocab_size=self.config.vocab_size)
-        B, L_tgt = decoder_input_ids.shape
-        start = 0 if cache is None else DecoderCache.check_step(cache, B, L_tgt)
-        if not isinstance(memory, torch.Tensor) or memory.dim() != 3:
-            raise ValueError(f"memory: expected a (B, L_src, E) tensor, got {describe(memory)}")
-        target_keys = key_mask("decoder_attention_mask", decoder_attention_mask, (B, start + L_tgt))
-        memory_keys = key_mask("memory_mask", memory_mask, tuple(memory.shape[:2]))
+        _, target_keys, memory_keys = decode_masks(
+            decoder_input_ids, memory, decoder_attention_mask, memory_mask, cache
+        )
         hidden = self.decoder(
             self.token_embedding(decoder_input_ids), mask=target_keys, memory=memory,
             memory_mask=memory_keys, cache=cache,
@@ -315,16 +312,10 @@ class T5Transformer(PretrainedIO, nn.Module):
         labels shifted right behind config.decoder_start_token_id."""
         if labels is not None:
             check_ids("labels", labels, vocab_size=self.config.vocab_size, allow_ignored=True)
-        if decoder_input_ids is None:
-            if labels is None:
-                raise ValueError(
-                    "decoder_input_ids: got None and labels=None; expected decoder_input_ids, "
-                    "or labels to shift right (teacher forcing)"
-                )
-            decoder_input_ids = shift_right(
-                labels, bos_token_id=self.config.decoder_start_token_id,
-                pad_token_id=self.config.pad_token_id,
-            )  # fmt: skip
+        decoder_input_ids = teacher_forcing_inputs(
+            decoder_input_ids, labels, start_token_id=self.config.decoder_start_token_id,
+            pad_token_id=self.config.pad_token_id,
+        )  # fmt: skip
         memory = self.encode(input_ids, attention_mask)
         logits = self.decode(
             decoder_input_ids, memory, memory_mask=attention_mask,
