@@ -15,6 +15,7 @@ from qkv.attention.linear import (
     orthogonal_random_features,
 )
 from qkv.attention.lsh import LSHAttentionCost, lsh_attention, lsh_attention_cost, lsh_hash
+from qkv.attention.offset_bias import OffsetBias
 from qkv.attention.request import AttentionRequest
 from qkv.attention.tiled import TraceStep, attention_weights, flash_attention
 from qkv.attention.tiled import backend as _tiled_backend
@@ -32,6 +33,7 @@ __all__ = [
     "LSHAttentionCost",
     "LinearAttention",
     "LinearAttentionState",
+    "OffsetBias",
     "TraceStep",
     "attention",
     "attention_weights",

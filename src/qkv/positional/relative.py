@@ -5,12 +5,13 @@
   ones share logarithmically wider buckets up to `max_distance`, beyond which all share the
   last; an encoder tells the two directions apart (half the buckets each), a decoder sees only
   j <= i. `T5RelativeBias` gives the bias as a dense (1, H, L_q, L_k) tensor (`bias=` of
-  `qkv.attention`) or as a `score_mod` that the tiled path and FlexAttention evaluate tile by
-  tile; both give the table its gradient.
+  `qkv.attention`) or as a `score_mod` (`qkv.attention.OffsetBias`) that the tiled path, the
+  Triton kernels and FlexAttention evaluate tile by tile; both give the table its gradient.
 - Shaw et al. 2018 (s3.1, eq. 4): the score gains q_i . a_{clip(j - i, k)}, a learned key vector
   per clipped offset in [-k, k]. `ShawRelativeKeys` precomputes q . a for the 2k + 1 offsets,
   (B, H, L_q, 2k + 1), and turns it into the (B, H, L_q, L_k) bias or a `score_mod` that reads
-  it per score; both are differentiable with respect to q and the table.
+  it per score (an `OffsetBias`, which the Triton kernels read too); both are differentiable
+  with respect to q and the table.
 
 Offsets use the call's key positions and its queries aligned bottom-right (query i at
 i + L_k - L_q), as causal masking does: decoding with a cache gives each new query its true
@@ -24,6 +25,7 @@ import math
 import torch
 from torch import nn
 
+from qkv.attention.offset_bias import OffsetBias
 from qkv.validation import check_positive_int
 
 __all__ = ["ShawRelativeKeys", "T5RelativeBias", "t5_relative_bucket"]
@@ -99,20 +101,20 @@ class T5RelativeBias(nn.Module):
         values = self.relative_attention_bias(self.buckets(offset))  # (L_q, L_k, H)
         return values.permute(2, 0, 1).unsqueeze(0)  # (1, H, L_q, L_k)
 
-    def score_mod(self, L_q: int, L_k: int):
+    def score_mod(self, L_q: int, L_k: int) -> OffsetBias:
         """score + bias[h, bucket(j - i')] per score (FlexAttention's signature), without an
-        L_q x L_k tensor. Made with gradients enabled, the table gets its gradient from the
-        tiled backend, which differentiates what a score_mod captures; made under no_grad it
-        is a constant (torch 2.13's CPU FlexAttention fails to compile a captured tensor that
-        requires a gradient, and has no backward anyway)."""
+        L_q x L_k tensor: an `OffsetBias` holding each head's bias for the offsets -R .. R,
+        R = max_distance (buckets stop changing there, so clipping is exact). Made with
+        gradients enabled, the table gets its gradient from the backends that differentiate
+        a score_mod (tiled, Triton); made under no_grad it is a constant (torch 2.13's CPU
+        FlexAttention fails to compile a captured tensor that requires a gradient, and has no
+        backward anyway)."""
         table = self.relative_attention_bias.weight  # (num_buckets, H)
         table = table if torch.is_grad_enabled() else table.detach()
-        shift = L_k - L_q
-
-        def add_bias(score, batch, head, q_idx, k_idx):
-            return score + table[self.buckets(k_idx - (q_idx + shift)), head].to(score.dtype)
-
-        return add_bias
+        R = self.max_distance
+        offsets = torch.arange(-R, R + 1, device=table.device)  # (2R + 1,)
+        values = table[self.buckets(offsets)].t()  # (H, 2R + 1)
+        return OffsetBias(values.reshape(1, self.num_heads, 1, 2 * R + 1), R, L_k - L_q)
 
 
 class ShawRelativeKeys(nn.Module):
@@ -142,15 +144,9 @@ class ShawRelativeKeys(nn.Module):
         index = self._index(_offsets(q.shape[2], L_k, q.device))  # (L_q, L_k)
         return table.gather(-1, index.expand(*q.shape[:2], -1, -1))  # (B, H, L_q, L_k)
 
-    def score_mod(self, q: torch.Tensor, L_k: int, *, scale: float | None = None):
-        """The same term per score, read from the (B, H, L_q, 2k + 1) table (FlexAttention's
-        signature); gradients reach q and the relative keys through the table."""
+    def score_mod(self, q: torch.Tensor, L_k: int, *, scale: float | None = None) -> OffsetBias:
+        """The same term per score, read from the (B, H, L_q, 2k + 1) table (an `OffsetBias`,
+        FlexAttention's signature); gradients reach q and the relative keys through the table."""
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         table = self._scores(q, scale)  # (B, H, L_q, 2k + 1)
-        shift = L_k - q.shape[2]
-
-        def add_relative_key(score, batch, head, q_idx, k_idx):
-            index = self._index(k_idx - (q_idx + shift))
-            return score + table[batch, head, q_idx, index].to(score.dtype)
-
-        return add_relative_key
+        return OffsetBias(table, self.max_distance, L_k - q.shape[2])

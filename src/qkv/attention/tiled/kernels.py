@@ -16,6 +16,7 @@ log-sum-exp -inf.
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -92,8 +93,9 @@ def _score_mod_indices(problem: Problem, q_start: int, q_end: int, k_start: int,
 
 def captured_tensors(score_mod: ScoreMod | None) -> tuple[torch.Tensor, ...]:
     """The tensors a score_mod closes over that need a gradient (a learned bias table), found
-    in its closure and in those of the functions it closes over, as FlexAttention finds the
-    buffers its score_mod captures; each once, in the order met."""
+    in its closure (or, for a callable object such as `OffsetBias`, its attributes) and in
+    those of the functions it holds, as FlexAttention finds the buffers its score_mod
+    captures; each once, in the order met."""
     found: dict[int, torch.Tensor] = {}
     pending, seen = [score_mod], set()
     while pending:
@@ -101,17 +103,26 @@ def captured_tensors(score_mod: ScoreMod | None) -> tuple[torch.Tensor, ...]:
         if id(function) in seen:
             continue
         seen.add(id(function))
-        for cell in getattr(function, "__closure__", None) or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:  # a cell not yet filled
-                continue
+        for value in _held_values(function):
             if isinstance(value, torch.Tensor):
                 if value.requires_grad:
                     found.setdefault(id(value), value)
             elif callable(value):
                 pending.append(value)
     return tuple(found.values())
+
+
+def _held_values(function) -> list:
+    """What a function's closure cells hold, or a callable object's attributes."""
+    if isinstance(function, types.FunctionType):
+        values = []
+        for cell in function.__closure__ or ():
+            try:
+                values.append(cell.cell_contents)
+            except ValueError:  # a cell not yet filled
+                continue
+        return values
+    return list(getattr(function, "__dict__", {}).values())
 
 
 TileChainRule = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, tuple]]

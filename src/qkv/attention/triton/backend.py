@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from qkv.attention.offset_bias import OffsetBias
 from qkv.attention.request import AttentionRequest
 from qkv.attention.triton.function import triton_attention, unsupported
 
@@ -37,8 +38,13 @@ def why_not(request: AttentionRequest) -> str | None:
         )
     if request.dropout_p > 0:
         return "it has no dropout"
-    if request.modifies_scores:
-        return "it has no soft-cap or score_mod"
+    if request.softcap is not None:
+        return "it has no soft-cap"
+    if request.score_mod is not None and not isinstance(request.score_mod, OffsetBias):
+        return (
+            "it takes a score_mod only as a qkv.attention.OffsetBias (T5's bias, Shaw et "
+            "al.'s relative keys), which it reads per tile"
+        )
     return unsupported(request.q, request.v)
 
 
@@ -56,6 +62,8 @@ def notes(request: AttentionRequest) -> list[str]:
         out.append("sparse pattern: only the listed blocks it leaves visible are loaded")
     if request.group_size > 1:
         out.append(f"GQA/MQA: each query head reads K/V head h // {request.group_size}, no copy")
+    if isinstance(request.score_mod, OffsetBias):
+        out.append("relative positions: the offset bias is read per tile from its O(L) values")
     return out
 
 
@@ -69,6 +77,7 @@ def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:
         sinks=request.sinks,
         alibi_slopes=request.alibi_slopes,
         pattern=request.pattern,
+        offset_bias=request.score_mod,
         lengths=request.lengths,
         query_lengths=request.query_lengths,
         scale=request.scale,

@@ -6,8 +6,11 @@ and the log-sum-exp for the backward (FlashAttention-2). Triton is imported on t
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from qkv.attention.offset_bias import OffsetBias
 from qkv.attention.request import check_lengths, make_request
 from qkv.attention.sparse import SparsePattern
 from qkv.validation import check_int
@@ -28,6 +31,7 @@ def triton_attention(
     lengths: torch.Tensor | None = None,
     query_lengths: torch.Tensor | None = None,
     pattern: SparsePattern | None = None,
+    offset_bias: OffsetBias | None = None,
     scale: float | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -39,7 +43,9 @@ def triton_attention(
     `lengths` (B,) valid keys per row; `query_lengths` (B,) valid queries per row, each row
     then aligned on its own (as `qkv.attention`); `pattern` a sparse pattern
     (`qkv.attention.sparse`): only the blocks it leaves visible are loaded, forward and
-    backward. Returns output, or (output, lse (B, H, L_q) fp32).
+    backward. `offset_bias` (`qkv.attention.OffsetBias`: T5's bias, Shaw et al.'s relative
+    keys) adds its value per score, read tile by tile, and its values get their gradient.
+    Returns output, or (output, lse (B, H, L_q) fp32).
     """
     from qkv.attention.triton.launch import Masking
 
@@ -72,8 +78,13 @@ def triton_attention(
             request.query_lengths, request.batch, request.query_len, q.device
         ),  # fmt: skip
     )
+    offset_values = _offset_values(offset_bias, request)
+    if offset_values is not None:
+        masking = dataclasses.replace(
+            masking, offset_bias=(offset_bias.max_distance, offset_bias.shift)
+        )
     q, k, v = (t.contiguous() for t in (q, k, v))
-    output, lse = _TritonAttention.apply(q, k, v, masking)
+    output, lse = _TritonAttention.apply(q, k, v, masking, offset_values)
     return (output, lse) if return_lse else output
 
 
@@ -90,11 +101,11 @@ def unsupported(q: torch.Tensor, v: torch.Tensor) -> str | None:
 
 class _TritonAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, masking):
+    def forward(ctx, q, k, v, masking, offset_values):
         from qkv.attention.triton import launch
 
-        output, lse = launch.forward(q, k, v, masking)
-        ctx.save_for_backward(q, k, v, output, lse)
+        output, lse = launch.forward(q, k, v, masking, offset_values)
+        ctx.save_for_backward(q, k, v, output, lse, offset_values)
         ctx.masking = masking
         ctx.mark_non_differentiable(lse)
         return output, lse
@@ -103,9 +114,27 @@ class _TritonAttention(torch.autograd.Function):
     def backward(ctx, d_output, _d_lse):
         from qkv.attention.triton import launch
 
-        q, k, v, output, lse = ctx.saved_tensors
-        d_q, d_k, d_v = launch.backward(q, k, v, output, lse, d_output, ctx.masking)
-        return d_q, d_k, d_v, None
+        q, k, v, output, lse, offset_values = ctx.saved_tensors
+        d_q, d_k, d_v, d_offset = launch.backward(
+            q, k, v, output, lse, d_output, ctx.masking, offset_values
+        )
+        if not ctx.needs_input_grad[4]:
+            d_offset = None
+        return d_q, d_k, d_v, None, d_offset
+
+
+def _offset_values(offset_bias, request) -> torch.Tensor | None:
+    """The bias's values as the kernels read them (fp32, contiguous), after checking that
+    they broadcast over this call."""
+    if offset_bias is None:
+        return None
+    if not isinstance(offset_bias, OffsetBias):
+        raise TypeError(f"offset_bias: expected a qkv.attention.OffsetBias, got {offset_bias!r}")
+    offset_bias.check_call(request.batch, request.num_heads, request.query_len, request.key_len)
+    values = offset_bias.values
+    if values.device != request.q.device:
+        raise ValueError(f"offset_bias: values on {values.device}, q on {request.q.device}")
+    return values.to(torch.float32).contiguous()
 
 
 def _device_lengths(lengths, batch: int, key_len: int, device) -> torch.Tensor | None:

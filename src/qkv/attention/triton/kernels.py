@@ -21,6 +21,12 @@ lengths (`HAS_QUERY_LENGTHS`), i' = i + length[b] - query_length[b], and the row
 query_length[b] are padding: the forward stores output 0 and lse -inf there, so the backward's
 recomputed probabilities of those rows are 0.
 
+With an offset bias (`OFFSET_BIAS`, `qkv.attention.OffsetBias`: T5's bucketed bias, Shaw et
+al.'s relative keys), each score gains RelBias[b, h, i, clip(j - i - rel_shift, -R, R) + R],
+read per tile from a (B or 1, H or 1, L_q or 1, 2R + 1) tensor (zero strides where shared),
+never an L_q x L_k one; the dQ kernel also adds dS into its gradient (atomics: several
+programs share a column).
+
 With a sparse pattern (`SPARSE`, qkv.attention.sparse), the blocks to visit come from lists
 instead of the loop bounds: for each query block, its key blocks (`BlockRows`, CSR offsets, and
 `BlockCols`), and for each key block, its query blocks (`ColRows`, `ColQBlocks`, `ColSlots`),
@@ -70,6 +76,20 @@ def _shift(QueryLengths, batch, key_len, L_q, L_k, HAS_QUERY_LENGTHS: tl.constex
 
 
 @triton.jit
+def _offset_columns(rel_q, k_pos, rel_max):
+    """(BLOCK_M, BLOCK_N) column of each score's offset bias: clip(j - i - shift) + R."""
+    offset = k_pos[None, :] - rel_q[:, None]
+    return tl.minimum(tl.maximum(offset, -rel_max), rel_max) + rel_max
+
+
+@triton.jit
+def _offset_rows(RelBias, batch, head, rows, L_q, rel_stride_b, rel_stride_h, rel_stride_m):
+    """Pointers to each query row's values (rows past L_q read the last one; never stored)."""
+    base = RelBias + batch * rel_stride_b + head * rel_stride_h
+    return base + tl.minimum(rows, L_q - 1) * rel_stride_m
+
+
+@triton.jit
 def _key_range(
     q_first,
     q_last,
@@ -116,9 +136,13 @@ def _fwd_block(
     future,
     scale_log2,
     slope_log2,
+    rel_rows,
+    rel_q,
+    rel_max,
     CAUSAL: tl.constexpr,
     WINDOW: tl.constexpr,
     ALIBI: tl.constexpr,
+    OFFSET_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -126,8 +150,8 @@ def _fwd_block(
     for start_n in range(start, stop, BLOCK_N):
         acc, m_i, l_i = _fwd_tile(
             acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, start_n, q_pos, offs_n,
-            d_mask, key_len, left, right, sinks, future, scale_log2, slope_log2, 0, CAUSAL,
-            WINDOW, ALIBI, False, PRECISION,
+            d_mask, key_len, left, right, sinks, future, scale_log2, slope_log2, 0, rel_rows,
+            rel_q, rel_max, CAUSAL, WINDOW, ALIBI, False, OFFSET_BIAS, PRECISION,
         )  # fmt: skip
     return acc, m_i, l_i
 
@@ -135,9 +159,9 @@ def _fwd_block(
 @triton.jit
 def _fwd_tile(
     acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, start_n, q_pos, offs_n, d_mask,
-    key_len, left, right, sinks, future, scale_log2, slope_log2, allowed,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, ALIBI: tl.constexpr, SPARSE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    key_len, left, right, sinks, future, scale_log2, slope_log2, allowed, rel_rows, rel_q,
+    rel_max, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, ALIBI: tl.constexpr,
+    SPARSE: tl.constexpr, OFFSET_BIAS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Fold the key block at start_n into (acc, m, l); `allowed` is the pattern's tile mask."""
     k_pos = start_n + offs_n
@@ -146,6 +170,9 @@ def _fwd_tile(
     s = _dot(q, tl.trans(k), PRECISION) * scale_log2  # base-2 scores
     if ALIBI:
         s -= slope_log2 * tl.abs(q_pos[:, None] - k_pos[None, :]).to(tl.float32)
+    if OFFSET_BIAS:
+        columns = _offset_columns(rel_q, k_pos, rel_max)
+        s += tl.load(rel_rows[:, None] + columns).to(tl.float32) * 1.4426950408889634
     visible = _visible(q_pos, k_pos, key_len, left, right, sinks, future, CAUSAL, WINDOW)
     if SPARSE:
         visible = visible & allowed
@@ -202,6 +229,12 @@ def attention_forward_kernel(
     right,
     sinks,
     future,
+    RelBias,
+    rel_stride_b,
+    rel_stride_h,
+    rel_stride_m,
+    rel_max,
+    rel_shift,
     CAUSAL: tl.constexpr,
     WINDOW: tl.constexpr,
     ALIBI: tl.constexpr,
@@ -212,6 +245,7 @@ def attention_forward_kernel(
     BLOCK_D: tl.constexpr,
     SPARSE: tl.constexpr = False,
     HAS_QUERY_LENGTHS: tl.constexpr = False,
+    OFFSET_BIAS: tl.constexpr = False,
 ):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     batch, head = pid_bh // num_heads, pid_bh % num_heads
@@ -228,6 +262,9 @@ def attention_forward_kernel(
     slope_log2 = 0.0
     if ALIBI:
         slope_log2 = tl.load(Slopes + head) * 1.4426950408889634
+    rel_rows = _offset_rows(RelBias, batch, head, offs_m, L_q, rel_stride_b, rel_stride_h,
+                            rel_stride_m)  # fmt: skip
+    rel_q = offs_m + rel_shift
 
     q = tl.load(
         Q + batch * stride_qb + head * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
@@ -255,8 +292,8 @@ def attention_forward_kernel(
                 acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
                 tl.load(BlockCols + entry) * BLOCK_N, q_pos, offs_n, d_mask, key_len, left,
                 right, sinks, future, scale_log2, slope_log2,
-                _tile_mask(BlockMasks, entry, BLOCK_M, BLOCK_N), CAUSAL, WINDOW, ALIBI, True,
-                PRECISION,
+                _tile_mask(BlockMasks, entry, BLOCK_M, BLOCK_N), rel_rows, rel_q, rel_max,
+                CAUSAL, WINDOW, ALIBI, True, OFFSET_BIAS, PRECISION,
             )  # fmt: skip
         sink_stop, lo, hi = 0, 0, 0
     acc, m_i, l_i = _fwd_block(
@@ -280,9 +317,13 @@ def attention_forward_kernel(
         future,
         scale_log2,
         slope_log2,
+        rel_rows,
+        rel_q,
+        rel_max,
         CAUSAL,
         WINDOW,
         ALIBI,
+        OFFSET_BIAS,
         PRECISION,
         BLOCK_N,
     )
@@ -307,9 +348,13 @@ def attention_forward_kernel(
         future,
         scale_log2,
         slope_log2,
+        rel_rows,
+        rel_q,
+        rel_max,
         CAUSAL,
         WINDOW,
         ALIBI,
+        OFFSET_BIAS,
         PRECISION,
         BLOCK_N,
     )
@@ -369,10 +414,14 @@ def _recompute_probs(
     scale_log2,
     slope_log2,
     allowed,
+    rel_rows,
+    rel_q,
+    rel_max,
     CAUSAL: tl.constexpr,
     WINDOW: tl.constexpr,
     ALIBI: tl.constexpr,
     SPARSE: tl.constexpr,
+    OFFSET_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """P of one (query block, key block) tile from the saved log-sum-exp, 0 where hidden;
@@ -380,6 +429,9 @@ def _recompute_probs(
     s = _dot(q, tl.trans(k), PRECISION) * scale_log2
     if ALIBI:
         s -= slope_log2 * tl.abs(q_pos[:, None] - k_pos[None, :]).to(tl.float32)
+    if OFFSET_BIAS:
+        columns = _offset_columns(rel_q, k_pos, rel_max)
+        s += tl.load(rel_rows[:, None] + columns).to(tl.float32) * 1.4426950408889634
     visible = _visible(q_pos, k_pos, key_len, left, right, sinks, future, CAUSAL, WINDOW)
     if SPARSE:
         visible = visible & allowed
@@ -426,6 +478,12 @@ def attention_backward_dkdv_kernel(
     right,
     sinks,
     future,
+    RelBias,
+    rel_stride_b,
+    rel_stride_h,
+    rel_stride_m,
+    rel_max,
+    rel_shift,
     CAUSAL: tl.constexpr,
     WINDOW: tl.constexpr,
     ALIBI: tl.constexpr,
@@ -436,6 +494,7 @@ def attention_backward_dkdv_kernel(
     BLOCK_D: tl.constexpr,
     SPARSE: tl.constexpr = False,
     HAS_QUERY_LENGTHS: tl.constexpr = False,
+    OFFSET_BIAS: tl.constexpr = False,
 ):
     """One program: one key block of one K/V head; loops over its group's query heads."""
     pid_n, pid_bh = tl.program_id(0), tl.program_id(1)
@@ -481,13 +540,15 @@ def attention_backward_dkdv_kernel(
         if ALIBI:
             slope_log2 = tl.load(Slopes + head) * 1.4426950408889634
         row = (batch * num_kv_heads * group + head) * L_q
+        rel_base = RelBias + batch * rel_stride_b + head * rel_stride_h
         q_base = Q + batch * stride_qb + head * stride_qh
         do_base = DOut + batch * stride_ob + head * stride_oh
         for start_m in range(q_lo, q_hi, BLOCK_M):
             dk, dv = _dkdv_tile(
                 dk, dv, k, v, q_base, do_base, Lse + row, Delta + row, start_m, offs_m, offs_n,
                 offs_d, d_mask, stride_qm, stride_om, L_q, shift, key_len, left, right, sinks,
-                future, scale_log2, slope_log2, 0, CAUSAL, WINDOW, ALIBI, False, PRECISION,
+                future, scale_log2, slope_log2, 0, rel_base, rel_stride_m, rel_shift, rel_max,
+                CAUSAL, WINDOW, ALIBI, False, OFFSET_BIAS, PRECISION,
             )  # fmt: skip
         if SPARSE:
             for entry in range(tl.load(ColRows + pid_n), tl.load(ColRows + pid_n + 1)):
@@ -496,7 +557,8 @@ def attention_backward_dkdv_kernel(
                     dk, dv, k, v, q_base, do_base, Lse + row, Delta + row,
                     tl.load(ColQBlocks + entry) * BLOCK_M, offs_m, offs_n, offs_d, d_mask,
                     stride_qm, stride_om, L_q, shift, key_len, left, right, sinks, future,
-                    scale_log2, slope_log2, allowed, CAUSAL, WINDOW, ALIBI, True, PRECISION,
+                    scale_log2, slope_log2, allowed, rel_base, rel_stride_m, rel_shift, rel_max,
+                    CAUSAL, WINDOW, ALIBI, True, OFFSET_BIAS, PRECISION,
                 )  # fmt: skip
     dk *= scale_log2 * LN2  # d(q . k * scale)/dk = scale * q
     out_offset = (
@@ -513,8 +575,9 @@ def attention_backward_dkdv_kernel(
 def _dkdv_tile(
     dk, dv, k, v, q_base, do_base, lse_row, delta_row, start_m, offs_m, offs_n, offs_d, d_mask,
     stride_qm, stride_om, L_q, shift, key_len, left, right, sinks, future, scale_log2,
-    slope_log2, allowed, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, ALIBI: tl.constexpr,
-    SPARSE: tl.constexpr, PRECISION: tl.constexpr,
+    slope_log2, allowed, rel_base, rel_stride_m, rel_shift, rel_max, CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr, ALIBI: tl.constexpr, SPARSE: tl.constexpr,
+    OFFSET_BIAS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Add one query block's share to dK = dS^T Q and dV = P^T dO of this key block."""
     rows = start_m + offs_m
@@ -526,9 +589,11 @@ def _dkdv_tile(
     lse = tl.load(lse_row + rows, mask=row_mask, other=float("inf"))
     lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta = tl.load(delta_row + rows, mask=row_mask, other=0.0)
+    rel_rows = rel_base + tl.minimum(rows, L_q - 1) * rel_stride_m
     p = _recompute_probs(
         q, k, lse_log2, rows + shift, offs_n, key_len, left, right, sinks, future, scale_log2,
-        slope_log2, allowed, CAUSAL, WINDOW, ALIBI, SPARSE, PRECISION,
+        slope_log2, allowed, rel_rows, rows + rel_shift, rel_max, CAUSAL, WINDOW, ALIBI, SPARSE,
+        OFFSET_BIAS, PRECISION,
     )  # fmt: skip
     dv += _dot(tl.trans(p.to(do.dtype)), do, PRECISION)
     dp = _dot(do, tl.trans(v), PRECISION).to(tl.float32)
@@ -561,9 +626,14 @@ def _dq_block(
     future,
     scale_log2,
     slope_log2,
+    rel_rows,
+    drel_rows,
+    rel_q,
+    rel_max,
     CAUSAL: tl.constexpr,
     WINDOW: tl.constexpr,
     ALIBI: tl.constexpr,
+    OFFSET_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -572,7 +642,8 @@ def _dq_block(
         dq = _dq_tile(
             dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn, start_n, q_pos,
             offs_n, d_mask, L_k, key_len, left, right, sinks, future, scale_log2, slope_log2, 0,
-            CAUSAL, WINDOW, ALIBI, False, PRECISION,
+            rel_rows, drel_rows, rel_q, rel_max, CAUSAL, WINDOW, ALIBI, False, OFFSET_BIAS,
+            PRECISION,
         )  # fmt: skip
     return dq
 
@@ -581,10 +652,11 @@ def _dq_block(
 def _dq_tile(
     dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn, start_n, q_pos, offs_n,
     d_mask, L_k, key_len, left, right, sinks, future, scale_log2, slope_log2, allowed,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, ALIBI: tl.constexpr, SPARSE: tl.constexpr,
+    rel_rows, drel_rows, rel_q, rel_max, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+    ALIBI: tl.constexpr, SPARSE: tl.constexpr, OFFSET_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """dQ += dS K for the key block at start_n."""
+    """dQ += dS K for the key block at start_n; with an offset bias, its gradient += dS."""
     offs_d = tl.arange(0, d_mask.shape[0])
     k_pos = start_n + offs_n
     kv_mask = (k_pos < L_k)[:, None] & d_mask[None, :]
@@ -592,10 +664,14 @@ def _dq_tile(
     v = tl.load(v_base + k_pos[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
     p = _recompute_probs(
         q, k, lse_log2, q_pos, k_pos, key_len, left, right, sinks, future, scale_log2,
-        slope_log2, allowed, CAUSAL, WINDOW, ALIBI, SPARSE, PRECISION,
+        slope_log2, allowed, rel_rows, rel_q, rel_max, CAUSAL, WINDOW, ALIBI, SPARSE,
+        OFFSET_BIAS, PRECISION,
     )  # fmt: skip
     dp = _dot(do, tl.trans(v), PRECISION).to(tl.float32)
     ds = p * (dp - delta[:, None])  # dS = P * (dP - D)
+    if OFFSET_BIAS:  # d(score)/d(bias) = 1; hidden and padding scores have dS = 0
+        columns = _offset_columns(rel_q, k_pos, rel_max)
+        tl.atomic_add(drel_rows[:, None] + columns, ds, mask=ds != 0.0)
     return dq + _dot(ds.to(k.dtype), k, PRECISION)
 
 
@@ -636,6 +712,13 @@ def attention_backward_dq_kernel(
     right,
     sinks,
     future,
+    RelBias,
+    DRelBias,
+    rel_stride_b,
+    rel_stride_h,
+    rel_stride_m,
+    rel_max,
+    rel_shift,
     CAUSAL: tl.constexpr,
     WINDOW: tl.constexpr,
     ALIBI: tl.constexpr,
@@ -646,6 +729,7 @@ def attention_backward_dq_kernel(
     BLOCK_D: tl.constexpr,
     SPARSE: tl.constexpr = False,
     HAS_QUERY_LENGTHS: tl.constexpr = False,
+    OFFSET_BIAS: tl.constexpr = False,
 ):
     """One program: one query block of one query head; loops over the visible key blocks."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
@@ -671,6 +755,11 @@ def attention_backward_dq_kernel(
     delta = tl.load(Delta + pid_bh * L_q + offs_m, mask=row_mask, other=0.0)
     shift = _shift(QueryLengths, batch, key_len, L_q, L_k, HAS_QUERY_LENGTHS)
     q_pos = offs_m + shift
+    rel_rows = _offset_rows(RelBias, batch, head, offs_m, L_q, rel_stride_b, rel_stride_h,
+                            rel_stride_m)  # fmt: skip
+    drel_rows = _offset_rows(DRelBias, batch, head, offs_m, L_q, rel_stride_b, rel_stride_h,
+                             rel_stride_m)  # fmt: skip
+    rel_q = offs_m + rel_shift
     q_first = pid_m * BLOCK_M + shift
     lo, hi = _key_range(
         q_first, q_first + BLOCK_M - 1, key_len, left, right, CAUSAL, WINDOW, BLOCK_N
@@ -685,8 +774,8 @@ def attention_backward_dq_kernel(
                 dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn,
                 tl.load(BlockCols + entry) * BLOCK_N, q_pos, offs_n, d_mask, L_k, key_len, left,
                 right, sinks, future, scale_log2, slope_log2,
-                _tile_mask(BlockMasks, entry, BLOCK_M, BLOCK_N), CAUSAL, WINDOW, ALIBI, True,
-                PRECISION,
+                _tile_mask(BlockMasks, entry, BLOCK_M, BLOCK_N), rel_rows, drel_rows, rel_q,
+                rel_max, CAUSAL, WINDOW, ALIBI, True, OFFSET_BIAS, PRECISION,
             )  # fmt: skip
         sink_stop, lo, hi = 0, 0, 0
     dq = _dq_block(
@@ -712,9 +801,14 @@ def attention_backward_dq_kernel(
         future,
         scale_log2,
         slope_log2,
+        rel_rows,
+        drel_rows,
+        rel_q,
+        rel_max,
         CAUSAL,
         WINDOW,
         ALIBI,
+        OFFSET_BIAS,
         PRECISION,
         BLOCK_N,
     )
@@ -741,9 +835,14 @@ def attention_backward_dq_kernel(
         future,
         scale_log2,
         slope_log2,
+        rel_rows,
+        drel_rows,
+        rel_q,
+        rel_max,
         CAUSAL,
         WINDOW,
         ALIBI,
+        OFFSET_BIAS,
         PRECISION,
         BLOCK_N,
     )

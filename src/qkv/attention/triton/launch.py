@@ -34,6 +34,7 @@ class Masking:
     scale: float
     pattern: SparsePattern | None = None
     query_lengths: torch.Tensor | None = None  # (B,) int32: rows aligned on their own
+    offset_bias: tuple[int, int] | None = None  # an OffsetBias's (max_distance, shift)
 
     def kernel_args(self, L_q: int, L_k: int) -> dict:
         left, right = self.window if self.window is not None else (0, 0)
@@ -54,6 +55,9 @@ class Masking:
             "ALIBI": self.slopes is not None,
             "HAS_LENGTHS": self.lengths is not None,
             "HAS_QUERY_LENGTHS": self.query_lengths is not None,
+            "OFFSET_BIAS": self.offset_bias is not None,
+            "rel_max": self.offset_bias[0] if self.offset_bias is not None else 0,
+            "rel_shift": self.offset_bias[1] if self.offset_bias is not None else 0,
         }
 
 
@@ -68,7 +72,7 @@ def _configs(block_pairs, warps=(4, 8), stages=(2, 3)) -> list[triton.Config]:
     ]
 
 
-_KEY = ["L_q", "L_k", "BLOCK_D", "CAUSAL", "WINDOW", "ALIBI"]
+_KEY = ["L_q", "L_k", "BLOCK_D", "CAUSAL", "WINDOW", "ALIBI", "OFFSET_BIAS"]
 _forward = triton.autotune(
     configs=_configs([(128, 64), (128, 128), (64, 64), (64, 128)]), key=_KEY
 )(kernels.attention_forward_kernel)
@@ -154,8 +158,18 @@ def _strides(*tensors: torch.Tensor) -> list[int]:
     return [s for t in tensors for s in t.stride()[:3]]
 
 
-def forward(q, k, v, masking: Masking) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output (B, H, L_q, D) in q's dtype and log-sum-exp (B, H, L_q) in fp32."""
+def _offset_args(values: torch.Tensor | None, shape: tuple[int, int, int], placeholder) -> dict:
+    """The offset bias's pointer and (batch, head, row) strides, zero where it is shared."""
+    if values is None:
+        return {"RelBias": placeholder, "rel_stride_b": 0, "rel_stride_h": 0, "rel_stride_m": 0}
+    strides = values.expand(*shape, values.shape[-1]).stride()
+    return {"RelBias": values, "rel_stride_b": strides[0], "rel_stride_h": strides[1],
+            "rel_stride_m": strides[2]}  # fmt: skip
+
+
+def forward(q, k, v, masking: Masking, offset_values=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output (B, H, L_q, D) in q's dtype and log-sum-exp (B, H, L_q) in fp32. offset_values:
+    the fp32 (B or 1, H or 1, L_q or 1, 2R + 1) values of `masking.offset_bias`, or None."""
     B, H, L_q, D = q.shape
     L_k = k.shape[2]
     out = torch.empty_like(q)
@@ -183,6 +197,7 @@ def forward(q, k, v, masking: Masking) -> tuple[torch.Tensor, torch.Tensor]:
         L_k,
         D,
         **masking.kernel_args(L_q, L_k),
+        **_offset_args(offset_values, (B, H, L_q), q),
         PRECISION=_precision(q.dtype),
         BLOCK_D=_block_d(D),
         **fixed,
@@ -196,8 +211,9 @@ def _fixed_blocks() -> dict:
     return {"BLOCK_M": block, "BLOCK_N": block, "SPARSE": True, "num_warps": 4, "num_stages": 2}
 
 
-def backward(q, k, v, out, lse, d_out, masking: Masking):
-    """(dq, dk, dv) from the saved output and log-sum-exp (FlashAttention-2, Algorithm 2)."""
+def backward(q, k, v, out, lse, d_out, masking: Masking, offset_values=None):
+    """(dq, dk, dv, d_offset_values) from the saved output and log-sum-exp (FlashAttention-2,
+    Algorithm 2); d_offset_values (fp32, the shape of offset_values) is None without them."""
     B, H, L_q, D = q.shape
     H_kv, L_k = k.shape[1], k.shape[2]
     d_out = d_out.contiguous()
@@ -207,6 +223,8 @@ def backward(q, k, v, out, lse, d_out, masking: Masking):
         out, d_out, delta, *out.stride()[:3], H, L_q, D, BLOCK_M=block, BLOCK_D=_block_d(D)
     )
     d_q, d_k, d_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    d_offset = None if offset_values is None else torch.zeros_like(offset_values)
+    offset_args = _offset_args(offset_values, (B, H, L_q), q)
     common = dict(
         **masking.kernel_args(L_q, L_k), PRECISION=_precision(q.dtype), BLOCK_D=_block_d(D)
     )
@@ -237,6 +255,7 @@ def backward(q, k, v, out, lse, d_out, masking: Masking):
         L_k,
         D,
         **common,
+        **offset_args,
         **fixed,
     )
     grid_q = lambda meta: (triton.cdiv(L_q, meta["BLOCK_M"]), B * H)  # noqa: E731
@@ -257,9 +276,11 @@ def backward(q, k, v, out, lse, d_out, masking: Masking):
         L_k,
         D,
         **common,
+        **offset_args,
+        DRelBias=q if d_offset is None else d_offset,
         **fixed,
     )
-    return d_q, d_k, d_v
+    return d_q, d_k, d_v, d_offset
 
 
 def _or(tensor: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
