@@ -93,6 +93,10 @@ class Task(Protocol):
 
     def describe(self) -> dict: ...  # JSON: the options that shape data and model
 
+    # Optional: `share(indices, context) -> list[int]`, this process's examples of a global
+    # batch (default `shard`: every world_size-th); the gpt task gives every process all of
+    # them under context parallelism, and each collates its share of every sequence.
+
 
 class LossNotFiniteError(RuntimeError):
     """The loss (or the gradient, or the weights) became NaN or inf; the run stopped before the
@@ -276,7 +280,9 @@ def _train_step(
 ) -> tuple[dict[str, float], int]:
     """Forward and backward over this process's micro-batches; returns the step's loss terms
     (means over the global batch, summed into "loss") and the tokens this process saw."""
-    mine = shard(order.batch(step, config.batch_size), context)
+    everyone = order.batch(step, config.batch_size)
+    share = getattr(task, "share", None)  # a task may share the batch otherwise (by sequence)
+    mine = shard(everyone, context) if share is None else share(everyone, context)
     chunks = [mine[i :: config.accumulation_steps] for i in range(config.accumulation_steps)]
     device = next(model.parameters()).device
     batches = [_to(task.collate(sorted(chunk), step=step), device) for chunk in chunks if chunk]

@@ -20,6 +20,13 @@ the pieces go to the model as `sequence_lengths` (`qkv.sparse.Packed`: positions
 piece, no attention and no loss across a cut). The loss is then exactly that of running every
 piece alone, as a padded batch of documents would, with no work spent on padding.
 
+With `context_parallel` N (`torchrun --nproc-per-node N -m qkv.cli train gpt --context-parallel
+N`), the N processes share every sequence instead of every batch: each holds a zigzag share of
+each block (`qkv.distributed.shard_lm_batch`: its tokens, their next-token targets and global
+positions) and every attention layer is a ring over them (`qkv.distributed.RingAttention`,
+Liu et al. 2023), so a block longer than one process could attend over fits. The loss and the
+gradients are those of one process on the same batch; evaluation runs whole blocks on rank 0.
+
 After `qkv train gpt`, `qkv generate runs/gpt/model --prompt "The"` continues a prompt: the
 model folder holds qkv's checkpoint and the tokenizer.json that `load_for_generation` reads.
 """
@@ -35,6 +42,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from qkv.data import (
@@ -46,7 +54,9 @@ from qkv.data import (
     train_bpe,
     train_validation_split,
 )
+from qkv.distributed import RingAttention, local_attention, shard_lm_batch, use_ring_attention
 from qkv.models import GPT, GPTConfig, save
+from qkv.training.distributed import Distributed, shard
 
 __all__ = ["GPTOptions", "GPTTask", "check_validation_fraction", "unigram_entropy"]
 
@@ -75,6 +85,7 @@ class GPTOptions:
     validation_fraction: float = 0.1
     data_seed: int = 0  # which documents go to validation
     pack: bool = False  # documents attend only to themselves (cut at <|endoftext|>)
+    context_parallel: int = 1  # processes sharing each sequence (ring attention)
 
     FLAG_HELP: ClassVar[dict[str, str]] = {
         "family": "'gpt2' (learned positions, LayerNorm, GELU, tied head) or 'llama' (RoPE, "
@@ -86,6 +97,8 @@ class GPTOptions:
         "validation_fraction": "share of the documents held out for validation",
         "pack": "each document attends only to itself: blocks cut after every <|endoftext|>, "
         "packed into one row (no attention or loss across documents)",
+        "context_parallel": "processes sharing each sequence by ring attention (the number of "
+        "torchrun processes; needs --dropout 0)",
     }
 
 
@@ -101,6 +114,7 @@ class GPTTask:
         if options.family not in FAMILIES:
             raise ValueError(f"family: expected one of {sorted(FAMILIES)}, got {options.family!r}")
         check_validation_fraction(options.validation_fraction)
+        _check_context_parallel(options)
         self.options = options
         logger.info("reading %s", options.data or "the texts of pydoc_data.topics")
         texts = pydoc_texts() if options.data is None else text_file_texts(options.data)
@@ -127,7 +141,24 @@ class GPTTask:
         return len(self.train_blocks)
 
     def describe(self) -> dict:
-        return {"name": self.name, **asdict(self.options)}
+        """The options that shape data and model; not context_parallel, which changes only how
+        processes share the work (a run resumes on another number of processes)."""
+        options = asdict(self.options)
+        del options["context_parallel"]
+        return {"name": self.name, **options}
+
+    def share(self, indices: list[int], context: Distributed) -> list[int]:
+        """This process's examples of a global batch: every one with context parallelism
+        (each process then takes its share of every sequence), else its slice (`shard`)."""
+        parallel = self.options.context_parallel
+        if parallel == 1:
+            return shard(indices, context)
+        if context.world_size != parallel:
+            raise ValueError(
+                f"context_parallel: {parallel} processes share each sequence, but the run has "
+                f"{context.world_size}; start it with torchrun --nproc-per-node {parallel}"
+            )
+        return indices
 
     def build_model(self) -> GPT:
         options = self.options
@@ -138,14 +169,25 @@ class GPTTask:
             ffn_dim=options.ffn_dim, max_positions=options.block_size,
             dropout=options.dropout, attention_dropout=options.dropout,
         )  # fmt: skip
-        return GPT(config)
+        model = GPT(config)
+        if options.context_parallel > 1:  # a group of its own: DDP's all-reduces use the default
+            group = dist.new_group(ranks=list(range(dist.get_world_size())))
+            use_ring_attention(model, RingAttention(group=group, length=options.block_size))
+        return model
 
     def collate(self, indices: list[int], *, step: int = 0) -> dict[str, torch.Tensor]:
         """The blocks at `indices`: {"input_ids": (B, T)}; no randomness, so step is unused.
-        With `pack`: {"input_ids": (1, B * T), "sequence_lengths": (S,)} (`pack_documents`)."""
-        return self._batch(self.train_blocks.blocks[indices])  # (B, T)
+        With `pack`: {"input_ids": (1, B * T), "sequence_lengths": (S,)} (`pack_documents`).
+        With context parallelism: this process's share (`shard_lm_batch`)."""
+        blocks = self.train_blocks.blocks[indices]  # (B, T)
+        parallel = self.options.context_parallel
+        if parallel > 1:
+            return shard_lm_batch(blocks, dist.get_rank(), parallel)
+        return self._batch(blocks)
 
     def counts(self, batch: dict[str, torch.Tensor]) -> dict[str, int]:
+        if "targets" in batch:  # a share of each sequence: its real targets
+            return {"tokens": int((batch["targets"] != IGNORE_INDEX).sum())}
         B, T = batch["input_ids"].shape
         pieces = len(batch["sequence_lengths"]) if "sequence_lengths" in batch else B
         return {"tokens": B * T - pieces}  # every position but a piece's last predicts
@@ -155,6 +197,13 @@ class GPTTask:
 
     def loss_sums(self, model, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Summed cross-entropy of logits[:, i] against input_ids[:, i + 1] (within a piece)."""
+        if "targets" in batch:  # a share of each sequence, its targets and positions given
+            logits = model(batch["input_ids"], position_ids=batch["position_ids"]).logits
+            targets = batch["targets"].flatten()  # (B * n,)
+            loss = F.cross_entropy(
+                logits.flatten(0, 1).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+            return {"tokens": loss}
         lengths = batch.get("sequence_lengths")
         packed = {} if lengths is None else {"sequence_lengths": lengths.tolist()}
         logits = model(batch["input_ids"], **packed).logits
@@ -168,7 +217,12 @@ class GPTTask:
     @torch.no_grad()
     def evaluate(self, model: GPT) -> dict[str, float]:
         """Validation next-token loss (nats per token), its perplexity, and the unigram entropy
-        of the training tokens for comparison. Call it with the model in eval mode."""
+        of the training tokens for comparison. Call it with the model in eval mode (on one
+        process: a context-parallel model attends locally for the duration)."""
+        with local_attention(model):
+            return self._evaluate(model)
+
+    def _evaluate(self, model: GPT) -> dict[str, float]:
         total, count = 0.0, 0
         for start in range(0, len(self.valid_blocks), _EVAL_BATCH):
             stop = min(start + _EVAL_BATCH, len(self.valid_blocks))
@@ -233,6 +287,19 @@ def unigram_entropy(token_ids: torch.Tensor, *, exclude: tuple[int, ...] = ()) -
     counts = torch.bincount(ids).double()
     p = counts[counts > 0] / ids.numel()
     return float(-(p * p.log()).sum())
+
+
+def _check_context_parallel(options: GPTOptions) -> None:
+    parallel = options.context_parallel
+    if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+        raise ValueError(f"context_parallel: expected an int >= 1, got {parallel!r}")
+    if parallel > 1 and options.pack:
+        raise ValueError("context_parallel: packed documents (--pack) are not sharded; drop one")
+    if parallel > 1 and options.dropout > 0:
+        raise ValueError(
+            f"context_parallel: ring attention has no attention dropout; expected --dropout 0, "
+            f"got {options.dropout}"
+        )
 
 
 def check_validation_fraction(value: float) -> None:
