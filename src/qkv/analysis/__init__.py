@@ -2,7 +2,9 @@
 planner (`qkv cost`), head importance and pruning (Michel et al. 2019), the complexity benchmark
 (`qkv bench complexity`), the attention viewer (`qkv viz`) and the report (`qkv report`). The
 classic figures (softmax saturation, sqrt(d_k) scaling, positional encodings, masks, GELU) are in
-`qkv.analysis.plots` (imported on its own: it needs matplotlib)."""
+`qkv.analysis.plots` (imported on its own: it needs matplotlib). The softmax Jacobian, softmax
+as written and max-subtracted, and log-sum-exp are in `qkv.analysis.softmax_math`; attention and
+multi-head attention in plain NumPy, forward and backward, in `qkv.analysis.numpy_lab`."""
 
 from qkv.analysis.cost.complexity import measure_complexity
 from qkv.analysis.cost.estimate import CostReport, cost_report

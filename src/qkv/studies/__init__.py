@@ -17,6 +17,11 @@ Studies (`STUDIES`):
   2022; Chen et al. 2023; Peng et al. 2023).
 - sinks: attention mass on the first tokens, per layer and head, of a trained model and of
   MiniLM; window-only vs sinks + window caches past the training length (Xiao et al. 2024).
+- softmax: saturation of the whole softmax Jacobian with and without the 1/sqrt(d_k) scale
+  (Vaswani et al. 2017, s3.2.1); float16 overflow of softmax as written vs max-subtracted on
+  MiniLM's real scores (Goodfellow et al. 2016, s4.1).
+- numpy-lab: attention and multi-head attention in plain NumPy, forward and hand-written
+  backward, against PyTorch and autograd (Vaswani et al. 2017, s3.2).
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ __all__ = [
 STUDIES = {  # name -> module under qkv.studies
     "extrapolation": "extrapolation",
     "sinks": "sinks",
+    "softmax": "softmax",
+    "numpy-lab": "numpy_lab",
 }
 SIZES = ("tiny", "default")
 DEFAULT_OUT = "studies"  # the folder of the committed results, at the repository's root

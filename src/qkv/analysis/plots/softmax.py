@@ -3,7 +3,8 @@ classic softmax figures.
 
 - `softmax_scaling`: the effect of scaling on the softmax output distribution.
 - `softmax_saturation`: the classic figure of softmax saturation (the largest element of
-  softmax([a, a, 2a]) saturates to 1) and the diagonal of the softmax Jacobian, which vanishes.
+  softmax([a, a, 2a]) saturates to 1) and two entries of the softmax Jacobian (on and off its
+  diagonal, `qkv.analysis.softmax_math.softmax_jacobian`), which both vanish.
 - `scaling_comparison`: scaling by d_k vs sqrt(d_k) vs not at all.
 """
 
@@ -23,6 +24,7 @@ from qkv.analysis.plots.common import (
     new_figure,
     to_numpy,
 )
+from qkv.analysis.softmax_math import softmax_jacobian
 from qkv.attention import attention
 
 __all__ = ["scaling_comparison", "softmax_saturation", "softmax_scaling"]
@@ -73,9 +75,10 @@ def softmax_saturation(
     for the largest element quickly saturates to 1 as the magnitude a increases.
 
     a_values: a 1-D array of magnitudes; default `np.linspace(0, 15, 100)`.
-    Returns a figure with one axes and two lines: "softmax(2a)", y_3 = e^{2a} / (2 e^a + e^{2a}),
-    and "dy_3/dx_3 = y_3 (1 - y_3)", the diagonal entry of the softmax Jacobian
-    (dy_i/dx_j for i = j), which falls to 0 as y_3 -> 1.
+    Returns a figure with one axes and three lines: "softmax(2a)", y_3 = e^{2a} / (2 e^a +
+    e^{2a}); "dy_3/dx_3 = y_3 (1 - y_3)", a diagonal entry of the softmax Jacobian
+    diag(y) - y y^T; and "dy_3/dx_1 = -y_3 y_1", an off-diagonal one. Both fall to 0 as
+    y_3 -> 1 (Vaswani et al. 2017, s3.2.1).
     """
     a = np.linspace(0.0, 15.0, 100) if a_values is None else to_numpy("a_values", a_values)
     if a.ndim != 1 or a.size == 0 or not np.isfinite(a).all():
@@ -84,15 +87,17 @@ def softmax_saturation(
         )
     magnitudes = torch.from_numpy(a)  # (N,) float64
     logits = torch.stack((magnitudes, magnitudes, 2 * magnitudes), dim=-1)  # (N, 3)
-    largest = torch.softmax(logits, dim=-1)[:, 2]  # (N,)
-    gradient = largest * (1 - largest)  # (N,): dy_3/dx_3
+    probabilities = torch.softmax(logits, dim=-1)  # (N, 3)
+    largest = probabilities[:, 2]  # (N,)
+    jacobian = softmax_jacobian(probabilities)  # (N, 3, 3)
     fig = new_figure(figsize=(8.0, 5.0))
     ax = fig.subplots()
     ax.plot(a, largest.numpy(), label="softmax(2a)")
-    ax.plot(a, gradient.numpy(), linestyle="--", label="dy_3/dx_3 = y_3 (1 - y_3)")
+    ax.plot(a, jacobian[:, 2, 2].numpy(), linestyle="--", label="dy_3/dx_3 = y_3 (1 - y_3)")
+    ax.plot(a, jacobian[:, 2, 0].numpy(), linestyle=":", label="dy_3/dx_1 = -y_3 y_1")
     ax.set_title("Softmax saturation with increasing input magnitude")
     ax.set_xlabel("input magnitude (a)")
-    ax.set_ylabel("softmax output for the largest element")
+    ax.set_ylabel("softmax output and Jacobian entries")
     ax.grid(True)
     ax.legend()
     return fig
