@@ -167,6 +167,46 @@ def _check_traffic(rank: int, world_size: int, dtype: torch.dtype, kv_heads: int
     assert backward_bytes == predicted.backward_bytes, (backward_bytes, predicted)
 
 
+def _check_training_step_bytes(rank: int, world_size: int) -> None:
+    """One DDP training step of a sequence-parallel GPT sends what `qkv cost` plans: the ring's
+    bytes (counted at batch_isend_irecv) and the gradient bytes handed to the all-reduce
+    (counted by a DDP communication hook)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from qkv.analysis.cost.parallel import parallel_training_cost
+    from qkv.distributed import RingAttention, shard_lm_batch, use_ring_attention
+    from qkv.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    sizes = {"vocab_size": 40, "embed_dim": 16, "num_layers": 2, "num_heads": 4,
+             "num_kv_heads": 2, "ffn_dim": 32, "max_positions": 32}  # fmt: skip
+    config = GPTConfig.from_name("tiny-llama", **sizes)
+    length, batch = 13, 2  # padded to a multiple of 2P
+    group = dist.new_group(ranks=list(range(world_size)))
+    model = use_ring_attention(GPT(config), RingAttention(group=group, length=length))
+    payloads = []
+
+    def counting_hook(sizes, bucket):
+        sizes.append(bucket.buffer().nbytes)
+        return default_hooks.allreduce_hook(None, bucket)
+
+    wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    wrapped.register_comm_hook(payloads, counting_hook)
+    shard = shard_lm_batch(torch.randint(0, 40, (batch, length)), rank, world_size)
+    counter = SendCounter()
+    dist.batch_isend_irecv = counter
+    try:
+        logits = wrapped(shard["input_ids"], position_ids=shard["position_ids"]).logits
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), shard["targets"].flatten(),
+                                          ignore_index=-100).backward()  # fmt: skip
+    finally:
+        dist.batch_isend_irecv = counter.wrapped
+    plan = parallel_training_cost(config, context_parallel=world_size, context=length,
+                                  batch=batch, dtype="fp32")  # fmt: skip
+    assert counter.bytes == plan.ring_bytes_per_step, (counter.bytes, plan)
+    assert sum(payloads) == plan.gradient_payload_bytes, (sum(payloads), plan)
+
+
 def _worker(rank: int, world_size: int, port: int) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -180,6 +220,7 @@ def _worker(rank: int, world_size: int, port: int) -> None:
     checks += [
         ("traffic float64 GQA", _check_traffic, (rank, world_size, torch.float64, 2)),
         ("traffic bfloat16", _check_traffic, (rank, world_size, torch.bfloat16, 4)),
+        ("training step bytes", _check_training_step_bytes, (rank, world_size)),
     ]
     for name, check, args in checks:
         try:
