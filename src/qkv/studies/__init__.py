@@ -15,6 +15,9 @@ Studies (`STUDIES`):
 - extrapolation: perplexity past the training length for each position encoding (none,
   learned, sinusoidal, RoPE, ALiBi, T5's bias) and RoPE scalings at inference (Press et al.
   2022; Chen et al. 2023; Peng et al. 2023).
+- flash-io: the HBM traffic of standard attention, FlashAttention's Algorithm 1 and qkv's tiled
+  loop, modelled exactly and counted tile by tile, against the block size (Dao et al. 2022,
+  Theorem 2; Dao 2023).
 - sinks: attention mass on the first tokens, per layer and head, of a trained model and of
   MiniLM; window-only vs sinks + window caches past the training length (Xiao et al. 2024).
 - softmax: saturation of the whole softmax Jacobian with and without the 1/sqrt(d_k) scale
@@ -57,6 +60,7 @@ __all__ = [
 
 STUDIES = {  # name -> module under qkv.studies
     "extrapolation": "extrapolation",
+    "flash-io": "flash_io",
     "sinks": "sinks",
     "softmax": "softmax",
     "numpy-lab": "numpy_lab",

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qkv.attention.tiled.traffic import TileCounter, TileTraffic, active_traffic
 from qkv.attention.tiles import Tile, TilePlan, dropout_keep
 
 ScoreMod = Callable[..., torch.Tensor]
@@ -129,16 +130,26 @@ TileChainRule = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, tuple
 
 
 def tile_scores(
-    problem: Problem, q_start: int, q_end: int, k_start: int, k_end: int, tile: Tile
+    problem: Problem,
+    q_start: int,
+    q_end: int,
+    k_start: int,
+    k_end: int,
+    tile: Tile,
+    count: TileCounter | None = None,
 ) -> tuple[torch.Tensor, TileChainRule]:
     """Scores of one tile, (B, H_kv, bq * G, bk), masked with -inf; and their chain rule.
 
     The second result maps d(masked scores) to (d(q k^T * scale), d(bias), d(captured)),
     undoing the score_mod (by autograd on the tile, which also gives the gradient of the
-    tensors it captured) and the soft-cap (d tanh = 1 - tanh^2).
+    tensors it captured) and the soft-cap (d tanh = 1 - tanh^2). `count`, when given, is told
+    every slice of an input the tile reads (`qkv.attention.tiled.traffic`).
     """
     rows = problem.rows(q_start, q_end)
-    raw = problem.q_rows[:, :, rows] @ problem.k[:, :, k_start:k_end].transpose(-1, -2)
+    q_tile, k_tile = problem.q_rows[:, :, rows], problem.k[:, :, k_start:k_end]
+    if count is not None:
+        count.read("q", q_tile).read("k", k_tile)
+    raw = q_tile @ k_tile.transpose(-1, -2)
     B, H_kv, n_rows, bk = raw.shape
     scores = raw.view(B, H_kv, q_end - q_start, problem.group, bk)  # (B, H_kv, bq, G, bk)
     tanh = None
@@ -146,7 +157,10 @@ def tile_scores(
         tanh = torch.tanh(scores / problem.softcap)
         scores = problem.softcap * tanh
     if problem.bias is not None:
-        scores = scores + tile_of(problem.bias, q_start, q_end, k_start, k_end)
+        bias_tile = tile_of(problem.bias, q_start, q_end, k_start, k_end)
+        scores = scores + bias_tile
+        if count is not None:
+            count.read("bias", bias_tile)
     modded, before_mod = scores, None
     if problem.score_mod is not None:
         with torch.enable_grad():
@@ -158,7 +172,10 @@ def tile_scores(
     if tile is Tile.PARTIAL:
         visible = problem.plan.tile_mask(q_start, q_end, k_start, k_end, raw.device)
         if problem.mask is not None:
-            visible = visible & tile_of(problem.mask, q_start, q_end, k_start, k_end)
+            mask_tile = tile_of(problem.mask, q_start, q_end, k_start, k_end)
+            visible = visible & mask_tile
+            if count is not None:
+                count.read("mask", mask_tile)
         masked = masked.masked_fill(~visible, float("-inf"))
     masked = masked.reshape(raw.shape)  # (B, H_kv, bq * G, bk)
 
@@ -179,11 +196,16 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Online softmax over key tiles (FlashAttention-2, Algorithm 1).
 
-    Returns out_rows (B, H_kv, L_q * G, D_v) and lse_rows (B, H_kv, L_q * G, 1).
+    Returns out_rows (B, H_kv, L_q * G, D_v) and lse_rows (B, H_kv, L_q * G, 1). Inside
+    `count_tile_traffic()` it records each slice it reads from or writes to those buffers and
+    the inputs (`qkv.attention.tiled.traffic`).
     """
+    traffic = active_traffic()  # None unless counting: then one test per tile, nothing more
     q_rows, v, plan = problem.q_rows, problem.v, problem.plan
     out_rows = q_rows.new_zeros(*q_rows.shape[:-1], v.shape[-1])
     lse_rows = q_rows.new_full((*q_rows.shape[:-1], 1), float("-inf"))
+    if traffic is not None:
+        _count_block(traffic, "write", None, out_rows, lse_rows)
     key_blocks, tiles_by_query_block = plan.key_blocks(), plan.tiles()
     for qi, (q_start, q_end) in enumerate(plan.query_blocks()):
         tiles = tiles_by_query_block[qi]
@@ -191,9 +213,12 @@ def forward(
         running_max = lse_rows[:, :, rows].clone()  # m = -inf
         running_sum = torch.zeros_like(running_max)  # l = 0
         acc = out_rows[:, :, rows].clone()  # unnormalised output, 0
+        if traffic is not None:
+            _count_block(traffic, "read", qi, acc, running_max)
         for kj, tile in tiles:  # the computed tiles only
             k_start, k_end = key_blocks[kj]
-            scores, _ = tile_scores(problem, q_start, q_end, k_start, k_end, tile)
+            count = None if traffic is None else traffic.tile(qi, kj)
+            scores, _ = tile_scores(problem, q_start, q_end, k_start, k_end, tile, count)
             new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
             finite_max = new_max.masked_fill(new_max == float("-inf"), 0.0)  # rows seen nothing
             probs = _exp_(scores.sub_(finite_max))  # (B, H_kv, bq * G, bk), in place
@@ -201,14 +226,25 @@ def forward(
             running_sum = running_sum * rescale + probs.sum(dim=-1, keepdim=True)
             probs = _dropout(problem, qi, kj, probs)
             acc.mul_(rescale)
-            _batched(acc).baddbmm_(_batched(probs), _batched(v[:, :, k_start:k_end]))
+            v_tile = v[:, :, k_start:k_end]
+            _batched(acc).baddbmm_(_batched(probs), _batched(v_tile))
+            if count is not None:
+                count.read("v", v_tile)
             running_max = new_max
             if trace is not None:
                 trace(_trace_step(problem, qi, kj, tile, running_max, running_sum))
         empty = running_sum == 0  # no visible key: output 0, lse -inf
         out_rows[:, :, rows] = torch.where(empty, 0.0, acc / running_sum.masked_fill(empty, 1.0))
         lse_rows[:, :, rows] = running_max + torch.log(running_sum)
+        if traffic is not None:
+            _count_block(traffic, "write", qi, out_rows[:, :, rows], lse_rows[:, :, rows])
     return out_rows, lse_rows
+
+
+def _count_block(traffic: TileTraffic, direction: str, qi: int | None, out, lse) -> None:
+    """Record a query block's output and log-sum-exp (qi None: the whole buffers)."""
+    traffic.record(direction, "o", out, q_block=qi)
+    traffic.record(direction, "lse", lse, q_block=qi)
 
 
 def backward(
