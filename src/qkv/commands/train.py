@@ -31,6 +31,8 @@ _HELP = {
     "bf16": "bfloat16 autocast for the forward pass",
     "eval_every": "evaluate every N steps (0: at the end only)",
     "checkpoint_every": "write checkpoint.safetensors every N steps",
+    "fsdp": "with torchrun: shard parameters, gradients and optimizer state over the processes "
+    "(PyTorch's fully_shard) instead of replicating them (DDP)",
     "data": "your own data file instead of the embedded one",
     "embed_dim": "model width E",
     "num_heads": "attention heads per layer",

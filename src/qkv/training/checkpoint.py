@@ -72,16 +72,22 @@ def save_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     step: int,
     extra: dict | None = None,
+    model_state: dict | None = None,
+    optimizer_state: dict | None = None,
 ) -> Path:
     """Write model, optimizer, scheduler, RNG state and `step` (optimizer steps done) to
     `path` atomically. `extra` must be JSON-serialisable (e.g. metrics, the run's options).
+    model_state / optimizer_state: the full state dicts of a sharded model and its optimizer
+    (`qkv.training.sharded.gather_state`), written instead of their own, so that the file is
+    the one an unsharded run writes.
 
     Raises CheckpointWriteError (an OSError) when the file cannot be written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors, tied = unique_tensors(model.state_dict())
+    tensors, tied = unique_tensors(model.state_dict() if model_state is None else model_state)
     tensors = {f"model/{name}": tensor for name, tensor in tensors.items()}
-    optimizer_document = _split_optimizer_state(optimizer.state_dict(), tensors)
+    optimizer_state = optimizer.state_dict() if optimizer_state is None else optimizer_state
+    optimizer_document = _split_optimizer_state(optimizer_state, tensors)
     tensors["rng/torch"] = torch.get_rng_state()
     document = {
         "format": FORMAT,

@@ -23,6 +23,8 @@ class TrainingConfig:
     eval_every / checkpoint_every / log_every: in steps (0 = only at the end).
     seed: model initialisation, data order and dropout follow from it (a task's data split and
     masking follow its own data_seed).
+    fsdp: with several processes, shard parameters, gradients and optimizer state over them
+    (`qkv.training.sharded`) instead of replicating them (DDP); the same updates either way.
     """
 
     steps: int = 400
@@ -40,6 +42,7 @@ class TrainingConfig:
     checkpoint_every: int = 100
     log_every: int = 10
     seed: int = 0
+    fsdp: bool = False
 
     def __post_init__(self) -> None:
         check_int("steps", self.steps, minimum=1)
@@ -73,3 +76,9 @@ class TrainingConfig:
 
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "betas": list(self.betas)}
+
+    def identity(self) -> dict:
+        """The options a checkpoint must share with the run that resumes it: all but fsdp,
+        which changes how processes share the work, not the updates (a run resumes on another
+        number of processes, sharded or not)."""
+        return {key: value for key, value in self.to_json().items() if key != "fsdp"}

@@ -9,7 +9,10 @@ into `accumulation_steps` micro-batches, and backpropagates
 where N_k counts what term k averages over (target tokens, masked tokens, sentence pairs) in the
 WHOLE global batch, over all micro-batches and processes. So the gradient is the same as one
 big batch on one process would give, whatever the accumulation and the number of processes
-(DDP averages gradients over processes; the loss is multiplied by world_size to undo that).
+(DDP, and FSDP's reduce-scatter with `fsdp`, average gradients over processes; the loss is
+multiplied by world_size to undo that). With `fsdp` the model is sharded over the processes
+(`qkv.training.sharded`): checkpoints hold the gathered full state, and evaluation and the
+result use an unsharded replica.
 
 After backward the step's loss is checked, then the gradient's global norm (the one clipping
 computes, or computed for the check when clip_norm is None): NaN or inf stops the run with
@@ -43,6 +46,7 @@ import torch
 from torch import nn
 
 from qkv import capabilities
+from qkv.training import sharded
 from qkv.training.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from qkv.training.config import TrainingConfig
 from qkv.training.distributed import (
@@ -110,7 +114,7 @@ class GradientNotFiniteError(LossNotFiniteError):
 
 @dataclass(frozen=True)
 class TrainingResult:
-    model: nn.Module  # unwrapped (no DDP), in eval mode
+    model: nn.Module  # unwrapped (no DDP), unsharded, in eval mode
     step: int
     metrics: dict[str, float]  # the last evaluation
     resumed_from: int | None  # the checkpoint's step, if the run was resumed
@@ -175,6 +179,11 @@ def _build(task: Task, config: TrainingConfig, device: torch.device) -> tuple:
     """Model, optimizer and schedule, from config.seed."""
     torch.manual_seed(config.seed)
     model = task.build_model().to(device)
+    return (model, *_optimizer_for(model, config))
+
+
+def _optimizer_for(model: nn.Module, config: TrainingConfig) -> tuple:
+    """AdamW and its schedule, for a model (sharded or not)."""
     optimizer = build_optimizer(
         model, learning_rate=config.learning_rate, weight_decay=config.weight_decay,
         betas=config.betas,
@@ -183,7 +192,7 @@ def _build(task: Task, config: TrainingConfig, device: torch.device) -> tuple:
         optimizer, warmup_steps=config.warmup_steps, total_steps=config.steps,
         kind=config.schedule,
     )  # fmt: skip
-    return model, optimizer, scheduler
+    return optimizer, scheduler
 
 
 def _train(
@@ -198,10 +207,18 @@ def _train(
     if config.bf16 and device.type == "cpu":
         capabilities.warn_if_bf16_is_emulated("training with bf16 autocast (bf16=True)")
     model, optimizer, scheduler = _build(task, config, device)
-    run_info = {"task": task.describe(), "training": config.to_json()}
+    run_info = {"task": task.describe(), "training": config.identity()}
     start, metrics = _maybe_resume(out_dir, resume, model, optimizer, scheduler, run_info)
     log = RunLogger(out_dir, context, on_log, keep_up_to=start)
-    wrapped = context.wrap(model)
+    fsdp = config.fsdp and context.enabled
+    if fsdp:  # after resuming: the checkpoint holds the full state
+        build = functools.partial(_optimizer_for, config=config)
+        model, optimizer, scheduler, replica = sharded.shard_training(
+            model, optimizer, scheduler, build=build
+        )
+        wrapped = model
+    else:
+        wrapped, replica = context.wrap(model), model
     order = DataOrder(len(task), seed=config.seed)
     step_timer = Throughput()
     model.train()
@@ -221,9 +238,10 @@ def _train(
         evaluate = _due(done, config.eval_every, config.steps)
         checkpoint = _due(done, config.checkpoint_every, config.steps)
         if evaluate or checkpoint:  # first: decoding with inf weights would fail less clearly
-            _check_weights(model, done, out_dir)
+            _check_weights(model, done, out_dir, context)
         if evaluate:
-            metrics = _evaluate(task, model, context)
+            evaluated = sharded.refresh_replica(replica, model) if fsdp else replica
+            metrics = _evaluate(task, evaluated, context)
             records.append({"step": done, "kind": "eval", **metrics})
         save = None
         if checkpoint:
@@ -231,11 +249,14 @@ def _train(
             save = functools.partial(
                 save_checkpoint, out_dir / CHECKPOINT_NAME, model=model, optimizer=optimizer,
                 scheduler=scheduler, step=done, extra=extra,
+                **(sharded.gather_state(model, optimizer) if fsdp else {}),
             )  # fmt: skip
         _write_on_main(log, records, save, context, device)
-    model.eval()
+    if fsdp:
+        sharded.refresh_replica(replica, model)
+    replica.eval()
     return TrainingResult(
-        model=model, step=config.steps, metrics=metrics, resumed_from=start or None
+        model=replica, step=config.steps, metrics=metrics, resumed_from=start or None
     )
 
 
@@ -293,7 +314,7 @@ def _train_step(
     autocast = torch.autocast(device_type=_device_type(model), dtype=torch.bfloat16)
     for index, batch in enumerate(batches):
         last = index == len(batches) - 1
-        sync = nullcontext() if last or not context.enabled else model.no_sync()
+        sync = nullcontext() if last or not context.enabled else sharded.gradient_sync_off(model)
         with sync:
             with autocast if config.bf16 else nullcontext():
                 sums = task.loss_sums(model, batch)
@@ -328,7 +349,7 @@ def _clip_and_check_gradient(
     else:
         gradients = [p.grad for p in model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(gradients)
-    value = float(norm)
+    value = float(sharded.full(norm))
     if not math.isfinite(value):
         raise GradientNotFiniteError(
             f"step {step + 1}: the gradient's norm is {value} (not finite) while the loss is "
@@ -338,9 +359,13 @@ def _clip_and_check_gradient(
         )
 
 
-def _check_weights(model: nn.Module, done: int, out_dir: Path) -> None:
-    """Non-finite weights (an optimizer overflow) never overwrite the last good checkpoint."""
-    bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+def _check_weights(model: nn.Module, done: int, out_dir: Path, context: Distributed) -> None:
+    """Non-finite weights (an optimizer overflow) never overwrite the last good checkpoint.
+    Each process checks its part (all of it, or its shards) and they agree on the verdict."""
+    named = list(model.named_parameters())
+    flags = torch.stack([(~torch.isfinite(sharded.local(p))).any().double() for _, p in named])
+    found = all_reduce_sum(flags, context).tolist()
+    bad = [name for (name, _), count in zip(named, found, strict=True) if count]
     if bad:
         raise LossNotFiniteError(
             f"the weights after step {done} are not finite ({', '.join(bad[:5])}); they were not "
