@@ -12,6 +12,7 @@ import statistics
 from pathlib import Path
 
 from .attention import attention_section
+from .context_parallel import context_parallel_section
 from .decode import decode_section
 from .decode_batch import decode_batch_section
 from .flash import FLASH_FILES, WINDOW, flash_section, merged_flash_rows
@@ -41,6 +42,7 @@ KNOWN = (
     "sparse",
     "linear",
     "long_documents",
+    "context_parallel",
 )
 
 
@@ -176,6 +178,8 @@ def render(results_dir: Path = RESULTS) -> str:
         sections.append(decode_section(results["decode"]))
     if "decode_batch" in results:
         sections.append(decode_batch_section(results["decode_batch"]))
+    if "context_parallel" in results:
+        sections.append(context_parallel_section(results["context_parallel"]))
     sections.append(others_section(results))
     lines: list[str] = []
     for section in sections:
