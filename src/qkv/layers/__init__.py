@@ -5,7 +5,11 @@
 - `FeedForward` (ReLU/GELU) and `SwiGLU`: the position-wise sub-layer.
 - `Linear`: nn.Linear with CPU float32 products on oneDNN where that is faster here.
 - `LayerNorm` and `RMSNorm`; `Dropout` (nn.Dropout with a cheaper CPU mask).
+- `BatchNorm`: per-channel statistics over the batch's tokens, padding excluded on request.
 - `EncoderBlock` and `DecoderBlock`: sub-layers in "Add & Norm", post-norm or pre-norm.
+- `GRU` and `GRUCell` (Cho et al. 2014), and the attention of recurrent encoder-decoders:
+  `AdditiveAttention` (Bahdanau et al. 2015), `DotAttention` and `GeneralAttention` (Luong
+  et al. 2015).
 
 `MultiHeadAttention` and the blocks have `from_torch` (and `MultiHeadAttention.to_torch`) to
 cross over to PyTorch's own modules.
@@ -13,20 +17,29 @@ cross over to PyTorch's own modules.
 
 from qkv.layers._dropout import Dropout
 from qkv.layers.attention import MultiHeadAttention
+from qkv.layers.batch_norm import BatchNorm
 from qkv.layers.blocks import DecoderBlock, EncoderBlock, post_norm, pre_norm
 from qkv.layers.differential import DifferentialAttention
 from qkv.layers.feedforward import FeedForward, SwiGLU
 from qkv.layers.kv_cache import CrossAttentionCache, LayerCache, SinkKVCache, StaticKVCache
 from qkv.layers.linear import Linear
 from qkv.layers.norms import LayerNorm, RMSNorm
+from qkv.layers.recurrent import GRU, GRUCell
+from qkv.layers.rnn_attention import AdditiveAttention, DotAttention, GeneralAttention
 
 __all__ = [
+    "AdditiveAttention",
+    "BatchNorm",
     "CrossAttentionCache",
     "DecoderBlock",
     "DifferentialAttention",
+    "DotAttention",
     "Dropout",
     "EncoderBlock",
     "FeedForward",
+    "GRU",
+    "GRUCell",
+    "GeneralAttention",
     "LayerCache",
     "LayerNorm",
     "Linear",

@@ -4,6 +4,8 @@
 - `BertModel`, `BertForPreTraining`, `BertForSequenceClassification` (+ `BertConfig`).
 - `GPT` (+ `GPTConfig`): decoder-only, one code path for the GPT-2, Llama, Mistral and MQA presets.
 - `T5Transformer` (+ `T5Config`): T5 and T5 v1.1, with relative position biases.
+- `RNNSeq2Seq` (+ `RNNSeq2SeqConfig`): GRU encoder-decoders with a fixed context vector or
+  additive (Bahdanau et al. 2015) or dot/general (Luong et al. 2015) attention.
 
 One calling convention: `model(input_ids, attention_mask=None, ...)`, the mask (B, L) with
 1/True on real tokens; a small dataclass comes back (`qkv.models.outputs`).
@@ -17,6 +19,7 @@ from qkv.models.checkpoints import CheckpointError, from_pretrained, save_pretra
 from qkv.models.encoder_decoder import Transformer, TransformerConfig, shift_right
 from qkv.models.gpt import GPT, GPTBlock
 from qkv.models.gpt_config import GPTConfig
+from qkv.models.rnn_seq2seq import RNNSeq2Seq, RNNSeq2SeqConfig
 from qkv.models.serialization import load, save
 from qkv.models.t5 import T5Transformer
 from qkv.models.t5_config import T5Config
@@ -30,6 +33,8 @@ __all__ = [
     "GPT",
     "GPTBlock",
     "GPTConfig",
+    "RNNSeq2Seq",
+    "RNNSeq2SeqConfig",
     "T5Config",
     "T5Transformer",
     "Transformer",

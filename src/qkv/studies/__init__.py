@@ -12,12 +12,22 @@ run end to end. A study module defines:
 
 Studies (`STUDIES`):
 
+- before-transformer: GRU encoder-decoders with a fixed context vector, additive and dot/general
+  attention, and the Transformer on German -> English numbers: exact match by source length,
+  training time, alignment maps (Cho et al. 2014; Bahdanau et al. 2015; Luong et al. 2015).
 - extrapolation: perplexity past the training length for each position encoding (none,
   learned, sinusoidal, RoPE, ALiBi, T5's bias) and RoPE scalings at inference (Press et al.
   2022; Chen et al. 2023; Peng et al. 2023).
 - flash-io: the HBM traffic of standard attention, FlashAttention's Algorithm 1 and qkv's tiled
   loop, modelled exactly and counted tile by tile, against the block size (Dao et al. 2022,
   Theorem 2; Dao 2023).
+- heads: validation loss against KV-cache bytes for MHA, GQA and MQA at equal parameters, against
+  the number of heads at a fixed width, and with shared Q/K/V projections (Shazeer 2019; Ainslie
+  et al. 2023; Vaswani et al. 2017, Table 3 (A); Michel et al. 2019).
+- norms: what padding does to BatchNorm's statistics, against LayerNorm and RMSNorm; training
+  with and without residuals at 2/6/12 layers; post-norm vs pre-norm with and without warm-up
+  (Ioffe & Szegedy 2015; Ba et al. 2016; Zhang & Sennrich 2019; He et al. 2016; Xiong et al.
+  2020).
 - sinks: attention mass on the first tokens, per layer and head, of a trained model and of
   MiniLM; window-only vs sinks + window caches past the training length (Xiao et al. 2024).
 - softmax: saturation of the whole softmax Jacobian with and without the 1/sqrt(d_k) scale
@@ -59,8 +69,11 @@ __all__ = [
 ]
 
 STUDIES = {  # name -> module under qkv.studies
+    "before-transformer": "before_transformer",
     "extrapolation": "extrapolation",
     "flash-io": "flash_io",
+    "heads": "heads",
+    "norms": "norms",
     "sinks": "sinks",
     "softmax": "softmax",
     "numpy-lab": "numpy_lab",
