@@ -22,9 +22,9 @@ def written(tmp_path_factory):
 def test_writes_json_markdown_figure_and_index(written):
     result, out = written
     for suffix in ("json", "md", "png"):
-        assert (out / f"flash_io.{suffix}").stat().st_size > 0
-    assert "flash_io.md" in (out / "README.md").read_text()
-    record = json.loads((out / "flash_io.json").read_text())
+        assert (out / f"flash-io.{suffix}").stat().st_size > 0
+    assert "flash-io.md" in (out / "README.md").read_text()
+    record = json.loads((out / "flash-io.json").read_text())
     assert record["seed"] == 0 and record["size"] == "tiny"
     assert record["command"] and record["machine"]["torch"]
     assert record["settings"] == flash_io.SIZES["tiny"]
@@ -73,7 +73,7 @@ def test_sweep_series_cover_every_length_and_block(written):
 
 def test_figure_is_drawn_from_the_json_alone(written):
     _, out = written
-    figure = flash_io.figure(read_result(out / "flash_io.json"))
+    figure = flash_io.figure(read_result(out / "flash-io.json"))
     assert len(figure.axes) == 2
     assert figure.axes[0].get_xscale() == "log" and figure.axes[0].get_yscale() == "log"
 

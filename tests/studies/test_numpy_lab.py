@@ -24,9 +24,9 @@ def written(tmp_path_factory):
 def test_writes_json_markdown_figure_and_index(written):
     result, out = written
     for suffix in ("json", "md", "png"):
-        assert (out / f"numpy_lab.{suffix}").stat().st_size > 0
-    assert "numpy_lab.md" in (out / "README.md").read_text()
-    record = json.loads((out / "numpy_lab.json").read_text())
+        assert (out / f"numpy-lab.{suffix}").stat().st_size > 0
+    assert "numpy-lab.md" in (out / "README.md").read_text()
+    record = json.loads((out / "numpy-lab.json").read_text())
     assert record["size"] == "tiny" and record["columns"] == numpy_lab.COLUMNS
     assert len(record["rows"]) == 2 * len(record["settings"]["cases"])
     assert len(record["findings"]) == 3

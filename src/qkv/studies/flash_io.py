@@ -79,7 +79,7 @@ def run(settings: dict[str, Any], *, seed: int) -> StudyResult:
         "breakdown": breakdown,
     }
     return StudyResult(
-        name="flash_io", title=TITLE, claim=CLAIM, columns=list(rows[0]), rows=rows,
+        name="flash-io", title=TITLE, claim=CLAIM, columns=list(rows[0]), rows=rows,
         findings=_findings(series, rows), series=series,
     )  # fmt: skip
 

@@ -97,7 +97,7 @@ def run(settings: dict[str, Any], *, seed: int) -> StudyResult:
         "numpy_blas_limited": _blas_limited(),
     }  # fmt: skip
     return StudyResult(
-        name="numpy_lab", title=TITLE, claim=CLAIM, columns=COLUMNS, rows=rows,
+        name="numpy-lab", title=TITLE, claim=CLAIM, columns=COLUMNS, rows=rows,
         findings=_findings(rows, errors, series["numpy_blas_limited"]), series=series,
     )  # fmt: skip
 
