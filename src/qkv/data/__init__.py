@@ -6,6 +6,7 @@
 - `nsp`: [CLS] A [SEP] B [SEP] pairs, 50% IsNext, 50% NotNext from another document.
 - `mlm`: 15% of tokens selected, then 80% [MASK], 10% random, 10% unchanged, per batch.
 - `lm`: the token stream cut into blocks for causal language modelling.
+- `digits`: scikit-learn's 1,797 8x8 handwritten digits as images, split by class, shifted.
 
 Every dataset is a plain indexable object (len and []), so any sampler can draw from it.
 """
@@ -18,6 +19,14 @@ from qkv.data.corpus import (
     text_file_documents,
     text_file_texts,
     train_validation_split,
+)
+from qkv.data.digits import (
+    DigitSplits,
+    LabelledImages,
+    digit_splits,
+    load_digits,
+    shift_images,
+    split_digits,
 )
 from qkv.data.lm import TokenBlocks, causal_lm_blocks, token_stream
 from qkv.data.mlm import IGNORE_INDEX, PretrainingCollator, mask_tokens, pad_examples
@@ -41,12 +50,16 @@ __all__ = [
     "IS_NEXT",
     "NOT_NEXT",
     "BertSpecialIds",
+    "DigitSplits",
+    "LabelledImages",
     "NspExample",
     "PretrainingCollator",
     "TokenBlocks",
     "bert_special_ids",
     "causal_lm_blocks",
+    "digit_splits",
     "documentation_sentences",
+    "load_digits",
     "load_tokenizer",
     "make_nsp_examples",
     "mask_tokens",
@@ -55,6 +68,8 @@ __all__ = [
     "pydoc_documents",
     "pydoc_texts",
     "save_tokenizer",
+    "shift_images",
+    "split_digits",
     "split_sentences",
     "text_file_documents",
     "text_file_texts",

@@ -10,6 +10,9 @@
 - `GRU` and `GRUCell` (Cho et al. 2014), and the attention of recurrent encoder-decoders:
   `AdditiveAttention` (Bahdanau et al. 2015), `DotAttention` and `GeneralAttention` (Luong
   et al. 2015).
+- `PatchEmbedding`: image patches as tokens (Dosovitskiy et al. 2021), equal to a strided conv.
+- `LatentPooling`: learned queries cross-attend to a long input (the Perceiver, Jaegle et al.
+  2021); one query is attention pooling.
 
 `MultiHeadAttention` and the blocks have `from_torch` (and `MultiHeadAttention.to_torch`) to
 cross over to PyTorch's own modules.
@@ -22,8 +25,10 @@ from qkv.layers.blocks import DecoderBlock, EncoderBlock, post_norm, pre_norm
 from qkv.layers.differential import DifferentialAttention
 from qkv.layers.feedforward import FeedForward, SwiGLU
 from qkv.layers.kv_cache import CrossAttentionCache, LayerCache, SinkKVCache, StaticKVCache
+from qkv.layers.latent_pooling import LatentPooling
 from qkv.layers.linear import Linear
 from qkv.layers.norms import LayerNorm, RMSNorm
+from qkv.layers.patch_embedding import PatchEmbedding
 from qkv.layers.recurrent import GRU, GRUCell
 from qkv.layers.rnn_attention import AdditiveAttention, DotAttention, GeneralAttention
 
@@ -40,10 +45,12 @@ __all__ = [
     "GRU",
     "GRUCell",
     "GeneralAttention",
+    "LatentPooling",
     "LayerCache",
     "LayerNorm",
     "Linear",
     "MultiHeadAttention",
+    "PatchEmbedding",
     "RMSNorm",
     "SinkKVCache",
     "StaticKVCache",

@@ -6,6 +6,7 @@
 - `T5Transformer` (+ `T5Config`): T5 and T5 v1.1, with relative position biases.
 - `RNNSeq2Seq` (+ `RNNSeq2SeqConfig`): GRU encoder-decoders with a fixed context vector or
   additive (Bahdanau et al. 2015) or dot/general (Luong et al. 2015) attention.
+- `ViT` (+ `ViTConfig`): the Vision Transformer, images in patches, [class]/mean/latent pooling.
 
 One calling convention: `model(input_ids, attention_mask=None, ...)`, the mask (B, L) with
 1/True on real tokens; a small dataclass comes back (`qkv.models.outputs`).
@@ -23,6 +24,8 @@ from qkv.models.rnn_seq2seq import RNNSeq2Seq, RNNSeq2SeqConfig
 from qkv.models.serialization import load, save
 from qkv.models.t5 import T5Transformer
 from qkv.models.t5_config import T5Config
+from qkv.models.vit import ImageClassificationOutput, ViT
+from qkv.models.vit_config import ViTConfig
 
 __all__ = [
     "BertConfig",
@@ -33,12 +36,15 @@ __all__ = [
     "GPT",
     "GPTBlock",
     "GPTConfig",
+    "ImageClassificationOutput",
     "RNNSeq2Seq",
     "RNNSeq2SeqConfig",
     "T5Config",
     "T5Transformer",
     "Transformer",
     "TransformerConfig",
+    "ViT",
+    "ViTConfig",
     "from_pretrained",
     "load",
     "mean_pool",

@@ -1,7 +1,8 @@
 """Positional information for attention: RoPE, ALiBi and absolute encodings.
 
 - Absolute, added to the token embeddings: `sinusoidal_table` / `SinusoidalPositionalEncoding`
-  (Vaswani et al. 2017) and `LearnedPositionalEmbedding` (BERT, GPT-2).
+  (Vaswani et al. 2017) and `LearnedPositionalEmbedding` (BERT, GPT-2); over a grid of image
+  patches, `sinusoidal_2d_table` / `Sinusoidal2DPositionalEncoding` (half the channels per axis).
 - Relative, inside attention: RoPE rotates queries and keys (`rope_cos_sin`, `apply_rope`,
   `RotaryEmbedding`; Su et al. 2021; `RopeScaling` stretches it past the training context),
   ALiBi biases the scores (`alibi_slopes`, `alibi_bias`; Press et al. 2022), passed to
@@ -22,6 +23,7 @@ from qkv.positional.rotary import (
     rope_cos_sin,
 )
 from qkv.positional.sinusoidal import SinusoidalPositionalEncoding, sinusoidal_table
+from qkv.positional.sinusoidal2d import Sinusoidal2DPositionalEncoding, sinusoidal_2d_table
 
 __all__ = [
     "LearnedPositionalEmbedding",
@@ -29,6 +31,7 @@ __all__ = [
     "RopeScaling",
     "RotaryEmbedding",
     "ShawRelativeKeys",
+    "Sinusoidal2DPositionalEncoding",
     "SinusoidalPositionalEncoding",
     "T5RelativeBias",
     "alibi_bias",
@@ -37,6 +40,7 @@ __all__ = [
     "half_split_to_interleaved",
     "interleaved_to_half_split",
     "rope_cos_sin",
+    "sinusoidal_2d_table",
     "sinusoidal_table",
     "t5_relative_bucket",
 ]

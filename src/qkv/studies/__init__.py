@@ -35,6 +35,9 @@ Studies (`STUDIES`):
   MiniLM's real scores (Goodfellow et al. 2016, s4.1).
 - numpy-lab: attention and multi-head attention in plain NumPy, forward and hand-written
   backward, against PyTorch and autograd (Vaswani et al. 2017, s3.2).
+- vit-digits: a Vision Transformer on scikit-learn's 8x8 digits, held-out accuracy per pooling
+  ([class], mean, latent queries) and position, and attention rollout maps (Dosovitskiy et al.
+  2021; Jaegle et al. 2021; Abnar & Zuidema 2020).
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ STUDIES = {  # name -> module under qkv.studies
     "sinks": "sinks",
     "softmax": "softmax",
     "numpy-lab": "numpy_lab",
+    "vit-digits": "vit_digits",
 }
 SIZES = ("tiny", "default")
 DEFAULT_OUT = "studies"  # the folder of the committed results, at the repository's root

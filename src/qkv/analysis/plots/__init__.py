@@ -16,6 +16,7 @@ no backend is chosen and no global state is touched; write it with `save_figure`
 - Positions: `rope_vs_sinusoidal_decay` (Su et al. 2021), `alibi_biases` (Press et al. 2022),
   `permutation_equivariance` (without positions, permuting the input permutes the output).
 - Activations: `gelu_vs_relu` (Hendrycks & Gimpel 2016).
+- Vision: `rollout_maps`, attention rollout over the input images (Abnar & Zuidema 2020).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from qkv.analysis.plots.common import Figure
 from qkv.analysis.plots.equivariance import equivariance_gaps, permutation_equivariance
 from qkv.analysis.plots.positional import alibi_biases, rope_vs_sinusoidal_decay
 from qkv.analysis.plots.softmax import scaling_comparison, softmax_saturation, softmax_scaling
+from qkv.analysis.plots.vision import rollout_maps
 
 __all__ = [
     "FORMATS",
@@ -38,6 +40,7 @@ __all__ = [
     "gelu_vs_relu",
     "mask_gallery",
     "permutation_equivariance",
+    "rollout_maps",
     "rope_vs_sinusoidal_decay",
     "save_figure",
     "scaling_comparison",

@@ -1,4 +1,4 @@
-"""The embedded training tasks, each a `qkv.training.Task`: translate, bert, gpt.
+"""The embedded training tasks, each a `qkv.training.Task`: translate, bert, gpt, vit.
 
 `TASKS` maps a name to (task class, options dataclass); `qkv train NAME` builds its flags from
 the options' fields.
@@ -7,6 +7,7 @@ the options' fields.
 from qkv.training.tasks.bert import BertOptions, BertTask
 from qkv.training.tasks.gpt import GPTOptions, GPTTask
 from qkv.training.tasks.translate import TranslateOptions, TranslateTask
+from qkv.training.tasks.vit import VitOptions, VitTask
 
 __all__ = [
     "TASKS",
@@ -16,10 +17,13 @@ __all__ = [
     "GPTTask",
     "TranslateOptions",
     "TranslateTask",
+    "VitOptions",
+    "VitTask",
 ]
 
 TASKS: dict[str, tuple[type, type]] = {
     "translate": (TranslateTask, TranslateOptions),
     "bert": (BertTask, BertOptions),
     "gpt": (GPTTask, GPTOptions),
+    "vit": (VitTask, VitOptions),
 }
