@@ -28,12 +28,12 @@ from safetensors import safe_open
 from qkv.training import TrainingConfig
 from qkv.training.sharded import gather_state
 
-STEPS = 12
+STEPS = 30
 FLAGS = [
     "--vocab-size", "300", "--block-size", "30", "--embed-dim", "32", "--num-layers", "2",
     "--num-heads", "4", "--family", "gpt2", "--ffn-dim", "64", "--dropout", "0",
     "--steps", str(STEPS), "--batch-size", "4", "--accumulation-steps", "2",
-    "--warmup-steps", "2", "--log-every", "1", "--checkpoint-every", "4", "--threads", "1",
+    "--warmup-steps", "2", "--log-every", "1", "--checkpoint-every", "5", "--threads", "1",
 ]  # fmt: skip
 ENVIRONMENT = {**os.environ, "OMP_NUM_THREADS": "1"}
 DEADLINE_S = 180
@@ -82,7 +82,7 @@ def _kill_one_rank_after_a_checkpoint(command, out):
     deadline = time.monotonic() + DEADLINE_S
     while not (out / "checkpoint.safetensors").exists() and time.monotonic() < deadline:
         time.sleep(0.01)
-    time.sleep(0.3)  # into a later step
+    time.sleep(0.02)  # into a later step: 25 more steps are still to come
     workers = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True)
     pids = [int(pid) for pid in workers.stdout.split()]
     assert len(pids) == 2, f"expected 2 workers under torchrun, found {pids}"
