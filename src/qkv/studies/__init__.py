@@ -15,6 +15,9 @@ Studies (`STUDIES`):
 - before-transformer: GRU encoder-decoders with a fixed context vector, additive and dot/general
   attention, and the Transformer on German -> English numbers: exact match by source length,
   training time, alignment maps (Cho et al. 2014; Bahdanau et al. 2015; Luong et al. 2015).
+- exposure-bias: a GRU encoder-decoder trained with teacher forcing against scheduled sampling
+  on German -> English numbers: free-running token error by target position, after a correct
+  prefix and overall, exact match, and the teacher-forced loss (Bengio et al. 2015).
 - extrapolation: perplexity past the training length for each position encoding (none,
   learned, sinusoidal, RoPE, ALiBi, T5's bias) and RoPE scalings at inference (Press et al.
   2022; Chen et al. 2023; Peng et al. 2023).
@@ -73,6 +76,7 @@ __all__ = [
 
 STUDIES = {  # name -> module under qkv.studies
     "before-transformer": "before_transformer",
+    "exposure-bias": "exposure_bias",
     "extrapolation": "extrapolation",
     "flash-io": "flash_io",
     "heads": "heads",
