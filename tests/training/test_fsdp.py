@@ -14,12 +14,7 @@ The fast tests check the pieces on one process: the checkpoint identity leaves f
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -27,6 +22,13 @@ from safetensors import safe_open
 
 from qkv.training import TrainingConfig
 from qkv.training.sharded import gather_state
+from tests.distributed.gpt_runs import (
+    command,
+    kill_one_rank_after_a_checkpoint,
+    losses,
+    run,
+    write_documents,
+)
 
 STEPS = 30
 FLAGS = [
@@ -35,33 +37,15 @@ FLAGS = [
     "--steps", str(STEPS), "--batch-size", "4", "--accumulation-steps", "2",
     "--warmup-steps", "2", "--log-every", "1", "--checkpoint-every", "5", "--threads", "1",
 ]  # fmt: skip
-ENVIRONMENT = {**os.environ, "OMP_NUM_THREADS": "1"}
-DEADLINE_S = 180
 
 
 @pytest.fixture(scope="module")
 def documents(tmp_path_factory):
-    import pydoc_data.topics
-
-    texts = [text.strip().replace("\n\n", "\n") for text in pydoc_data.topics.topics.values()]
-    path = tmp_path_factory.mktemp("data") / "documents.txt"
-    path.write_text("\n\n".join(texts[:25]), encoding="utf-8")
-    return path
+    return write_documents(tmp_path_factory.mktemp("data"))
 
 
 def _command(documents, out, *, processes=1, extra=()):
-    train = ["-m", "qkv.cli", "train", "gpt", "--data", str(documents), *FLAGS, "--out", str(out)]
-    if processes == 1:
-        return [sys.executable, *train, *extra]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", str(processes)]  # fmt: skip
-    return [*launcher, *train, "--fsdp", *extra]
-
-
-def _run(command):
-    result = subprocess.run(command, env=ENVIRONMENT, capture_output=True, text=True,
-                            timeout=DEADLINE_S)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    return command(documents, out, FLAGS, processes=processes, parallel=["--fsdp"], extra=extra)
 
 
 def _checkpoint(out):
@@ -71,31 +55,12 @@ def _checkpoint(out):
     return document, tensors
 
 
-def _losses(out):
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return [record["loss"] for record in map(json.loads, lines) if record["kind"] == "train"]
-
-
-def _kill_one_rank_after_a_checkpoint(command, out):
-    launcher = subprocess.Popen(command, env=ENVIRONMENT, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)  # fmt: skip
-    deadline = time.monotonic() + DEADLINE_S
-    while not (out / "checkpoint.safetensors").exists() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.02)  # into a later step: 25 more steps are still to come
-    workers = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True)
-    pids = [int(pid) for pid in workers.stdout.split()]
-    assert len(pids) == 2, f"expected 2 workers under torchrun, found {pids}"
-    os.kill(pids[-1], signal.SIGKILL)
-    assert launcher.wait(timeout=DEADLINE_S) != 0, "the run ended before a rank was killed"
-
-
 @pytest.mark.slow
 def test_fsdp_training_matches_one_process_and_resumes_on_any_count(tmp_path, documents):
     one, two, killed = tmp_path / "one", tmp_path / "two", tmp_path / "killed"
-    _run(_command(documents, one))
-    _run(_command(documents, two, processes=2))
-    single, double = _losses(one), _losses(two)
+    run(_command(documents, one))
+    run(_command(documents, two, processes=2))
+    single, double = losses(one), losses(two)
     assert len(single) == len(double) == STEPS
     assert double == pytest.approx(single, rel=1e-5, abs=1e-6)
     assert single[-1] < single[0]  # it trained
@@ -106,18 +71,18 @@ def test_fsdp_training_matches_one_process_and_resumes_on_any_count(tmp_path, do
         if name != "rng/torch":
             torch.testing.assert_close(state_two[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
 
-    _kill_one_rank_after_a_checkpoint(_command(documents, killed, processes=2), killed)
+    kill_one_rank_after_a_checkpoint(_command(documents, killed, processes=2), killed)
     step_at_kill = _checkpoint(killed)[0]["step"]
     assert 0 < step_at_kill < STEPS
     on_one = tmp_path / "on_one"
     shutil.copytree(killed, on_one)
-    _run(_command(documents, killed, processes=2, extra=["--resume"]))
+    run(_command(documents, killed, processes=2, extra=["--resume"]))
     (document, resumed) = _checkpoint(killed)
     assert document["step"] == STEPS
     for name, tensor in state_two.items():
         torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=0, msg=name)
 
-    _run(_command(documents, on_one, extra=["--resume"]))
+    run(_command(documents, on_one, extra=["--resume"]))
     document, weights = _checkpoint(on_one)
     assert document["step"] == STEPS
     for name, tensor in state_one.items():
