@@ -39,12 +39,13 @@ from qkv.analysis.inspection.attention_maps import record_attention
 from qkv.data.translate import EOS_ID, PAD_ID
 from qkv.generation.beam import greedy_decode
 from qkv.models.rnn_seq2seq import RNNSeq2Seq, RNNSeq2SeqConfig
+from qkv.studies.inputs import data_order
 from qkv.studies.record import StudyResult
 from qkv.training.optim import build_optimizer
 from qkv.training.schedule import build_scheduler
 from qkv.training.tasks.translate import TranslateOptions, TranslateTask, translate
 
-__all__ = ["CLAIM", "LABELS", "MODELS", "SIZES", "TITLE", "figure", "run"]
+__all__ = ["CLAIM", "LABELS", "MODELS", "SIZES", "TITLE", "build_model", "figure", "run"]
 
 TITLE = "Before the Transformer: fixed context, additive and dot attention, and the Transformer"
 CLAIM = (
@@ -87,13 +88,14 @@ def run(settings: dict[str, Any], *, seed: int) -> StudyResult:
     """Train the five models on one data order, score each by source length, draw alignments.
     seed: the initial weights and the data order; the numbers drawn are the task's own."""
     task = _task(settings)
-    order = _data_order(len(task.train_set), settings, seed)
+    order = data_order(len(task.train_set), steps=settings["train_steps"],
+                       batch_size=settings["batch_size"], seed=seed)  # fmt: skip
     test = task.test_set
     source_lengths = [len(ids) for ids in test.sources]
     models, seconds, losses, correct = {}, {}, {}, {}
     for name in MODELS:
         torch.manual_seed(seed)  # each model's initial weights depend on the seed alone
-        model = _build(name, task, settings)
+        model = build_model(name, task, settings)
         seconds[name], losses[name] = _train(model, task, order, settings)
         correct[name] = _exact_matches(name, model, task)
         models[name] = model
@@ -136,7 +138,9 @@ def _task(settings: dict[str, Any]) -> TranslateTask:
     return TranslateTask(options)
 
 
-def _build(name: str, task: TranslateTask, settings: dict[str, Any]) -> torch.nn.Module:
+def build_model(name: str, task: TranslateTask, settings: dict[str, Any]) -> torch.nn.Module:
+    """The study's model called `name` ("transformer" or an RNN attention kind) for `task`'s
+    vocabulary, at the sizes in `settings`."""
     if name == "transformer":
         return task.build_model()
     vocab = task.tokenizer.get_vocab_size()
@@ -148,13 +152,6 @@ def _build(name: str, task: TranslateTask, settings: dict[str, Any]) -> torch.nn
             share_embeddings=True, label_smoothing=settings["label_smoothing"],
         )
     )  # fmt: skip
-
-
-def _data_order(count: int, settings: dict[str, Any], seed: int) -> torch.Tensor:
-    """The training pairs each step reads: (steps, B) indices, one draw for every model."""
-    generator = torch.Generator().manual_seed(seed)
-    shape = (settings["train_steps"], settings["batch_size"])
-    return torch.randint(count, shape, generator=generator)  # (steps, B)
 
 
 def _train(

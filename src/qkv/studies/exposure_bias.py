@@ -35,7 +35,8 @@ import torch
 
 from qkv.models.losses import sequence_cross_entropy
 from qkv.models.rnn_seq2seq import RNNSeq2Seq
-from qkv.studies.before_transformer import _build, _data_order
+from qkv.studies.before_transformer import build_model
+from qkv.studies.inputs import data_order
 from qkv.studies.record import StudyResult
 from qkv.training.optim import build_optimizer
 from qkv.training.schedule import build_scheduler
@@ -137,12 +138,13 @@ def run(settings: dict[str, Any], *, seed: int) -> StudyResult:
     """Train the model twice (teacher forcing, scheduled sampling) on one data order from one
     initialisation; score both teacher-forced and free-running."""
     task = _task(settings)
-    order = _data_order(len(task.train_set), settings, seed)
+    order = data_order(len(task.train_set), steps=settings["train_steps"],
+                       batch_size=settings["batch_size"], seed=seed)  # fmt: skip
     epsilons = [inverse_sigmoid_decay(i, k=settings["decay_k"]) for i in range(len(order))]
     series: dict[str, Any] = {"runs": list(RUNS), "epsilon": epsilons}
     for name in RUNS:
         torch.manual_seed(seed)  # the same initial weights for both runs
-        model = _build(settings["attention"], task, settings)
+        model = build_model(settings["attention"], task, settings)
         schedule = epsilons if name == "scheduled" else None
         seconds, loss = _train(model, task, order, settings, schedule=schedule, seed=seed)
         series[name] = {

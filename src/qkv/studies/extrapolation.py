@@ -41,15 +41,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from qkv.data import (
-    causal_lm_blocks,
-    pydoc_texts,
-    token_stream,
-    train_bpe,
-    train_validation_split,
-)
 from qkv.models import GPT, GPTConfig
 from qkv.positional import RopeScaling
+from qkv.studies.inputs import data_order, documentation_lm
 from qkv.studies.record import StudyResult
 from qkv.training.optim import build_optimizer
 from qkv.training.schedule import build_scheduler
@@ -97,7 +91,12 @@ def run(settings: dict[str, Any], *, seed: int) -> StudyResult:
     L = settings["train_length"]
     lengths = [L * multiple for multiple in settings["length_multiples"]]
     train_blocks, valid_stream, vocab_size = _data(settings, max(lengths))
-    order = _data_order(len(train_blocks), settings, seed)  # (steps, B): shared by all models
+    order = data_order(
+        len(train_blocks),
+        steps=settings["train_steps"],
+        batch_size=settings["batch_size"],
+        seed=seed,
+    )  # shared by all models
     perplexity: dict[str, list[float]] = {}
     past_training: dict[str, list[float | None]] = {}
     for encoding in ENCODINGS:
@@ -122,12 +121,11 @@ def run(settings: dict[str, Any], *, seed: int) -> StudyResult:
 def _data(settings: dict[str, Any], longest: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Training blocks (N, L), the validation stream (T,) cut to a multiple of the longest
     window (at most eval_tokens), and the BPE's vocabulary size."""
-    train, valid = train_validation_split(
-        pydoc_texts(), validation_fraction=settings["validation_fraction"], seed=0
-    )
-    tokenizer = train_bpe(train, vocab_size=settings["vocab_size"])
-    blocks = causal_lm_blocks(train, tokenizer, block_size=settings["train_length"]).blocks
-    stream = token_stream(valid, tokenizer)  # (T,)
+    data = documentation_lm(
+        vocab_size=settings["vocab_size"], block_size=settings["train_length"],
+        validation_fraction=settings["validation_fraction"],
+    )  # fmt: skip
+    blocks, stream = data.blocks, data.valid_stream  # (N, L), (T,)
     kept = min(len(stream), settings["eval_tokens"]) // longest * longest
     if kept == 0:
         raise ValueError(
@@ -138,14 +136,7 @@ def _data(settings: dict[str, Any], longest: int) -> tuple[torch.Tensor, torch.T
         "%d training blocks of %d tokens, %d validation tokens scored at each length",
         len(blocks), settings["train_length"], kept,
     )  # fmt: skip
-    return blocks, stream[:kept], tokenizer.get_vocab_size()
-
-
-def _data_order(count: int, settings: dict[str, Any], seed: int) -> torch.Tensor:
-    """The training blocks each step draws: (steps, B) indices, one draw for every model."""
-    generator = torch.Generator().manual_seed(seed)
-    shape = (settings["train_steps"], settings["batch_size"])
-    return torch.randint(count, shape, generator=generator)  # (steps, B)
+    return blocks, stream[:kept], data.vocab_size
 
 
 def _config(encoding: str, settings: dict[str, Any], vocab_size: int, longest: int) -> GPTConfig:

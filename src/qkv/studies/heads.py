@@ -34,14 +34,8 @@ import torch
 
 from qkv.analysis.cost.estimate import kv_cache_bytes_per_sample
 from qkv.analysis.cost.layout import layout_of
-from qkv.data import (
-    causal_lm_blocks,
-    pydoc_texts,
-    token_stream,
-    train_bpe,
-    train_validation_split,
-)
 from qkv.models import GPT, GPTConfig
+from qkv.studies.inputs import data_order, documentation_lm
 from qkv.studies.record import StudyResult
 from qkv.training.optim import build_optimizer
 from qkv.training.schedule import build_scheduler
@@ -93,7 +87,12 @@ def run(settings: dict[str, Any], *, seed: int) -> StudyResult:
     losses: dict[str, list[float]] = {}
     parameters: dict[str, int] = {}  # counted on the built model: tied projections once
     for run_seed in range(seed, seed + settings["num_seeds"]):
-        order = _data_order(len(blocks), settings, run_seed)  # (steps, B), shared by variants
+        order = data_order(
+            len(blocks),
+            steps=settings["train_steps"],
+            batch_size=settings["batch_size"],
+            seed=run_seed,
+        )  # all variants
         trained: dict[tuple, tuple[float, int]] = {}  # a model in two comparisons: trained once
         for variant in variants:
             key = (variant["config"], variant["sharing"])
@@ -161,26 +160,17 @@ def share_projections(model: GPT, sharing: str) -> GPT:
 def _data(settings: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Training blocks (N, L), validation blocks (M, L) of at most eval_tokens tokens, and the
     vocabulary size of the byte-level BPE trained on the training documents."""
-    train, valid = train_validation_split(
-        pydoc_texts(), validation_fraction=settings["validation_fraction"], seed=0
-    )
-    tokenizer = train_bpe(train, vocab_size=settings["vocab_size"])
     L = settings["block_size"]
-    blocks = causal_lm_blocks(train, tokenizer, block_size=L).blocks  # (N, L)
-    stream = token_stream(valid, tokenizer)  # (T,)
+    data = documentation_lm(vocab_size=settings["vocab_size"], block_size=L,
+                            validation_fraction=settings["validation_fraction"])  # fmt: skip
+    blocks, stream = data.blocks, data.valid_stream  # (N, L), (T,)
     kept = min(len(stream), settings["eval_tokens"]) // L * L
     if kept == 0:
         raise ValueError(
             f"eval_tokens: {settings['eval_tokens']} (of {len(stream)} validation tokens) hold "
             f"no block of {L}; expected at least block_size"
         )
-    return blocks, stream[:kept].view(-1, L), tokenizer.get_vocab_size()
-
-
-def _data_order(count: int, settings: dict[str, Any], seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    shape = (settings["train_steps"], settings["batch_size"])
-    return torch.randint(count, shape, generator=generator)  # (steps, B)
+    return blocks, stream[:kept].view(-1, L), data.vocab_size
 
 
 def _train(

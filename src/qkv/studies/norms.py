@@ -37,18 +37,15 @@ from torch import nn
 from torch.nn.utils import get_total_norm
 
 from qkv.data import (
-    causal_lm_blocks,
     minilm_wordpiece,
     pydoc_documents,
-    pydoc_texts,
-    train_bpe,
-    train_validation_split,
 )
 from qkv.layers import BatchNorm, EncoderBlock, LayerNorm, Linear, RMSNorm
 from qkv.models.bert import BertModel
 from qkv.models.checkpoints.bundled import default_model_path
 from qkv.models.gpt import next_token_loss
 from qkv.positional import LearnedPositionalEmbedding
+from qkv.studies.inputs import data_order, documentation_lm
 from qkv.studies.record import StudyResult
 from qkv.training.optim import build_optimizer
 from qkv.training.schedule import build_scheduler
@@ -231,12 +228,11 @@ class CausalLM(nn.Module):
 
 def _lm_data(settings: dict[str, Any]) -> tuple[torch.Tensor, int]:
     """Training blocks (N, block_size) of byte-level BPE tokens, and the vocabulary size."""
-    train, _ = train_validation_split(
-        pydoc_texts(), validation_fraction=settings["validation_fraction"], seed=0
-    )
-    tokenizer = train_bpe(train, vocab_size=settings["vocab_size"])
-    blocks = causal_lm_blocks(train, tokenizer, block_size=settings["block_size"]).blocks
-    return blocks, tokenizer.get_vocab_size()
+    data = documentation_lm(
+        vocab_size=settings["vocab_size"], block_size=settings["block_size"],
+        validation_fraction=settings["validation_fraction"],
+    )  # fmt: skip
+    return data.blocks, data.vocab_size
 
 
 def _unigram_loss(blocks: torch.Tensor, vocab_size: int) -> float:
@@ -278,11 +274,6 @@ def _train(
     return losses, first_gradients
 
 
-def _order(count: int, steps: int, batch_size: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(count, (steps, batch_size), generator=generator)  # (steps, B)
-
-
 def _model(settings: dict[str, Any], vocab_size: int, layers: int, arrangement: str, seed: int):
     torch.manual_seed(seed)  # the same initial draws for every variant of one seed
     return CausalLM(
@@ -300,7 +291,8 @@ def _final(losses: list[float | None], tail: int) -> float:
 
 def _residuals(settings, blocks, vocab_size, seed) -> dict[str, list[dict[str, float]]]:
     """Pre-norm with and without residuals at each depth: final loss, step-0 gradient norms."""
-    order = _order(len(blocks), settings["residual_steps"], settings["batch_size"], seed)
+    order = data_order(len(blocks), steps=settings["residual_steps"],
+                       batch_size=settings["batch_size"], seed=seed)  # fmt: skip
     results: dict[str, list[dict[str, float]]] = {}
     for arrangement in ("pre-norm", "no residual"):
         results[arrangement] = []
@@ -329,8 +321,8 @@ def _stability(settings, blocks, vocab_size, seed, threshold) -> dict[str, dict[
             label = f"{arrangement}, " + (f"warm-up {warmup}" if warmup else "no warm-up")
             curves, finals = [], []
             for run_seed in range(seed, seed + settings["num_seeds"]):
-                order = _order(len(blocks), settings["stability_steps"], settings["batch_size"],
-                               run_seed)  # fmt: skip
+                order = data_order(len(blocks), steps=settings["stability_steps"],
+                                   batch_size=settings["batch_size"], seed=run_seed)  # fmt: skip
                 model = _model(settings, vocab_size, settings["stability_layers"], arrangement,
                                run_seed)  # fmt: skip
                 losses, _ = _train(
