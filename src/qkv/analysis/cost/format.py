@@ -17,6 +17,7 @@ __all__ = [
     "format_presets",
     "format_report",
     "report_rows",
+    "text_table",
 ]
 
 
@@ -109,7 +110,7 @@ def format_report(reports: Sequence[CostReport]) -> str:
         "FLOPs: 2 per multiply-add, matrix products only, dense L x L scores; training ~ 3 x "
         "forward. Scores: one head of one sample; one layer = all H heads x batch."
     )
-    return _table([header, *body]) + "\n" + notes
+    return text_table([header, *body]) + "\n" + notes
 
 
 _PRESET_COLUMNS: tuple[tuple[str, Callable[[CostReport], str]], ...] = (
@@ -131,10 +132,10 @@ def format_presets(reports: Sequence[CostReport]) -> str:
     header = [title for title, _ in _PRESET_COLUMNS]
     rows = [[cell(report) for _, cell in _PRESET_COLUMNS] for report in reports]
     dtype = reports[0].dtype if reports else "fp16"
-    return _table([header, *rows]) + f"\nweights, FLOPs and KV cache at each context, {dtype}"
+    return text_table([header, *rows]) + f"\nweights, FLOPs and KV cache at each context, {dtype}"
 
 
-def _table(rows: list[list[str]]) -> str:
+def text_table(rows: list[list[str]]) -> str:
     """Left-aligned first column, right-aligned others, two spaces apart."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []

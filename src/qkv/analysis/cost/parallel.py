@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qkv.analysis.cost.format import _table, format_bytes
+from qkv.analysis.cost.format import format_bytes, text_table
 from qkv.analysis.cost.layout import layout_of
 from qkv.analysis.cost.sources import resolve_model
 from qkv.distributed.traffic import ring_attention_traffic
@@ -168,4 +168,4 @@ def format_parallel(plans: list[ParallelTrainingCost]) -> str:
         f"Training in {plans[0].dtype} with AdamW, one step, per process. Activations: 34 s b h "
         "bytes per layer at 2-byte activations (Korthikanti et al. 2022), fused attention."
     )
-    return _table([header, *body]) + "\n" + notes
+    return text_table([header, *body]) + "\n" + notes
