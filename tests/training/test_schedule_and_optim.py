@@ -1,9 +1,11 @@
-"""Warm-up then decay against transformers' schedules; AdamW's groups leave norms and biases be."""
+"""Warm-up then decay against transformers' schedules; AdamW's groups leave norms and biases be
+(the grouping against BERT's names and nanoGPT's dim >= 2 rule)."""
 
 import pytest
 import torch
 from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
+from qkv.layers import GRU, BatchNorm, LayerNorm, RMSNorm
 from qkv.models import BertConfig, BertForPreTraining
 from qkv.training import (
     TrainingConfig,
@@ -102,6 +104,52 @@ def test_adamw_leaves_a_norm_gain_without_gradient_untouched_but_decays_a_matrix
     torch.testing.assert_close(after["1.weight"], before["1.weight"], rtol=0, atol=0)
     torch.testing.assert_close(after["0.bias"], before["0.bias"], rtol=0, atol=0)
     torch.testing.assert_close(after["0.weight"], before["0.weight"] * (1 - 0.1 * 0.5))
+
+
+class _EveryNorm(torch.nn.Module):
+    """Embedding, linears, qkv's three norms, a GRU (biases named bias_ih/bias_hh), torch's
+    BatchNorm1d and GroupNorm, and the embedding tied to the output projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.token_embedding = torch.nn.Embedding(11, 6)
+        self.batch_norm = BatchNorm(6)
+        self.layer_norm = LayerNorm(6)
+        self.rms_norm = RMSNorm(6)
+        self.gru = GRU(6, 6)
+        self.proj = torch.nn.Linear(6, 6)
+        self.torch_batch_norm = torch.nn.BatchNorm1d(6)
+        self.group_norm = torch.nn.GroupNorm(2, 6)
+        self.lm_head = torch.nn.Linear(6, 11, bias=False)
+        self.lm_head.weight = self.token_embedding.weight
+
+
+def test_norm_weights_and_every_bias_are_kept_from_decay_as_nanogpt_decides():
+    model = _EveryNorm()
+    decayed, kept = parameter_groups(model, weight_decay=0.1)
+    names = {id(p): n for n, p in model.named_parameters()}  # the tied weight once
+    decayed_names = sorted(names[id(p)] for p in decayed["params"])
+    kept_names = sorted(names[id(p)] for p in kept["params"])
+    # nanoGPT's configure_optimizers: decay the parameters with dim >= 2, keep the others
+    assert decayed_names == sorted(n for n, p in model.named_parameters() if p.dim() >= 2)
+    assert kept_names == sorted(n for n, p in model.named_parameters() if p.dim() < 2)
+    assert decayed_names == [
+        "gru.weight_hh_l0", "gru.weight_ih_l0", "proj.weight", "token_embedding.weight"
+    ]  # fmt: skip
+    for norm in ("batch_norm", "layer_norm", "rms_norm", "torch_batch_norm", "group_norm"):
+        assert f"{norm}.weight" in kept_names
+    assert {"gru.bias_ih_l0", "gru.bias_hh_l0", "proj.bias", "batch_norm.bias"} <= set(kept_names)
+    # torch's AdamW with zero gradients moves only the decayed parameters: w <- w (1 - lr wd)
+    optimizer = build_optimizer(model, learning_rate=0.1, weight_decay=0.5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # norms start at ones and zeros: make every value nonzero
+            p.grad = torch.zeros_like(p)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer.step()
+    for name, p in model.named_parameters():
+        factor = 1 - 0.1 * 0.5 if name in decayed_names else 1.0
+        torch.testing.assert_close(p.detach(), before[name] * factor, rtol=0, atol=1e-7)
 
 
 def test_bad_optimizer_arguments():
