@@ -16,6 +16,7 @@ from qkv.commands import (
     embed,
     generate,
     report,
+    sample,
     study,
     train,
     translate,
@@ -23,7 +24,7 @@ from qkv.commands import (
 )
 from qkv.version import __version__
 
-_COMMANDS = (train, translate, check, embed, generate, cost, bench, viz, report, study)
+_COMMANDS = (train, translate, check, embed, generate, sample, cost, bench, viz, report, study)
 
 
 def build_parser() -> argparse.ArgumentParser:

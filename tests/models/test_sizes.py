@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from qkv.models import GPT, BertModel, Transformer
+from qkv.models import GPT, BertModel, Transformer, ViT, ViTConfig
 from qkv.models.bert import BertConfig
 from qkv.models.bert_heads import BertForSequenceClassification
 from qkv.models.encoder_decoder_config import TransformerConfig
@@ -36,6 +36,14 @@ CASES = [
         (dataclasses.replace(TRANSFORMER_BASE, share_embeddings=share, tie_output=tie), Transformer)
         for share, tie in ((False, False), (False, True), (True, True))
     ),
+    *(
+        (ViTConfig.from_name("vit-tiny", **options), ViT)
+        for options in (
+            {},
+            {"pooling": "mean", "position": "sinusoidal2d"},
+            {"pooling": "latent", "num_latents": 3, "latent_blocks": 2},
+        )
+    ),  # fmt: skip
 ]
 
 

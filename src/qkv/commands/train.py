@@ -1,4 +1,4 @@
-"""`qkv train translate|bert|gpt|vit`: train a preset on its embedded data, resumably.
+"""`qkv train translate|bert|gpt|vit|diffusion`: train a preset on its embedded data, resumably.
 
 The flags are generated from two frozen dataclasses: `TrainingConfig` (steps, batch size, learning
 rate, ...) shared by every task, and the task's own options (`TranslateOptions`, ...), so a knob
@@ -139,7 +139,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     from qkv.training import TrainingConfig
 
     train = commands.add_parser(
-        "train", help="train a preset (translate, bert, gpt, vit) on embedded data, resumable"
+        "train",
+        help="train a preset (translate, bert, gpt, vit, diffusion) on embedded data, resumable",
     )
     tasks = train.add_subparsers(dest="task", metavar="task")
     train.set_defaults(run=lambda args: _print_help(train))  # `qkv train` alone

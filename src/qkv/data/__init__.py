@@ -7,6 +7,9 @@
 - `mlm`: 15% of tokens selected, then 80% [MASK], 10% random, 10% unchanged, per batch.
 - `lm`: the token stream cut into blocks for causal language modelling.
 - `digits`: scikit-learn's 1,797 8x8 handwritten digits as images, split by class, shifted.
+- `digit_video`: clips of those digits moving across a larger canvas, labelled with the digit
+  and the direction of motion.
+- `prompts`: English phrasings of each digit ("a handwritten seven"), their WordPiece tokenizer.
 
 Every dataset is a plain indexable object (len and []), so any sampler can draw from it.
 """
@@ -20,6 +23,7 @@ from qkv.data.corpus import (
     text_file_texts,
     train_validation_split,
 )
+from qkv.data.digit_video import DigitClips, DigitVideoSplits, digit_clips, digit_video_splits
 from qkv.data.digits import (
     DigitSplits,
     LabelledImages,
@@ -31,6 +35,15 @@ from qkv.data.digits import (
 from qkv.data.lm import TokenBlocks, causal_lm_blocks, token_stream
 from qkv.data.mlm import IGNORE_INDEX, PretrainingCollator, mask_tokens, pad_examples
 from qkv.data.nsp import IS_NEXT, NOT_NEXT, NspExample, make_nsp_examples
+from qkv.data.prompts import (
+    DIGIT_WORDS,
+    NULL_PROMPT,
+    digit_prompts,
+    encode_prompts,
+    evaluation_prompt,
+    prompt_corpus,
+    train_prompt_tokenizer,
+)
 from qkv.data.tokenizers import (
     BERT_SPECIAL_TOKENS,
     END_OF_TEXT,
@@ -45,11 +58,15 @@ from qkv.data.tokenizers import (
 
 __all__ = [
     "BERT_SPECIAL_TOKENS",
+    "DIGIT_WORDS",
     "END_OF_TEXT",
     "IGNORE_INDEX",
     "IS_NEXT",
     "NOT_NEXT",
+    "NULL_PROMPT",
     "BertSpecialIds",
+    "DigitClips",
+    "DigitVideoSplits",
     "DigitSplits",
     "LabelledImages",
     "NspExample",
@@ -57,14 +74,20 @@ __all__ = [
     "TokenBlocks",
     "bert_special_ids",
     "causal_lm_blocks",
+    "digit_clips",
+    "digit_prompts",
     "digit_splits",
+    "digit_video_splits",
     "documentation_sentences",
+    "encode_prompts",
+    "evaluation_prompt",
     "load_digits",
     "load_tokenizer",
     "make_nsp_examples",
     "mask_tokens",
     "minilm_wordpiece",
     "pad_examples",
+    "prompt_corpus",
     "pydoc_documents",
     "pydoc_texts",
     "save_tokenizer",
@@ -75,6 +98,7 @@ __all__ = [
     "text_file_texts",
     "token_stream",
     "train_bpe",
+    "train_prompt_tokenizer",
     "train_validation_split",
     "train_wordpiece",
 ]

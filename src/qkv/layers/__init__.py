@@ -11,18 +11,24 @@
   `AdditiveAttention` (Bahdanau et al. 2015), `DotAttention` and `GeneralAttention` (Luong
   et al. 2015).
 - `PatchEmbedding`: image patches as tokens (Dosovitskiy et al. 2021), equal to a strided conv.
+- `AdaLNZeroBlock`: self-attention, cross-attention and FFN gated by adaLN-Zero (Peebles &
+  Xie 2023, DiT), the block of a diffusion Transformer.
 - `LatentPooling`: learned queries cross-attend to a long input (the Perceiver, Jaegle et al.
   2021); one query is attention pooling.
+- `FactorizedBlock` and `SpaceTimeBlock`: video tokens (B, T, N, E) attended within each frame
+  then across frames, or jointly (Bertasius et al. 2021; Arnab et al. 2021).
 
 `MultiHeadAttention` and the blocks have `from_torch` (and `MultiHeadAttention.to_torch`) to
 cross over to PyTorch's own modules.
 """
 
 from qkv.layers._dropout import Dropout
+from qkv.layers.adaln import AdaLNModulation, AdaLNZeroBlock
 from qkv.layers.attention import MultiHeadAttention
 from qkv.layers.batch_norm import BatchNorm
 from qkv.layers.blocks import DecoderBlock, EncoderBlock, post_norm, pre_norm
 from qkv.layers.differential import DifferentialAttention
+from qkv.layers.factorized_attention import FactorizedBlock, SpaceTimeBlock
 from qkv.layers.feedforward import FeedForward, SwiGLU
 from qkv.layers.kv_cache import CrossAttentionCache, LayerCache, SinkKVCache, StaticKVCache
 from qkv.layers.latent_pooling import LatentPooling
@@ -33,6 +39,8 @@ from qkv.layers.recurrent import GRU, GRUCell
 from qkv.layers.rnn_attention import AdditiveAttention, DotAttention, GeneralAttention
 
 __all__ = [
+    "AdaLNModulation",
+    "AdaLNZeroBlock",
     "AdditiveAttention",
     "BatchNorm",
     "CrossAttentionCache",
@@ -41,6 +49,7 @@ __all__ = [
     "DotAttention",
     "Dropout",
     "EncoderBlock",
+    "FactorizedBlock",
     "FeedForward",
     "GRU",
     "GRUCell",
@@ -53,6 +62,7 @@ __all__ = [
     "PatchEmbedding",
     "RMSNorm",
     "SinkKVCache",
+    "SpaceTimeBlock",
     "StaticKVCache",
     "SwiGLU",
     "post_norm",

@@ -7,6 +7,11 @@
 - `RNNSeq2Seq` (+ `RNNSeq2SeqConfig`): GRU encoder-decoders with a fixed context vector or
   additive (Bahdanau et al. 2015) or dot/general (Luong et al. 2015) attention.
 - `ViT` (+ `ViTConfig`): the Vision Transformer, images in patches, [class]/mean/latent pooling.
+- `VideoClassifier` (+ `VideoClassifierConfig`): frames in patches, joint or factorised
+  space-time attention (Arnab et al. 2021, ViViT; Bertasius et al. 2021, TimeSformer).
+- `DiffusionTransformer` (+ `DiffusionConfig`): a text-conditioned DDPM noise predictor over
+  image patches (adaLN-Zero or additive timestep conditioning, cross-attention to the prompt);
+  `qkv.models.ddpm` holds the noise schedule and the DDPM and DDIM samplers.
 
 One calling convention: `model(input_ids, attention_mask=None, ...)`, the mask (B, L) with
 1/True on real tokens; a small dataclass comes back (`qkv.models.outputs`).
@@ -17,6 +22,8 @@ config.json; `save(model, path)` / `load(path)` are qkv's own safetensors + JSON
 from qkv.models.bert import BertConfig, BertModel, mean_pool
 from qkv.models.bert_heads import BertForPreTraining, BertForSequenceClassification
 from qkv.models.checkpoints import CheckpointError, from_pretrained, save_pretrained
+from qkv.models.diffusion import DiffusionTransformer
+from qkv.models.diffusion_config import DiffusionConfig
 from qkv.models.encoder_decoder import Transformer, TransformerConfig, shift_right
 from qkv.models.gpt import GPT, GPTBlock
 from qkv.models.gpt_config import GPTConfig
@@ -24,6 +31,7 @@ from qkv.models.rnn_seq2seq import RNNSeq2Seq, RNNSeq2SeqConfig
 from qkv.models.serialization import load, save
 from qkv.models.t5 import T5Transformer
 from qkv.models.t5_config import T5Config
+from qkv.models.video import VideoClassifier, VideoClassifierConfig
 from qkv.models.vit import ImageClassificationOutput, ViT
 from qkv.models.vit_config import ViTConfig
 
@@ -33,6 +41,8 @@ __all__ = [
     "BertForSequenceClassification",
     "BertModel",
     "CheckpointError",
+    "DiffusionConfig",
+    "DiffusionTransformer",
     "GPT",
     "GPTBlock",
     "GPTConfig",
@@ -43,6 +53,8 @@ __all__ = [
     "T5Transformer",
     "Transformer",
     "TransformerConfig",
+    "VideoClassifier",
+    "VideoClassifierConfig",
     "ViT",
     "ViTConfig",
     "from_pretrained",

@@ -29,6 +29,7 @@ from qkv.models.bert_config import BertConfig
 from qkv.models.encoder_decoder_config import TransformerConfig
 from qkv.models.gpt_config import GPTConfig
 from qkv.models.t5_config import T5Config, t5_parameter_count
+from qkv.models.vit_config import ViTConfig
 
 __all__ = [
     "FALLBACK_MEMORY_BYTES",
@@ -70,13 +71,13 @@ class SizePart:
 
 
 def size_parts(config: object) -> list[SizePart]:
-    """The parts of the model a `GPTConfig`, `BertConfig`, `TransformerConfig` or `T5Config`
-    builds."""
+    """The parts of the model a `GPTConfig`, `BertConfig`, `TransformerConfig`, `T5Config` or
+    `ViTConfig` builds."""
     parts = _parts_function(config)
     if parts is None:
         raise TypeError(
-            f"config: expected a GPTConfig, BertConfig, TransformerConfig or T5Config, got "
-            f"{type(config).__name__}"
+            f"config: expected a GPTConfig, BertConfig, TransformerConfig, T5Config or "
+            f"ViTConfig, got {type(config).__name__}"
         )
     return parts(config)
 
@@ -92,6 +93,7 @@ def _parts_function(config: object):
         (BertConfig, _bert_parts),
         (TransformerConfig, _transformer_parts),
         (T5Config, _t5_parts),
+        (ViTConfig, _vit_parts),
     ):
         if isinstance(config, config_class):
             return parts
@@ -239,3 +241,25 @@ def _t5_parts(config) -> list[SizePart]:
         f"num_layers={config.num_layers} + {config.num_decoder_layers} T5"
     )
     return [SizePart(what, t5_parameter_count(config))]
+
+
+def _vit_parts(config) -> list[SizePart]:
+    """qkv.models.ViT: the patch projection, the [class] token and positions (a float32
+    buffer when sinusoidal), pre-norm blocks and the final norm, latent pooling and the head."""
+    E, F, N, C = config.embed_dim, config.ffn_dim, config.num_layers, config.num_classes
+    block = 4 * E * E + 4 * E + 2 * E * F + F + E + 4 * E
+    learned = config.position == "learned"
+    positions = config.num_tokens * E if learned else 0
+    table = 0 if learned else config.num_patches * E * 4
+    latent = 0
+    if config.pooling == "latent":  # latents, cross-attention, FFN, 4 norms, latent blocks
+        latent = config.num_latents * E + block + 2 * E * 2 + config.latent_blocks * block
+    cls = E if config.pooling == "cls" else 0
+    patch_dim = config.channels * config.patch_size**2
+    return [
+        SizePart(f"image_size={config.image_size}, patch_size={config.patch_size} patch "
+                 f"embedding (embed_dim={E})", patch_dim * E + E + cls + positions, table),
+        SizePart(f"num_layers={N} blocks (embed_dim={E}, ffn_dim={F})",
+                 N * block + 2 * E, N * BLOCK_OBJECT_BYTES),
+        SizePart(f"num_classes={C} head ({config.pooling} pooling)", latent + E * C + C),
+    ]  # fmt: skip

@@ -15,6 +15,10 @@ Studies (`STUDIES`):
 - before-transformer: GRU encoder-decoders with a fixed context vector, additive and dot/general
   attention, and the Transformer on German -> English numbers: exact match by source length,
   training time, alignment maps (Cho et al. 2014; Bahdanau et al. 2015; Luong et al. 2015).
+- cfg-digits: a text-conditioned diffusion Transformer on the 8x8 digits sampled at classifier-free
+  guidance scales 0, 1, 3 and 7: prompt accuracy as read by a ViT against the samples' variety,
+  and the digit word's cross-attention through the sampling steps (Ho et al. 2020; Ho & Salimans
+  2022; Peebles & Xie 2023).
 - exposure-bias: a GRU encoder-decoder trained with teacher forcing against scheduled sampling
   on German -> English numbers: free-running token error by target position, after a correct
   prefix and overall, exact match, and the teacher-forced loss (Bengio et al. 2015).
@@ -41,6 +45,9 @@ Studies (`STUDIES`):
 - vit-digits: a Vision Transformer on scikit-learn's 8x8 digits, held-out accuracy per pooling
   ([class], mean, latent queries) and position, and attention rollout maps (Dosovitskiy et al.
   2021; Jaegle et al. 2021; Abnar & Zuidema 2020).
+- video-attention: joint against factorised (space, then time) attention on videos of moving
+  digits, predicting the digit and its direction: accuracy, training time, attention FLOPs per
+  clip and against the number of frames (Bertasius et al. 2021; Arnab et al. 2021).
 """
 
 from __future__ import annotations
@@ -76,6 +83,7 @@ __all__ = [
 
 STUDIES = {  # name -> module under qkv.studies
     "before-transformer": "before_transformer",
+    "cfg-digits": "cfg_digits",
     "exposure-bias": "exposure_bias",
     "extrapolation": "extrapolation",
     "flash-io": "flash_io",
@@ -85,6 +93,7 @@ STUDIES = {  # name -> module under qkv.studies
     "softmax": "softmax",
     "numpy-lab": "numpy_lab",
     "vit-digits": "vit_digits",
+    "video-attention": "video_attention",
 }
 SIZES = ("tiny", "default")
 DEFAULT_OUT = "studies"  # the folder of the committed results, at the repository's root

@@ -22,7 +22,17 @@ from qkv.analysis.cost.sources import preset_names, resolve_model
 from qkv.commands import cost as cost_command
 from qkv.generation import make_cache
 from qkv.layers import MultiHeadAttention
-from qkv.models import GPT, BertConfig, BertModel, GPTConfig, Transformer, TransformerConfig, save
+from qkv.models import (
+    GPT,
+    BertConfig,
+    BertModel,
+    GPTConfig,
+    Transformer,
+    TransformerConfig,
+    ViT,
+    ViTConfig,
+    save,
+)
 
 GiB = 2**30
 
@@ -56,7 +66,8 @@ VARIANTS = [  # configs beyond the presets: every branch of the parameter formul
 
 
 def _build(config) -> torch.nn.Module:
-    model_class = {GPTConfig: GPT, BertConfig: BertModel, TransformerConfig: Transformer}
+    model_class = {GPTConfig: GPT, BertConfig: BertModel, TransformerConfig: Transformer,
+                   ViTConfig: ViT}  # fmt: skip
     return model_class[type(config)](config)
 
 

@@ -82,7 +82,8 @@ class CostReport:
     decode_flops_per_token: one new token over `context` cached keys (None for an encoder).
     kv_cache_bytes_per_sample: the decoder's self-attention cache (None for an encoder);
     cross_attention_cache_bytes_per_sample: an encoder-decoder's cached projections of a
-    `context`-token memory (None otherwise).
+    `context`-token memory (None otherwise). num_classes: a classifier's classes (a ViT's; None
+    for a language model), whose context is the tokens of one image.
     """
 
     name: str
@@ -115,6 +116,7 @@ class CostReport:
     kv_cache_bytes: int | None  # the whole batch
     kv_cache_variants: tuple[KVCacheVariant, ...]
     cross_attention_cache_bytes_per_sample: int | None
+    num_classes: int | None = None
 
 
 def bytes_per_element(dtype: str) -> tuple[str, int]:
@@ -191,6 +193,7 @@ def cost_report(
             )
             for length in SCORE_LENGTHS
         ),
+        num_classes=layout.num_classes or None,
         **_kv_cache_fields(layout, context, batch, width),
     )  # fmt: skip
 

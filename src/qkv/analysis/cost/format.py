@@ -65,7 +65,7 @@ def report_rows(report: CostReport) -> list[tuple[str, str]]:
         ("family", report.family),
         ("layers", _layers(report)),
         ("E / heads H/H_kv / D", f"{report.embed_dim} / {_heads(report)} / {report.head_dim}"),
-        ("ffn / vocab", f"{report.ffn_dim} / {report.vocab_size}"),
+        ("ffn / vocab", f"{report.ffn_dim} / {report.vocab_size or '-'}"),
         ("parameters", f"{report.parameters:,} ({format_count(report.parameters)})"),
         ("  of which embeddings", format_count(report.embedding_parameters)),
         (f"weights ({report.dtype})", format_bytes(report.weight_bytes)),
@@ -78,6 +78,8 @@ def report_rows(report: CostReport) -> list[tuple[str, str]]:
         ("KV cache / sample", format_bytes(report.kv_cache_bytes_per_sample)),
         ("KV cache / batch", format_bytes(report.kv_cache_bytes)),
     ]
+    if report.num_classes is not None:
+        rows.insert(4, ("classes", str(report.num_classes)))
     for variant in report.kv_cache_variants:
         mark = " (model)" if variant.is_model else ""
         value = f"{format_bytes(variant.bytes_per_sample)} H_kv={variant.num_kv_heads}{mark}"

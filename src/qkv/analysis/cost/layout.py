@@ -1,10 +1,10 @@
 """What a model is made of, for counting: the layout of a config, and its exact formulas.
 
-A config (`GPTConfig`, `BertConfig`, `TransformerConfig`) becomes a `ModelLayout`: embedding
-tables, one or two stacks of blocks (self-attention, optional cross-attention, FFN, norms) and
-an output head. Every count below is a formula of that layout, never a measurement; the tests
-check the formulas against instantiated qkv models (parameters), `FlopCounterMode` (FLOPs) and
-the KV caches' own sizes.
+A config (`GPTConfig`, `BertConfig`, `TransformerConfig`, `ViTConfig`) becomes a `ModelLayout`:
+embedding tables (or a ViT's patch projection), one or two stacks of blocks (self-attention,
+optional cross-attention, FFN, norms), an optional pooling and an output head. Every count
+below is a formula of that layout, never a measurement; the tests check the formulas against
+instantiated qkv models (parameters), `FlopCounterMode` (FLOPs) and the KV caches' own sizes.
 
 Conventions (the usual ones of FLOP counts, e.g. Kaplan et al. 2020, s2.1):
 - A multiply-add is 2 FLOPs: (L x E) @ (E x E) costs 2 L E^2. Only the matrix products are
@@ -13,6 +13,9 @@ Conventions (the usual ones of FLOP counts, e.g. Kaplan et al. 2020, s2.1):
 - The score matrix is counted dense, L_q x L_k, even under a causal mask: the textbook
   4 B L^2 E term, and what a backend that materialises the scores computes.
 - One MHA layer then costs 8 B L E^2 (the four projections) + 4 B L^2 E (Q K^T, weights @ V).
+- A ViT (Dosovitskiy et al. 2021, s3.1) projects each of its L - 1 patches (L with mean or
+  latent pooling) of C P^2 pixels to E channels, 2 C P^2 E FLOPs each, and its head reads one
+  pooled vector per image: 2 E classes FLOPs, not per token.
 """
 
 from __future__ import annotations
@@ -23,16 +26,18 @@ from dataclasses import dataclass
 from qkv.models.bert import BertConfig
 from qkv.models.encoder_decoder_config import TransformerConfig
 from qkv.models.gpt_config import GPTConfig
+from qkv.models.vit_config import ViTConfig
 
 __all__ = [
     "AttentionLayout",
     "FFNLayout",
+    "LatentPoolingLayout",
     "ModelLayout",
     "StackLayout",
     "layout_of",
 ]
 
-ModelConfig = GPTConfig | BertConfig | TransformerConfig
+ModelConfig = GPTConfig | BertConfig | TransformerConfig | ViTConfig
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,31 @@ class StackLayout:
 
 
 @dataclass(frozen=True)
+class LatentPoolingLayout:
+    """Learned queries that cross-attend to the final tokens (qkv.layers.LatentPooling; Jaegle
+    et al. 2021): the latents (num_latents x E), the cross-attention and an FFN, each pre-norm,
+    `blocks` of self-attention over the latents, and four LayerNorms (latents, input, FFN,
+    output) of norm_parameters in all."""
+
+    num_latents: int
+    cross_attention: AttentionLayout
+    ffn: FFNLayout
+    blocks: StackLayout
+    norm_parameters: int
+
+    def parameters(self) -> int:
+        latents = self.num_latents * self.cross_attention.embed_dim
+        return (latents + self.cross_attention.parameters() + self.ffn.parameters()
+                + self.blocks.parameters() + self.norm_parameters)  # fmt: skip
+
+    def flops(self, L: int) -> int:
+        """The latents reading L tokens, then their FFN and blocks (L-independent)."""
+        N = self.num_latents
+        return (self.cross_attention.flops(N, L) + self.ffn.flops(N)
+                + self.blocks.flops(N, keys=N))  # fmt: skip
+
+
+@dataclass(frozen=True)
 class ModelLayout:
     """A whole model: embedding tables, an encoder and/or a decoder stack, an output head.
 
@@ -129,6 +159,12 @@ class ModelLayout:
     the output projection (0 without one); head_parameters: its weights when not tied to an
     embedding. pooler_parameters: BERT's tanh pooler over [CLS] (E^2 + E). max_positions: the
     tokens one sequence may hold (a GPT's `context_length`: RoPE scaling extends it).
+
+    Images (a ViT): patch_dim, the pixels of one patch (C P^2) that its projection reads (0 for
+    a model whose tokens are looked up in a table); prefix_tokens, tokens the model adds before
+    the patches (the [class] token); pooled_head, the head reads one vector per sequence rather
+    than every token; latent_pooling, learned queries reading the final tokens (or None);
+    num_classes, the classifier's classes (0 without one).
     """
 
     family: str
@@ -141,6 +177,11 @@ class ModelLayout:
     head_vocab_size: int
     head_parameters: int
     pooler_parameters: int = 0
+    patch_dim: int = 0
+    prefix_tokens: int = 0
+    pooled_head: bool = False
+    latent_pooling: LatentPoolingLayout | None = None
+    num_classes: int = 0
 
     @property
     def stacks(self) -> tuple[StackLayout, ...]:
@@ -153,14 +194,21 @@ class ModelLayout:
 
     def parameters(self) -> int:
         stacks = sum(stack.parameters() for stack in self.stacks)
-        return self.embedding_parameters + stacks + self.head_parameters + self.pooler_parameters
+        pooling = 0 if self.latent_pooling is None else self.latent_pooling.parameters()
+        return (self.embedding_parameters + stacks + self.head_parameters
+                + self.pooler_parameters + pooling)  # fmt: skip
 
     def forward_flops(self, L: int) -> int:
         """Forward FLOPs of one sequence of L tokens (the source and the target both L long
         in an encoder-decoder)."""
+        E = self.embed_dim
         total = sum(stack.flops(L, keys=L, memory=L) for stack in self.stacks)
-        pooler = 2 * self.embed_dim * self.embed_dim if self.pooler_parameters else 0
-        return total + 2 * L * self.embed_dim * self.head_vocab_size + pooler
+        pooler = 2 * E * E if self.pooler_parameters else 0
+        if self.latent_pooling is not None:
+            pooler += self.latent_pooling.flops(L)
+        patches = 2 * max(L - self.prefix_tokens, 0) * self.patch_dim * E
+        head = 2 * (1 if self.pooled_head else L) * E * self.head_vocab_size
+        return patches + total + pooler + head
 
     def decode_flops(self, context: int) -> int | None:
         """FLOPs of one decoding step: one new token attending over `context` cached keys (its
@@ -172,13 +220,13 @@ class ModelLayout:
 
 
 def layout_of(config: ModelConfig) -> ModelLayout:
-    """The layout of a GPTConfig (qkv.models.GPT), a BertConfig (BertModel, with its pooler)
-    or a TransformerConfig (the encoder-decoder Transformer)."""
+    """The layout of a GPTConfig (qkv.models.GPT), a BertConfig (BertModel, with its pooler),
+    a TransformerConfig (the encoder-decoder Transformer) or a ViTConfig (qkv.models.ViT)."""
     for config_class, build in _BUILDERS.items():
         if isinstance(config, config_class):
             return build(config)
     raise TypeError(
-        f"config: expected a GPTConfig, BertConfig or TransformerConfig, got "
+        f"config: expected a GPTConfig, BertConfig, TransformerConfig or ViTConfig, got "
         f"{type(config).__name__}"
     )
 
@@ -252,6 +300,38 @@ def _transformer_layout(config: TransformerConfig) -> ModelLayout:
     )  # fmt: skip
 
 
+def _vit_layout(config: ViTConfig) -> ModelLayout:
+    """qkv.models.ViT: the patch projection (C P^2 -> E, with bias), a [class] token with
+    pooling="cls", learned positions (none with fixed 2-D sinusoids), pre-norm blocks, the
+    final LayerNorm, latent pooling when chosen, and the linear head over one pooled vector."""
+    E, C = config.embed_dim, config.num_classes
+    patch_dim = config.channels * config.patch_size**2
+    prefix = 1 if config.pooling == "cls" else 0
+    positions = config.num_tokens * E if config.position == "learned" else 0
+    ffn = FFNLayout(embed_dim=E, hidden_dim=config.ffn_dim, gated=False, bias=True)
+    encoder = StackLayout(
+        num_layers=config.num_layers, num_blocks=config.num_layers,
+        self_attention=_mha(E, config.num_heads), ffn=ffn, norm_parameters=2 * 2 * E,
+        final_norm_parameters=2 * E, causal=False,
+    )  # fmt: skip
+    latent = None
+    if config.pooling == "latent":
+        blocks = dataclasses.replace(
+            encoder, num_layers=config.latent_blocks, num_blocks=config.latent_blocks,
+            final_norm_parameters=0,
+        )  # fmt: skip
+        latent = LatentPoolingLayout(
+            num_latents=config.num_latents, cross_attention=_mha(E, config.num_heads), ffn=ffn,
+            blocks=blocks, norm_parameters=4 * 2 * E,
+        )  # fmt: skip
+    return ModelLayout(
+        family="encoder-only", vocab_size=0, embed_dim=E, max_positions=config.num_tokens,
+        embedding_parameters=patch_dim * E + E + prefix * E + positions, encoder=encoder,
+        decoder=None, head_vocab_size=C, head_parameters=E * C + C, patch_dim=patch_dim,
+        prefix_tokens=prefix, pooled_head=True, latent_pooling=latent, num_classes=C,
+    )  # fmt: skip
+
+
 def _mha(embed_dim: int, num_heads: int) -> AttentionLayout:
     return AttentionLayout(
         embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_heads,
@@ -263,6 +343,7 @@ _BUILDERS = {
     GPTConfig: _gpt_layout,
     BertConfig: _bert_layout,
     TransformerConfig: _transformer_layout,
+    ViTConfig: _vit_layout,
 }
 
 

@@ -16,29 +16,36 @@ from qkv.models.checkpoints import bert, gpt2, llama
 from qkv.models.encoder_decoder_config import TRANSFORMER_PRESETS, TransformerConfig
 from qkv.models.gpt_config import PRESETS as GPT_PRESETS
 from qkv.models.gpt_config import GPTConfig
+from qkv.models.vit_config import PRESETS as VIT_PRESETS
+from qkv.models.vit_config import ViTConfig
 
 __all__ = ["preset_names", "read_checkpoint_config", "resolve_model"]
 
-_CONFIG_CLASSES = {cls.__name__: cls for cls in (GPTConfig, BertConfig, TransformerConfig)}
+_CONFIG_CLASSES = {
+    cls.__name__: cls for cls in (GPTConfig, BertConfig, TransformerConfig, ViTConfig)
+}
+ModelConfig = GPTConfig | BertConfig | TransformerConfig | ViTConfig
 
 
 def preset_names() -> list[str]:
     """Every preset `qkv cost` knows, decoder-only models first (GPT-2, Llama, Mistral, tiny),
-    then BERT, then the encoder-decoder Transformer."""
-    return [*GPT_PRESETS, *BERT_PRESETS, *TRANSFORMER_PRESETS]
+    then BERT, then the encoder-decoder Transformer, then the Vision Transformer."""
+    return [*GPT_PRESETS, *BERT_PRESETS, *TRANSFORMER_PRESETS, *VIT_PRESETS]
 
 
-def _preset(name: str) -> GPTConfig | BertConfig | TransformerConfig | None:
+def _preset(name: str) -> ModelConfig | None:
     if name in GPT_PRESETS:
         return GPTConfig.from_name(name)
     if name in BERT_PRESETS:
         return BertConfig.from_name(name)
     if name in TRANSFORMER_PRESETS:
         return TransformerConfig.from_name(name)
+    if name in VIT_PRESETS:
+        return ViTConfig.from_name(name)
     return None
 
 
-def resolve_model(model: object) -> tuple[str, GPTConfig | BertConfig | TransformerConfig]:
+def resolve_model(model: object) -> tuple[str, ModelConfig]:
     """(a name to show, the config) for a config, a model with a `.config`, a preset name, or
     the path of a checkpoint folder or of a config.json. Preset names win over paths."""
     if isinstance(model, tuple(_CONFIG_CLASSES.values())):
@@ -48,8 +55,8 @@ def resolve_model(model: object) -> tuple[str, GPTConfig | BertConfig | Transfor
         return type(model).__name__, config
     if not isinstance(model, (str, Path)):
         raise TypeError(
-            f"model: expected a preset name, a path, or a GPTConfig/BertConfig/TransformerConfig,"
-            f" got {type(model).__name__}"
+            f"model: expected a preset name, a path, or a GPTConfig/BertConfig/TransformerConfig/"
+            f"ViTConfig, got {type(model).__name__}"
         )
     preset = _preset(str(model))
     if preset is not None:
@@ -62,7 +69,7 @@ def resolve_model(model: object) -> tuple[str, GPTConfig | BertConfig | Transfor
     )
 
 
-def read_checkpoint_config(path: str | Path) -> GPTConfig | BertConfig | TransformerConfig:
+def read_checkpoint_config(path: str | Path) -> ModelConfig:
     """The config of a checkpoint folder (its config.json) or of a config.json file: qkv's own
     format or a Hugging Face GPT-2, Llama, Mistral or BERT config. ValueError otherwise."""
     file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
@@ -77,7 +84,7 @@ def read_checkpoint_config(path: str | Path) -> GPTConfig | BertConfig | Transfo
     return _hugging_face_config(document, file)
 
 
-def _qkv_config(document: dict, file: Path) -> GPTConfig | BertConfig | TransformerConfig:
+def _qkv_config(document: dict, file: Path) -> ModelConfig:
     name = document.get("config_class")
     fields = document.get("config")
     if name not in _CONFIG_CLASSES or not isinstance(fields, dict):

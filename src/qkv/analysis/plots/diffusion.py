@@ -1,0 +1,117 @@
+"""What a text-conditioned diffusion model draws, and where its prompt's words look.
+
+- `tile_images` lays small grey images out in a grid with a gap between them, and
+  `sample_grid` draws that grid as one figure (what `qkv sample` writes).
+- `guidance_figure`: the samples of each prompt at each classifier-free guidance scale, side
+  by side (Ho & Salimans 2022, Figure 1's trade-off between fidelity and variety), and below,
+  for one prompt, the image as it forms through the sampling steps with the cross-attention of
+  one prompt token over the image patches at each of those steps (Hertz et al. 2022's
+  per-word cross-attention maps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from qkv.analysis.plots.common import Figure, check_int, new_figure, to_numpy
+
+__all__ = ["guidance_figure", "sample_grid", "tile_images"]
+
+
+def tile_images(images: torch.Tensor, *, columns: int, gap: int = 1) -> np.ndarray:
+    """(B, H, W) or (B, 1, H, W) images in [0, 1] -> one (rows * (H + gap) - gap,
+    columns * (W + gap) - gap) array, row-major, the gaps and empty cells 0 (the background)."""
+    pixels = _grey(images)
+    check_int("columns", columns, minimum=1)
+    check_int("gap", gap, minimum=0)
+    B, H, W = pixels.shape
+    rows = max(1, -(-B // columns))
+    grid = np.zeros((rows * (H + gap) - gap, columns * (W + gap) - gap))
+    for index in range(B):
+        row, column = divmod(index, columns)
+        top, left = row * (H + gap), column * (W + gap)
+        grid[top : top + H, left : left + W] = pixels[index]
+    return grid
+
+
+def sample_grid(images: torch.Tensor, *, columns: int, title: str | None = None) -> Figure:
+    """The images tiled `columns` wide in one axes, dark strokes on white, no ticks."""
+    grid = tile_images(images, columns=columns)
+    height, width = grid.shape
+    scale = 0.06
+    fig = new_figure(figsize=(max(2.0, width * scale + 0.4), max(2.0, height * scale + 0.6)))
+    ax = fig.subplots()
+    ax.imshow(grid, cmap="gray_r", vmin=0.0, vmax=1.0, interpolation="nearest")
+    ax.set_axis_off()
+    if title:
+        ax.set_title(title, fontsize=9)
+    return fig
+
+
+def guidance_figure(
+    grids: Mapping[str, torch.Tensor],
+    *,
+    columns: int,
+    steps: Sequence[int],
+    trajectory: torch.Tensor,
+    maps: torch.Tensor,
+    token: str,
+    prompt: str,
+    title: str = "Classifier-free guidance",
+) -> Figure:
+    """Top: one tiled grid per guidance scale ({"s = 3": (B, H, W) images}); bottom: for
+    `prompt`, the model's estimate of the clean image (K, H, W) at each of the K sampling
+    `steps`, and the cross-attention weight of `token` over the patches (K, h, w) there, on
+    one colour scale from the least to the largest weight of the K maps."""
+    if not grids:
+        raise ValueError("grids: expected at least one guidance scale, got none")
+    images = _grey(trajectory)
+    patch_maps = to_numpy("maps", maps)
+    if patch_maps.ndim != 3 or len(patch_maps) != len(images) or len(steps) != len(images):
+        raise ValueError(
+            f"maps, steps: expected {len(images)} maps (K, h, w) and steps, one per image of "
+            f"trajectory; got maps of shape {patch_maps.shape} and {len(steps)} steps"
+        )
+    fig = new_figure(figsize=(max(2.4 * len(grids), 1.25 * len(images)), 7.2))
+    top, bottom = fig.subfigures(2, 1, height_ratios=(1.25, 1.0))
+    top.suptitle(title, fontsize=11)
+    for ax, (label, samples) in zip(top.subplots(1, len(grids), squeeze=False)[0],
+                                    grids.items(), strict=True):  # fmt: skip
+        ax.imshow(tile_images(samples, columns=columns), cmap="gray_r", vmin=0.0, vmax=1.0,
+                  interpolation="nearest")  # fmt: skip
+        ax.set_title(label, fontsize=10)
+        ax.set_axis_off()
+    bottom.suptitle(f"{prompt!r}: the clean-image estimate and the attention of {token!r} "
+                    f"over the patches, step by step", fontsize=10)  # fmt: skip
+    axes = bottom.subplots(2, len(images), squeeze=False)
+    H, W = images.shape[1:]
+    extent = (-0.5, W - 0.5, H - 0.5, -0.5)  # each map cell covers a whole patch
+    low, high = float(patch_maps.min()), float(patch_maps.max())
+    high = max(high, low + 1e-12)  # one colour scale for every map, from their least to most
+    for column, step in enumerate(steps):
+        axes[0, column].imshow(images[column], cmap="gray_r", vmin=0.0, vmax=1.0,
+                               interpolation="nearest")  # fmt: skip
+        axes[0, column].set_title(f"t = {step}", fontsize=9)
+        shown = axes[1, column].imshow(patch_maps[column], cmap="magma", vmin=low, vmax=high,
+                                       extent=extent, interpolation="nearest")  # fmt: skip
+        axes[1, column].contour(images[column], levels=[0.5], colors="cyan", linewidths=0.8)
+        for ax in axes[:, column]:
+            ax.set_xticks([])
+            ax.set_yticks([])
+    bottom.colorbar(shown, ax=axes[1, :].tolist(), shrink=0.9, label="attention weight")
+    axes[0, 0].set_ylabel("x0 estimate", fontsize=9)
+    axes[1, 0].set_ylabel(f"attention of {token!r}", fontsize=9)
+    return fig
+
+
+def _grey(images: object) -> np.ndarray:
+    """(B, H, W) or (B, 1, H, W) -> a float64 (B, H, W) array."""
+    pixels = to_numpy("images", images)
+    if pixels.ndim == 4 and pixels.shape[1] == 1:
+        pixels = pixels[:, 0]
+    if pixels.ndim != 3:
+        raise ValueError(f"images: expected shape (B, H, W) or (B, 1, H, W), got {pixels.shape}")
+    return pixels

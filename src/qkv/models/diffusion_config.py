@@ -1,0 +1,137 @@
+"""`DiffusionConfig`: the sizes, conditioning and noise schedule of a text-conditioned diffusion
+Transformer (`qkv.models.DiffusionTransformer`).
+
+    component      choices
+    conditioning   "adaln_zero"  the timestep embedding sets the shift, scale and gate of every
+                                 sub-layer, zero-initialised (DiT's adaLN-Zero; Peebles & Xie
+                                 2023, s3.2); the prompt enters through cross-attention
+                   "add"         the timestep embedding is added to the image tokens; the
+                                 blocks are plain pre-norm self-attention, cross-attention and
+                                 FFN, so the prompt and the noise level both arrive by attention
+                                 and the residual stream (Rombach et al. 2022, s3.3)
+
+The noise schedule is part of the model (a denoiser is trained for one): num_timesteps T and
+betas rising linearly from beta_start to beta_end (Ho et al. 2020, s4: T = 1000, 1e-4 to 0.02).
+
+The presets: "diffusion-digits", the model `qkv train diffusion` trains on the 8x8 digits
+(2 x 2 patches: 16 image tokens); "diffusion-tiny", one for tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from qkv.layers.attention import check_heads
+from qkv.layers.feedforward import ACTIVATIONS
+from qkv.validation import check_int, check_positive_float, check_positive_int, check_probability
+
+__all__ = ["CONDITIONING_KINDS", "PRESETS", "DiffusionConfig"]
+
+CONDITIONING_KINDS = ("adaln_zero", "add")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiffusionConfig:
+    """Sizes and choices of a text-conditioned diffusion Transformer (see the module docstring).
+
+    image_size (the side of a square image), patch_size P (dividing image_size), channels C,
+    embed_dim E, num_layers (denoiser blocks), num_heads H, ffn_dim (the FFN's hidden width),
+    vocab_size (the prompt tokenizer's), max_prompt_length (the prompt positions learned),
+    text_layers (pre-norm encoder blocks over the prompt; 0: its embeddings alone),
+    conditioning (see above), num_timesteps T, beta_start and beta_end (the linear schedule),
+    activation (the FFNs'), norm_eps, dropout.
+    """
+
+    image_size: int
+    patch_size: int
+    channels: int
+    embed_dim: int
+    num_layers: int
+    num_heads: int
+    ffn_dim: int
+    vocab_size: int
+    max_prompt_length: int = 16
+    text_layers: int = 1
+    conditioning: str = "adaln_zero"
+    num_timesteps: int = 1000
+    beta_start: float = 1e-4
+    beta_end: float = 0.02
+    activation: str = "gelu"
+    norm_eps: float = 1e-6
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("image_size", "patch_size", "channels", "embed_dim", "num_layers",
+                     "num_heads", "ffn_dim", "vocab_size", "max_prompt_length",
+                     "num_timesteps"):  # fmt: skip
+            check_positive_int(name, getattr(self, name))
+        check_int("text_layers", self.text_layers, minimum=0)
+        if self.image_size % self.patch_size:
+            raise ValueError(
+                f"patch_size: {self.patch_size} does not divide image_size={self.image_size}; "
+                f"expected a divisor (the image is cut into whole patches)"
+            )
+        check_heads(self.embed_dim, self.num_heads, self.num_heads)
+        if self.embed_dim % 2:
+            raise ValueError(
+                f"embed_dim: {self.embed_dim} is odd; expected an even width (the timestep's "
+                f"sinusoidal embedding comes in sin/cos pairs)"
+            )
+        _check_choice("conditioning", self.conditioning, CONDITIONING_KINDS)
+        _check_choice("activation", self.activation, tuple(ACTIVATIONS))
+        check_positive_float("beta_start", self.beta_start)
+        check_positive_float("beta_end", self.beta_end)
+        if not self.beta_start <= self.beta_end < 1:
+            raise ValueError(
+                f"beta_end: {self.beta_end} with beta_start={self.beta_start}; expected "
+                f"beta_start <= beta_end < 1 (a variance that grows and keeps some signal)"
+            )
+        check_positive_float("norm_eps", self.norm_eps)
+        check_probability("dropout", self.dropout)
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """(rows, columns) of the patch grid."""
+        side = self.image_size // self.patch_size
+        return side, side
+
+    @property
+    def num_patches(self) -> int:
+        """N = (image_size / patch_size)^2, the image tokens."""
+        return self.grid[0] * self.grid[1]
+
+    @classmethod
+    def from_name(cls, name: str, **overrides: object) -> DiffusionConfig:
+        """A named preset (see `PRESETS`), optionally with some fields replaced.
+
+        Example: `DiffusionConfig.from_name("diffusion-digits", vocab_size=120)`.
+        """
+        if name not in PRESETS:
+            raise ValueError(f"name: unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise TypeError(
+                f"overrides: unknown fields {unknown}; expected some of {sorted(fields)}"
+            )
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+
+
+PRESETS: dict[str, DiffusionConfig] = {
+    # 8x8 grey digits in 2x2 patches: 16 image tokens (`qkv train diffusion`)
+    "diffusion-digits": DiffusionConfig(
+        image_size=8, patch_size=2, channels=1, embed_dim=64, num_layers=4, num_heads=4,
+        ffn_dim=256, vocab_size=256,
+    ),
+    # the smallest sensible model, for tests
+    "diffusion-tiny": DiffusionConfig(
+        image_size=8, patch_size=4, channels=1, embed_dim=16, num_layers=1, num_heads=2,
+        ffn_dim=32, vocab_size=256, num_timesteps=50,
+    ),
+}  # fmt: skip
