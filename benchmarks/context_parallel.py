@@ -158,7 +158,7 @@ def main(argv=None) -> int:
             "ring_bytes": max(r["ring_bytes"] for r in ranks),
             "planned_ring_bytes": plan.ring_bytes_per_step,
             "payload_bytes": max(r["payload_bytes"] for r in ranks),
-            "planned_payload_bytes": plan.gradient_payload_bytes,
+            "planned_payload_bytes": plan.all_reduce_payload_bytes,
             "seconds": max(r["seconds"] for r in ranks),
             "max_rss_bytes": max(r["max_rss_bytes"] for r in ranks),
         })  # fmt: skip

@@ -6,7 +6,9 @@ processes share every sequence through ring attention, and
   weights bitwise equal to the uninterrupted run's;
 - its checkpoint resumes on ONE process, which ends on the weights of the 1-process run.
 
-The blocks hold 30 tokens: 2 processes cut them in 4 zigzag chunks, so they are padded to 32.
+The runs and their flags are gpt_runs.py's (the 1-process run is shared with the FSDP test);
+those that do not wait on one another run side by side. The blocks hold 30 tokens: 2 processes
+cut them in 4 zigzag chunks, so they are padded to 32.
 """
 
 from __future__ import annotations
@@ -19,30 +21,21 @@ import torch
 from safetensors import safe_open
 
 from tests.distributed.gpt_runs import (
+    STEPS,
+    Launch,
     command,
+    documents,
     kill_one_rank_after_a_checkpoint,
     losses,
-    run,
-    write_documents,
+    one_process,
 )
 
-STEPS = 30
-FLAGS = [
-    "--vocab-size", "300", "--block-size", "30", "--embed-dim", "32", "--num-layers", "2",
-    "--num-heads", "4", "--num-kv-heads", "2", "--family", "llama", "--ffn-dim", "64",
-    "--dropout", "0", "--steps", str(STEPS), "--batch-size", "4", "--warmup-steps", "2",
-    "--log-every", "1", "--checkpoint-every", "5", "--threads", "1",
-]  # fmt: skip
 
-
-@pytest.fixture(scope="module")
-def documents(tmp_path_factory):
-    return write_documents(tmp_path_factory.mktemp("data"))
-
-
-def _command(documents, out, *, processes=1, extra=()):
+def _start(tmp_path_factory, out, *, processes=1, extra=()) -> Launch:
     parallel = ["--context-parallel", str(processes)]
-    return command(documents, out, FLAGS, processes=processes, parallel=parallel, extra=extra)
+    arguments = command(documents(tmp_path_factory), out, processes=processes,
+                        parallel=parallel, extra=extra)  # fmt: skip
+    return Launch(arguments, out)
 
 
 def _weights(out):
@@ -54,28 +47,36 @@ def _weights(out):
 
 @pytest.mark.slow
 def test_context_parallel_training_matches_one_process_and_resumes_on_any_count(
-    tmp_path, documents
+    tmp_path, tmp_path_factory
 ):
-    one, two, killed = tmp_path / "one", tmp_path / "two", tmp_path / "killed"
-    run(_command(documents, one))
-    run(_command(documents, two, processes=2))
+    started = [  # the one to kill first: its resumed runs then overlap the others
+        _start(tmp_path_factory, tmp_path / "killed", processes=2),
+        one_process(tmp_path_factory),
+        _start(tmp_path_factory, tmp_path / "two", processes=2),
+    ]
+    kill_one_rank_after_a_checkpoint(started[0])
+    killed, on_one = tmp_path / "killed", tmp_path / "on_one"
+    step_at_kill, _ = _weights(killed)
+    shutil.copytree(killed, on_one)
+    resumed = [
+        _start(tmp_path_factory, killed, processes=2, extra=["--resume"]),
+        _start(tmp_path_factory, on_one, extra=["--resume"]),
+    ]
+    one, two = (run.wait() for run in started[1:])
+    for run in resumed:
+        run.wait()
+
     single, double = losses(one), losses(two)
     assert len(single) == len(double) == STEPS
     assert double == pytest.approx(single, rel=1e-5, abs=1e-6)
     assert single[-1] < single[0]  # it trained
 
-    kill_one_rank_after_a_checkpoint(_command(documents, killed, processes=2), killed)
-    step_at_kill, _ = _weights(killed)
     assert 0 < step_at_kill < STEPS
-    on_one = tmp_path / "on_one"
-    shutil.copytree(killed, on_one)
-    run(_command(documents, killed, processes=2, extra=["--resume"]))
-    (final_step, resumed), (_, expected) = _weights(killed), _weights(two)
+    (final_step, resumed_weights), (_, expected) = _weights(killed), _weights(two)
     assert final_step == STEPS
     for name, tensor in expected.items():
-        torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(resumed_weights[name], tensor, rtol=0, atol=0, msg=name)
 
-    run(_command(documents, on_one, extra=["--resume"]))
     final_step, weights = _weights(on_one)
     _, reference = _weights(one)
     assert final_step == STEPS

@@ -6,8 +6,10 @@ builds the same full tensors from one seed, runs `ring_attention` on its shards,
 its output, log-sum-exp and gradients (dq, dk, dv of a random upstream gradient) with the
 reference's: causal or not, contiguous or zigzag, windows, GQA, lengths the ranks do not divide.
 It also counts the bytes the ring sends (wrapping `torch.distributed.batch_isend_irecv`) against
-`ring_attention_traffic`. All cases of one world size run in one spawn: process start-up is
-most of the time.
+`ring_attention_traffic`, and those of DDP and FSDP training steps against `qkv cost`'s plan
+(fsdp_step.py). All cases of one world size run in one start of the processes, forked from a
+server that has imported torch, torch._dynamo (which AdamW imports) and these modules once:
+importing them is most of the time.
 
 PyTorch's own `torch.distributed.tensor.experimental.context_parallel` is no second reference
 here: in torch 2.13 it serves only the CUDA attention kernels (flash, memory-efficient, cuDNN).
@@ -19,6 +21,7 @@ tensors with DTensors.
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
 import socket
 import time
@@ -39,6 +42,7 @@ from qkv.distributed import (
 from qkv.distributed.blocks import Masking
 from qkv.distributed.layout import segments
 from qkv.training.distributed import setup_distributed
+from tests.distributed.fsdp_step import check_fsdp_step_bytes
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,8 @@ CASES = (
 )
 BATCH, HEAD_DIM = 2, 8
 DEADLINE_S = 120  # a hung collective fails the test instead of waiting for gloo's 30 min
+# imported once by the fork server (when this module starts it), not by every process
+PRELOAD = ["torch._dynamo", __name__, "tests.distributed.fsdp_step"]
 
 
 def reference(q, k, v, case: Case):
@@ -204,7 +210,7 @@ def _check_training_step_bytes(rank: int, world_size: int) -> None:
     plan = parallel_training_cost(config, context_parallel=world_size, context=length,
                                   batch=batch, dtype="fp32")  # fmt: skip
     assert counter.bytes == plan.ring_bytes_per_step, (counter.bytes, plan)
-    assert sum(payloads) == plan.gradient_payload_bytes, (sum(payloads), plan)
+    assert sum(payloads) == plan.all_reduce_payload_bytes, (sum(payloads), plan)
 
 
 def _worker(rank: int, world_size: int, port: int) -> None:
@@ -221,6 +227,7 @@ def _worker(rank: int, world_size: int, port: int) -> None:
         ("traffic float64 GQA", _check_traffic, (rank, world_size, torch.float64, 2)),
         ("traffic bfloat16", _check_traffic, (rank, world_size, torch.bfloat16, 4)),
         ("training step bytes", _check_training_step_bytes, (rank, world_size)),
+        ("FSDP step bytes", check_fsdp_step_bytes, (rank, world_size)),
     ]
     for name, check, args in checks:
         try:
@@ -239,9 +246,10 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ring_attention_matches_full_attention(world_size):
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
     processes = mp.start_processes(
         _worker, args=(world_size, _free_port()), nprocs=world_size, join=False,
-        start_method="spawn",
+        start_method="forkserver",
     )  # fmt: skip
     deadline = time.monotonic() + DEADLINE_S
     while not processes.join(timeout=1):  # raises, with its traceback, if a process fails

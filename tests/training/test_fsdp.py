@@ -7,7 +7,9 @@ of every parameter, gradient and AdamW moment (PyTorch's fully_shard), and
 - its checkpoint (the full state, gathered) resumes on ONE process, unsharded, which ends on
   the weights of the 1-process run.
 
-The fast tests check the pieces on one process: the checkpoint identity leaves fsdp out, and
+The runs and their flags are tests/distributed/gpt_runs.py's (the 1-process run is shared with
+the context-parallel test); those that do not wait on one another run side by side. The fast
+tests check the pieces on one process: the checkpoint identity leaves fsdp out, and
 `gather_state` of an unsharded model is its own state.
 """
 
@@ -23,29 +25,20 @@ from safetensors import safe_open
 from qkv.training import TrainingConfig
 from qkv.training.sharded import gather_state
 from tests.distributed.gpt_runs import (
+    STEPS,
+    Launch,
     command,
+    documents,
     kill_one_rank_after_a_checkpoint,
     losses,
-    run,
-    write_documents,
+    one_process,
 )
 
-STEPS = 30
-FLAGS = [
-    "--vocab-size", "300", "--block-size", "30", "--embed-dim", "32", "--num-layers", "2",
-    "--num-heads", "4", "--family", "gpt2", "--ffn-dim", "64", "--dropout", "0",
-    "--steps", str(STEPS), "--batch-size", "4", "--accumulation-steps", "2",
-    "--warmup-steps", "2", "--log-every", "1", "--checkpoint-every", "5", "--threads", "1",
-]  # fmt: skip
 
-
-@pytest.fixture(scope="module")
-def documents(tmp_path_factory):
-    return write_documents(tmp_path_factory.mktemp("data"))
-
-
-def _command(documents, out, *, processes=1, extra=()):
-    return command(documents, out, FLAGS, processes=processes, parallel=["--fsdp"], extra=extra)
+def _start(tmp_path_factory, out, *, processes=1, extra=()) -> Launch:
+    arguments = command(documents(tmp_path_factory), out, processes=processes,
+                        parallel=["--fsdp"], extra=extra)  # fmt: skip
+    return Launch(arguments, out)
 
 
 def _checkpoint(out):
@@ -56,10 +49,24 @@ def _checkpoint(out):
 
 
 @pytest.mark.slow
-def test_fsdp_training_matches_one_process_and_resumes_on_any_count(tmp_path, documents):
-    one, two, killed = tmp_path / "one", tmp_path / "two", tmp_path / "killed"
-    run(_command(documents, one))
-    run(_command(documents, two, processes=2))
+def test_fsdp_training_matches_one_process_and_resumes_on_any_count(tmp_path, tmp_path_factory):
+    started = [  # the one to kill first: its resumed runs then overlap the others
+        _start(tmp_path_factory, tmp_path / "killed", processes=2),
+        one_process(tmp_path_factory),
+        _start(tmp_path_factory, tmp_path / "two", processes=2),
+    ]
+    kill_one_rank_after_a_checkpoint(started[0])
+    killed, on_one = tmp_path / "killed", tmp_path / "on_one"
+    step_at_kill = _checkpoint(killed)[0]["step"]
+    shutil.copytree(killed, on_one)
+    resumed = [
+        _start(tmp_path_factory, killed, processes=2, extra=["--resume"]),
+        _start(tmp_path_factory, on_one, extra=["--resume"]),
+    ]
+    one, two = (run.wait() for run in started[1:])
+    for run in resumed:
+        run.wait()
+
     single, double = losses(one), losses(two)
     assert len(single) == len(double) == STEPS
     assert double == pytest.approx(single, rel=1e-5, abs=1e-6)
@@ -71,18 +78,12 @@ def test_fsdp_training_matches_one_process_and_resumes_on_any_count(tmp_path, do
         if name != "rng/torch":
             torch.testing.assert_close(state_two[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
 
-    kill_one_rank_after_a_checkpoint(_command(documents, killed, processes=2), killed)
-    step_at_kill = _checkpoint(killed)[0]["step"]
     assert 0 < step_at_kill < STEPS
-    on_one = tmp_path / "on_one"
-    shutil.copytree(killed, on_one)
-    run(_command(documents, killed, processes=2, extra=["--resume"]))
-    (document, resumed) = _checkpoint(killed)
+    document, state = _checkpoint(killed)
     assert document["step"] == STEPS
     for name, tensor in state_two.items():
-        torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(state[name], tensor, rtol=0, atol=0, msg=name)
 
-    run(_command(documents, on_one, extra=["--resume"]))
     document, weights = _checkpoint(on_one)
     assert document["step"] == STEPS
     for name, tensor in state_one.items():

@@ -1,12 +1,13 @@
 """Nothing lost, more than one process: `qkv train` killed with SIGKILL resumes to the same final
 weights bit for bit, and 2 processes under torchrun (gloo) follow the 1-process loss trajectory.
 
-Both run the real command in subprocesses, as a user would, on the tiny translate task."""
+Both run the real command in subprocesses, as a user would, on the tiny translate task; the
+runs that do not wait on one another start side by side (`Launch`): starting a process is most
+of a run's time."""
 
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -14,10 +15,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from tests.distributed.gpt_runs import Launch
+
 from .tiny import TINY_FLAGS
 
 COMMAND = [sys.executable, "-m", "qkv.cli", "train", "translate", *TINY_FLAGS]
-ENVIRONMENT = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _model_tensors(out_dir):
@@ -32,47 +34,46 @@ def _losses(out_dir):
     return [r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"]
 
 
+def _start(arguments, out) -> Launch:
+    return Launch([*arguments, "--out", str(out)], out)
+
+
 def test_a_run_killed_with_sigkill_resumes_to_the_same_final_weights(tmp_path):
-    flags = ["--steps", "150", "--batch-size", "16", "--checkpoint-every", "5", "--log-every", "5"]
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    subprocess.run([*COMMAND, *flags, "--out", str(straight)], env=ENVIRONMENT, check=True,
-                   capture_output=True)  # fmt: skip
-    process = subprocess.Popen(
-        [*COMMAND, *flags, "--out", str(killed)], env=ENVIRONMENT,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    deadline = time.monotonic() + 120
-    while not (killed / "checkpoint.safetensors").exists() and time.monotonic() < deadline:
+    steps = 60  # dropout on: the resumed run must also restore the random state
+    flags = ["--steps", str(steps), "--batch-size", "16", "--checkpoint-every", "5",
+             "--log-every", "5"]  # fmt: skip
+    straight = _start([*COMMAND, *flags], tmp_path / "straight")
+    killed = _start([*COMMAND, *flags], tmp_path / "killed")
+    while (
+        not (killed.out / "checkpoint.safetensors").exists() and time.monotonic() < killed.deadline
+    ):
         time.sleep(0.01)
-    time.sleep(0.2)  # into the middle of some later step, or of writing a checkpoint
-    process.send_signal(signal.SIGKILL)
-    assert process.wait() == -signal.SIGKILL, "the run ended before it could be killed"
-    step_at_kill, _ = _model_tensors(killed)
-    assert 0 < step_at_kill < 150
-    subprocess.run([*COMMAND, *flags, "--out", str(killed), "--resume"], env=ENVIRONMENT,
-                   check=True, capture_output=True)  # fmt: skip
-    final_step, resumed = _model_tensors(killed)
-    _, expected = _model_tensors(straight)
-    assert final_step == 150
+    time.sleep(0.05)  # into the middle of some later step, or of writing a checkpoint
+    os.kill(killed.process.pid, signal.SIGKILL)
+    assert killed.returncode() == -signal.SIGKILL, "the run ended before it could be killed"
+    step_at_kill, _ = _model_tensors(killed.out)
+    resumed = _start([*COMMAND, *flags, "--resume"], killed.out).wait()
+    final_step, weights = _model_tensors(resumed)
+    _, expected = _model_tensors(straight.wait())
+    assert 0 < step_at_kill < steps
+    assert final_step == steps
     for name, tensor in expected.items():
-        torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=0, msg=name)
-    assert _losses(killed) == _losses(straight)
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=0, msg=name)
+    assert _losses(resumed) == _losses(straight.out)
 
 
 @pytest.mark.slow
 def test_two_processes_with_torchrun_match_one_process_with_the_same_global_batch(tmp_path):
-    flags = ["--steps", "12", "--batch-size", "16", "--log-every", "1", "--dropout", "0",
+    steps = 20
+    flags = ["--steps", str(steps), "--batch-size", "16", "--log-every", "1", "--dropout", "0",
              "--warmup-steps", "2"]  # fmt: skip
-    one, two = tmp_path / "one", tmp_path / "two"
-    subprocess.run([*COMMAND, *flags, "--out", str(one)], env=ENVIRONMENT, check=True,
-                   capture_output=True)  # fmt: skip
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", "2", *COMMAND[1:]]  # fmt: skip
-    result = subprocess.run([*torchrun, *flags, "--out", str(two)], env=ENVIRONMENT,
-                            capture_output=True, text=True)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    one = _start([*COMMAND, *flags], tmp_path / "one")
+    two = _start([*torchrun, *flags], tmp_path / "two")
+    one, two = one.wait(), two.wait()
     single, double = _losses(one), _losses(two)
-    assert len(single) == len(double) == 12
+    assert len(single) == len(double) == steps
     assert double == pytest.approx(single, rel=1e-5, abs=1e-6)
     assert single[-1] < single[0]  # it trained
     _, weights_one = _model_tensors(one)
