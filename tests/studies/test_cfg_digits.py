@@ -2,6 +2,7 @@
 and determinism; its default settings are `qkv train diffusion`'s and `qkv train vit`'s."""
 
 import dataclasses
+import itertools
 import json
 
 import pytest
@@ -35,7 +36,7 @@ def test_one_row_per_guidance_then_the_real_digits(written):
         assert row["samples"] == 10 * settings["samples_per_prompt"]
         assert 0 <= row["ViT accuracy"] <= 1 and 0 < row["ViT probability"] < 1
         assert row["pairwise distance"] > 0
-    assert len(result.findings) == 4
+    assert len(result.findings) == 5
 
 
 def test_series_hold_the_grids_and_the_word_attention_through_the_steps(written):
@@ -53,6 +54,35 @@ def test_series_hold_the_grids_and_the_word_attention_through_the_steps(written)
     assert maps.shape == (shown, 2, 2) and torch.all((maps >= 0) & (maps <= 1))
     assert len(attention["word_share"]) == settings["sampling_steps"]
     assert torch.tensor(attention["x0"]).shape == (shown, 8, 8)
+
+
+def test_the_digit_word_share_per_block_and_head_and_the_head_drawn(written):
+    result, _ = written
+    settings, attention = result.settings, result.series["attention"]
+    blocks, heads = settings["diffusion"]["num_layers"], settings["diffusion"]["num_heads"]
+    per_head = torch.tensor(attention["head_shares"])
+    assert per_head.shape == (blocks, heads) and torch.all((per_head > 0) & (per_head < 1))
+    # the mean over blocks and heads is the mean of the per-step shares of the mean map
+    mean_share = torch.tensor(attention["word_share"]).mean()
+    torch.testing.assert_close(per_head.mean(), mean_share, rtol=1e-5, atol=1e-6)
+    block, head = attention["head"]
+    digit = settings["attention_digit"]
+    assert len(attention["digit_shares"]) == len(attention["digit_head_shares"]) == 10
+    assert attention["digit_head_shares"][digit] == pytest.approx(per_head[block, head].item())
+    assert attention["digit_shares"][digit] == pytest.approx(mean_share.item(), rel=1e-5)
+    assert torch.tensor(attention["head_maps"]).shape == torch.tensor(attention["maps"]).shape
+    assert f"block {block + 1} of {blocks}, head {head + 1} of {heads}" in result.findings[3]
+
+
+def test_word_weights_pick_each_prompts_digit_word_from_the_conditional_rows():
+    steps, B, blocks, H, N, S = 3, 2, 2, 2, 4, 5
+    recorded = [[torch.rand(2 * B, H, N, S) for _ in range(blocks)] for _ in range(steps)]
+    positions = [3, 1]
+    picked = cfg_digits._word_weights(recorded, positions)
+    assert picked.shape == (steps, B, blocks, H, N)
+    for step, block, prompt in itertools.product(range(steps), range(blocks), range(B)):
+        expected = recorded[step][block][prompt, :, :, positions[prompt]]  # (H, N)
+        assert torch.equal(picked[step, prompt, block], expected)
 
 
 def test_the_measures_are_accuracy_and_mean_pairwise_distance():
@@ -74,6 +104,7 @@ def test_the_measures_are_accuracy_and_mean_pairwise_distance():
 def test_default_settings_are_the_train_commands_defaults():
     default = cfg_digits.SIZES["default"]
     assert default["diffusion"] == dataclasses.asdict(DiffusionOptions())
+    assert default["diffusion"]["text_layers"] == 0  # the digit word's key is its own
     assert default["diffusion_training"] == DiffusionTask.training_defaults
     assert default["vit"] == dataclasses.asdict(VitOptions())
     assert default["vit_training"] == VitTask.training_defaults

@@ -127,7 +127,7 @@ PRESETS: dict[str, DiffusionConfig] = {
     # 8x8 grey digits in 2x2 patches: 16 image tokens (`qkv train diffusion`)
     "diffusion-digits": DiffusionConfig(
         image_size=8, patch_size=2, channels=1, embed_dim=64, num_layers=4, num_heads=4,
-        ffn_dim=256, vocab_size=256,
+        ffn_dim=256, vocab_size=256, text_layers=0,
     ),
     # the smallest sensible model, for tests
     "diffusion-tiny": DiffusionConfig(

@@ -15,8 +15,12 @@ ViT's mean probability for that digit, and the variety of the samples of one pro
 pairwise Euclidean distance between them (pixels in [0, 1]), averaged over the prompts. The
 last row holds the same numbers for real held-out digits. The figure shows the samples of
 each prompt at each s, and for one prompt the clean-image estimate at a few sampling steps
-with the cross-attention weight of its digit word over the image patches (averaged over the
-blocks and heads; Hertz et al. 2022 read such per-word maps).
+with the cross-attention weight of its digit word over the image patches (Hertz et al. 2022
+read such per-word maps): averaged over the blocks and heads, and in the one head that gives
+the digit words of the ten prompts the largest share, since a head that reads the word can be
+averaged away. The prompt reaches the cross-attention as its token and position embeddings
+(text_layers = 0, the task's default): each key is one word's own, and the prompts' keys differ
+at their digit word only, so its map shows where the digit is read.
 """
 
 from __future__ import annotations
@@ -199,36 +203,57 @@ def _grid(images: torch.Tensor, per_prompt: int, columns: int) -> list:
 
 @torch.no_grad()
 def _attention_through_steps(model, tokenizer, settings: dict[str, Any], seed: int) -> dict:
-    """For one prompt's first sample: at each DDIM step, the clean-image estimate and the
-    cross-attention weight of the digit word over the patches (mean over blocks and heads)."""
+    """Every digit's prompt sampled once at attention_guidance, its cross-attention recorded.
+    For the prompt of attention_digit: the clean-image estimate at each DDIM step and its digit
+    word's weight over the patches, as the mean over blocks and heads and in the head that
+    gives the digit words the largest share over the ten prompts (mean over steps and
+    patches); the share of each prompt's digit word, per block and head."""
     digit = settings["attention_digit"]
-    prompt, word = evaluation_prompt(digit), DIGIT_WORDS[digit]
-    tokens = tokenizer.encode(prompt).tokens
-    position = tokens.index(word)
+    prompts = [evaluation_prompt(d) for d in range(NUM_CLASSES)]
+    tokens = tokenizer.encode(prompts[digit]).tokens
+    positions = [tokenizer.encode(p).tokens.index(DIGIT_WORDS[d]) for d, p in enumerate(prompts)]
     estimates, recorded = [], []
 
     def on_step(x_t, t, eps) -> None:
-        estimates.append(predict_x0(model.schedule, x_t[:1], t[:1], eps[:1]).clamp(-1, 1))
+        one = slice(digit, digit + 1)
+        estimates.append(predict_x0(model.schedule, x_t[one], t[one], eps[one]).clamp(-1, 1))
 
     with recording_cross_attention(model, recorded):
-        sample_digits(model, tokenizer, [prompt], guidance=settings["attention_guidance"],
+        sample_digits(model, tokenizer, prompts, guidance=settings["attention_guidance"],
                       seed=seed, sampler=settings["sampler"], steps=settings["sampling_steps"],
                       on_step=on_step)  # fmt: skip
-    # each forward: [conditional; unconditional] rows; the conditional one is row 0
-    weights = torch.stack([torch.stack([w[0] for w in calls]).mean(dim=(0, 1))
-                           for calls in recorded])  # (steps, N, S)  # fmt: skip
+    word = _word_weights(recorded, positions)  # (steps, prompts, blocks, heads, N)
+    shares = word.mean(dim=(0, 4))  # (prompts, blocks, heads)
+    block, head = divmod(int(shares.mean(dim=0).argmax()), shares.shape[2])
     rows, columns = model.config.grid
     shown = _spread(len(recorded), settings["steps_shown"])
     timesteps = [int(t) for t in _timesteps_seen(model, settings)]
     return {
-        "prompt": prompt, "token": word, "tokens": tokens,
+        "prompt": prompts[digit], "token": DIGIT_WORDS[digit], "tokens": tokens,
         "guidance": settings["attention_guidance"],
         "steps": [timesteps[i] for i in shown],
-        "maps": weights[shown, :, position].view(len(shown), rows, columns).tolist(),
         "x0": ((torch.cat(estimates)[shown, 0] + 1) / 2).round(decimals=3).tolist(),
-        "word_share": weights[:, :, position].mean(dim=1).tolist(),  # per step: mean over patches
+        "maps": word[shown, digit].mean(dim=(1, 2)).view(-1, rows, columns).tolist(),
+        "head": [block, head],
+        "head_maps": word[shown, digit, block, head].view(-1, rows, columns).tolist(),
+        "word_share": word[:, digit].mean(dim=(1, 2, 3)).tolist(),  # per step
+        "head_shares": shares[digit].tolist(),  # (blocks, heads)
+        "digit_shares": shares.mean(dim=(1, 2)).tolist(),  # per prompt, digit by digit
+        "digit_head_shares": shares[:, block, head].tolist(),
         "token_count": len(tokens),
     }  # fmt: skip
+
+
+def _word_weights(recorded: list[list[torch.Tensor]], positions: list[int]) -> torch.Tensor:
+    """Each prompt's attention to its digit word: (steps, prompts, blocks, heads, N) from the
+    recorded (rows, H, N, S) weights of each step and block, whose first rows are the prompts'
+    conditional ones (at s = 1 the only ones; else followed by the null prompt's)."""
+    B = len(positions)
+    weights = torch.stack([torch.stack([w[:B] for w in calls], dim=1)
+                           for calls in recorded])  # (steps, B, blocks, H, N, S)  # fmt: skip
+    index = torch.tensor(positions).view(1, B, 1, 1, 1, 1)
+    index = index.expand(*weights.shape[:-1], 1)
+    return weights.gather(-1, index).squeeze(-1)  # (steps, B, blocks, H, N)
 
 
 def _timesteps_seen(model, settings: dict[str, Any]) -> list[int]:
@@ -254,8 +279,6 @@ def _findings(rows: list[dict], series: dict[str, Any], settings: dict[str, Any]
     best = max(sampled, key=lambda row: row["ViT accuracy"])
     first, last = sampled[0], sampled[-1]
     trend = "falls" if last["pairwise distance"] < first["pairwise distance"] else "does not fall"
-    attention = series["attention"]
-    share = attention["word_share"]
     return [
         f"The ViT, trained in the study, reads {series['vit_test_accuracy']:.1%} of the held-out "
         f"test digits right; it reads the samples as their prompt's digit {accuracy} (chance: "
@@ -264,29 +287,69 @@ def _findings(rows: list[dict], series: dict[str, Any], settings: dict[str, Any]
         f"of one prompt): {distance}; it {trend} from s = {first['guidance']:g} to s = "
         f"{last['guidance']:g}. Real held-out digits of one class: {real['pairwise distance']:.2f} "
         f"(ViT accuracy {real['ViT accuracy']:.1%} on them).",
-        f"Cross-attention of the word {attention['token']!r} in {attention['prompt']!r} (s = "
-        f"{attention['guidance']:g}), averaged over patches, blocks and heads: {share[0]:.1%} of "
-        f"the attention at the first sampling step, {share[-1]:.1%} at the last, "
-        f"{max(share):.1%} at most; a uniform share over its {attention['token_count']} tokens "
-        f"would be {1 / attention['token_count']:.1%}.",
+        *_attention_findings(series["attention"], settings["diffusion"]["text_layers"]),
         f"The diffusion model's validation loss is {series['diffusion_metrics']['valid_loss']:.4f} "
         f"with the prompts and {series['diffusion_metrics']['valid_loss_null']:.4f} with the null "
         f"prompt (mean squared noise error, Ho et al. 2020 eq. 14).",
     ]
 
 
+def _attention_findings(attention: dict[str, Any], text_layers: int) -> list[str]:
+    """The digit word's share of the cross-attention: averaged over blocks and heads, and per
+    block and head (with the head the figure draws)."""
+    token, share = attention["token"], attention["word_share"]
+    digits = torch.tensor(attention["digit_shares"])  # (10,): each prompt's digit word
+    low, high = int(digits.argmin()), int(digits.argmax())
+    context = (f"through {text_layers} encoder block(s)" if text_layers else
+               "as its token and position embeddings alone (text_layers = 0), so two prompts' "
+               "keys differ at their digit word only")  # fmt: skip
+    per_head = torch.tensor(attention["head_shares"])  # (blocks, heads)
+    top = divmod(int(per_head.argmax()), per_head.shape[1])
+    chosen = torch.tensor(attention["digit_head_shares"])  # (10,)
+    head_maps, mean_maps = torch.tensor(attention["head_maps"]), torch.tensor(attention["maps"])
+    return [
+        f"The prompt reaches the cross-attention {context}. The word {token!r} in "
+        f"{attention['prompt']!r} (s = {attention['guidance']:g}), averaged over patches, blocks "
+        f"and heads, gets {share[0]:.1%} of the attention at the first sampling step, "
+        f"{share[-1]:.1%} at the last, {sum(share) / len(share):.1%} over all steps; a uniform "
+        f"share over its {attention['token_count']} tokens would be "
+        f"{1 / attention['token_count']:.1%}. Over the ten prompts 'a handwritten zero' .. "
+        f"'nine', the digit word gets {digits[low]:.1%} ({DIGIT_WORDS[low]!r}) to "
+        f"{digits[high]:.1%} ({DIGIT_WORDS[high]!r}), {digits.mean():.1%} on average.",
+        f"Per block and head (mean over steps and patches), {token!r} gets at most "
+        f"{per_head.max():.1%} ({_block_head(top, per_head.shape)}). The head that gives the "
+        f"digit words the largest share over the ten prompts, "
+        f"{_block_head(attention['head'], per_head.shape)}, gives them {chosen.mean():.1%} on "
+        f"average ({chosen.min():.1%} to {chosen.max():.1%}) "
+        f"and {token!r} {chosen[DIGIT_WORDS.index(token)]:.1%}; in the steps drawn, its weight on "
+        f"{token!r} runs from {head_maps.min():.1%} to {head_maps.max():.1%} over the patches, "
+        f"the mean over blocks and heads' from {mean_maps.min():.1%} to {mean_maps.max():.1%}. "
+        f"The figure's last row draws that head.",
+    ]
+
+
+def _block_head(where: tuple[int, int], shape: tuple[int, int]) -> str:
+    """(block, head), counted from 0, of (blocks, heads) -> "block 2 of 4, head 3 of 4"."""
+    return f"block {where[0] + 1} of {shape[0]}, head {where[1] + 1} of {shape[1]}"
+
+
 def figure(result: StudyResult):
     """The samples per guidance scale (one row per digit), then one prompt's clean-image
-    estimates and its digit word's cross-attention through the sampling steps."""
+    estimates and its digit word's cross-attention through the sampling steps: averaged over
+    blocks and heads, and in the head that reads the digit words most."""
     if guidance_figure is None:  # pragma: no cover
         raise ImportError("the figure needs matplotlib: pip install matplotlib")
     series, settings = result.series, result.settings
     attention = series["attention"]
     grids = {f"s = {float(scale):g}": torch.tensor(images)
              for scale, images in series["grids"].items()}  # fmt: skip
+    block, head = attention["head"]
+    maps = {"mean over blocks\nand heads": torch.tensor(attention["maps"]),
+            f"block {block + 1}, head {head + 1}\n(reads digit\nwords most)":
+                torch.tensor(attention["head_maps"])}  # fmt: skip
     return guidance_figure(
         grids, columns=settings["grid_columns"], steps=attention["steps"],
-        trajectory=torch.tensor(attention["x0"]), maps=torch.tensor(attention["maps"]),
+        trajectory=torch.tensor(attention["x0"]), maps=maps,
         token=attention["token"], prompt=attention["prompt"],
         title="Samples of 'a handwritten 0' .. 'a handwritten 9' (rows) at each guidance scale s",
     )  # fmt: skip

@@ -5,8 +5,8 @@
 - `guidance_figure`: the samples of each prompt at each classifier-free guidance scale, side
   by side (Ho & Salimans 2022, Figure 1's trade-off between fidelity and variety), and below,
   for one prompt, the image as it forms through the sampling steps with the cross-attention of
-  one prompt token over the image patches at each of those steps (Hertz et al. 2022's
-  per-word cross-attention maps).
+  one prompt token over the image patches at each of those steps, in one or more rows (the
+  mean over blocks and heads, one head; Hertz et al. 2022's per-word cross-attention maps).
 """
 
 from __future__ import annotations
@@ -57,26 +57,31 @@ def guidance_figure(
     columns: int,
     steps: Sequence[int],
     trajectory: torch.Tensor,
-    maps: torch.Tensor,
+    maps: Mapping[str, torch.Tensor],
     token: str,
     prompt: str,
     title: str = "Classifier-free guidance",
 ) -> Figure:
     """Top: one tiled grid per guidance scale ({"s = 3": (B, H, W) images}); bottom: for
     `prompt`, the model's estimate of the clean image (K, H, W) at each of the K sampling
-    `steps`, and the cross-attention weight of `token` over the patches (K, h, w) there, on
-    one colour scale from the least to the largest weight of the K maps."""
+    `steps`, then one row per entry of `maps` ({row label: (K, h, w)}): the cross-attention
+    weight of `token` over the patches at those steps (e.g. the mean over blocks and heads, and
+    one head), each row on its own colour scale from the least to the largest of its K maps."""
     if not grids:
         raise ValueError("grids: expected at least one guidance scale, got none")
+    if not maps:
+        raise ValueError("maps: expected at least one row of attention maps, got none")
     images = _grey(trajectory)
-    patch_maps = to_numpy("maps", maps)
-    if patch_maps.ndim != 3 or len(patch_maps) != len(images) or len(steps) != len(images):
-        raise ValueError(
-            f"maps, steps: expected {len(images)} maps (K, h, w) and steps, one per image of "
-            f"trajectory; got maps of shape {patch_maps.shape} and {len(steps)} steps"
-        )
-    fig = new_figure(figsize=(max(2.4 * len(grids), 1.25 * len(images)), 7.2))
-    top, bottom = fig.subfigures(2, 1, height_ratios=(1.25, 1.0))
+    rows = {label: to_numpy("maps", row) for label, row in maps.items()}
+    for label, row in rows.items():
+        if row.ndim != 3 or len(row) != len(images) or len(steps) != len(images):
+            raise ValueError(
+                f"maps[{label!r}], steps: expected {len(images)} maps (K, h, w) and steps, one "
+                f"per image of trajectory; got maps of shape {row.shape} and {len(steps)} steps"
+            )
+    fig = new_figure(figsize=(max(2.4 * len(grids), 1.25 * len(images) + 1.0),
+                              6.0 + 1.3 * len(rows)))  # fmt: skip
+    top, bottom = fig.subfigures(2, 1, height_ratios=(1.25, 0.5 * (1 + len(rows))))
     top.suptitle(title, fontsize=11)
     for ax, (label, samples) in zip(top.subplots(1, len(grids), squeeze=False)[0],
                                     grids.items(), strict=True):  # fmt: skip
@@ -86,25 +91,34 @@ def guidance_figure(
         ax.set_axis_off()
     bottom.suptitle(f"{prompt!r}: the clean-image estimate and the attention of {token!r} "
                     f"over the patches, step by step", fontsize=10)  # fmt: skip
-    axes = bottom.subplots(2, len(images), squeeze=False)
+    axes = bottom.subplots(1 + len(rows), len(images), squeeze=False)
+    for column, step in enumerate(steps):
+        pixels = axes[0, column].imshow(images[column], cmap="gray_r", vmin=0.0, vmax=1.0,
+                                        interpolation="nearest")  # fmt: skip
+        axes[0, column].set_title(f"t = {step}", fontsize=9)
+    bottom.colorbar(pixels, ax=axes[0, :].tolist(), shrink=0.9, label="pixel")  # rows align
+    axes[0, 0].set_ylabel("x0 estimate", fontsize=9)
+    for index, (label, row) in enumerate(rows.items(), start=1):
+        _attention_row(bottom, axes[index], row, images, label)
+    for ax in axes.flat:
+        ax.set_xticks([])
+        ax.set_yticks([])
+    return fig
+
+
+def _attention_row(fig, axes, maps: np.ndarray, images: np.ndarray, label: str) -> None:
+    """One row of (K, h, w) patch maps over the K images' grid, the 0.5 contour of each image
+    drawn on its map, one colour scale and colorbar for the row."""
     H, W = images.shape[1:]
     extent = (-0.5, W - 0.5, H - 0.5, -0.5)  # each map cell covers a whole patch
-    low, high = float(patch_maps.min()), float(patch_maps.max())
-    high = max(high, low + 1e-12)  # one colour scale for every map, from their least to most
-    for column, step in enumerate(steps):
-        axes[0, column].imshow(images[column], cmap="gray_r", vmin=0.0, vmax=1.0,
-                               interpolation="nearest")  # fmt: skip
-        axes[0, column].set_title(f"t = {step}", fontsize=9)
-        shown = axes[1, column].imshow(patch_maps[column], cmap="magma", vmin=low, vmax=high,
-                                       extent=extent, interpolation="nearest")  # fmt: skip
-        axes[1, column].contour(images[column], levels=[0.5], colors="cyan", linewidths=0.8)
-        for ax in axes[:, column]:
-            ax.set_xticks([])
-            ax.set_yticks([])
-    bottom.colorbar(shown, ax=axes[1, :].tolist(), shrink=0.9, label="attention weight")
-    axes[0, 0].set_ylabel("x0 estimate", fontsize=9)
-    axes[1, 0].set_ylabel(f"attention of {token!r}", fontsize=9)
-    return fig
+    low, high = float(maps.min()), float(maps.max())
+    high = max(high, low + 1e-12)
+    for ax, patch_map, image in zip(axes, maps, images, strict=True):
+        shown = ax.imshow(patch_map, cmap="magma", vmin=low, vmax=high, extent=extent,
+                          interpolation="nearest")  # fmt: skip
+        ax.contour(image, levels=[0.5], colors="cyan", linewidths=0.8)
+    fig.colorbar(shown, ax=list(axes), shrink=0.9, label="weight")
+    axes[0].set_ylabel(label, fontsize=8)
 
 
 def _grey(images: object) -> np.ndarray:

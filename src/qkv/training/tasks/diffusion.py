@@ -63,7 +63,7 @@ class DiffusionOptions:
     num_layers: int = 4
     num_heads: int = 4
     ffn_dim: int = 256
-    text_layers: int = 1
+    text_layers: int = 0  # 0: the prompt's embeddings alone, each key one word's own
     conditioning: str = "adaln_zero"  # "adaln_zero" or "add"
     condition_dropout: float = 0.1  # share of prompts replaced by the null prompt
     num_timesteps: int = 1000
