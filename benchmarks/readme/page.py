@@ -15,6 +15,7 @@ from .attention import attention_section
 from .context_parallel import context_parallel_section
 from .decode import decode_section
 from .decode_batch import decode_batch_section
+from .decode_breakdown import decode_breakdown_section
 from .flash import FLASH_FILES, WINDOW, flash_section, merged_flash_rows
 from .format import dtype_name, dtype_rank, get, num, prose, span
 from .gpu import gpu_section
@@ -39,6 +40,7 @@ KNOWN = (
     *MODELS_FILES,
     "decode",
     "decode_batch",
+    "decode_breakdown",
     "sparse",
     "linear",
     "long_documents",
@@ -178,6 +180,8 @@ def render(results_dir: Path = RESULTS) -> str:
         sections.append(decode_section(results["decode"]))
     if "decode_batch" in results:
         sections.append(decode_batch_section(results["decode_batch"]))
+    if "decode_breakdown" in results:
+        sections.append(decode_breakdown_section(results["decode_breakdown"]))
     if "context_parallel" in results:
         sections.append(context_parallel_section(results["context_parallel"]))
     sections.append(others_section(results))

@@ -1,0 +1,42 @@
+"""The section of benchmarks/decode_breakdown.py: where a compiled decoding step's time goes."""
+
+from __future__ import annotations
+
+from .format import get, md_table, num, pct, prose
+from .machine import machine_table
+
+TEXT = """\
+The compiled call of the decoding benchmark (batch 1, a 32-token prompt, {new} new tokens,
+`generate(..., compile=True)` inside `packed_linears`), split by timers around the compiled
+graph: the graph's kernels; before it, torch.compile's rewritten forward gathering every
+parameter and cache tensor from the module tree, and AOTAutograd's wrapper; after it, the
+output; outside the steps, the prefill and the loop's own work per step (the finiteness check,
+the argmax, the positions). llama.cpp's whole call on the same weights is timed in the same
+rounds. The fastest round of each. "kernels alone" is what qkv would reach with no Python
+around its graph: the distance between the two ratios is the interpreter's."""
+
+PARTS = ("kernels", "before graph", "after graph", "outside steps", "total")
+
+
+def decode_breakdown_section(data: dict) -> list[str]:
+    rows = data.get("rows", [])
+    new = get(rows, 0, "new_tokens", default="?")
+    header = ["dtype", "part", "ms per call", "ms per step", "share of the call"]
+    body = []
+    for row in rows:
+        qkv, steps = row.get("qkv_ms", {}), get(row, "qkv_ms", "steps", default=0) or 1
+        for part in PARTS:
+            value = qkv.get(part)
+            per_step = value / steps if isinstance(value, (int, float)) else None
+            share = value / qkv["total"] if per_step is not None and qkv.get("total") else None
+            body.append([row.get("dtype"), part, num(value, ".1f"), num(per_step, ".3f"),
+                         pct(share, ".1f")])  # fmt: skip
+        llama = row.get("llama_cpp_ms")
+        if isinstance(llama, (int, float)) and qkv.get("total") and qkv.get("kernels"):
+            ratios = (f"qkv {llama / qkv['total']:.2f}x llama.cpp's speed; kernels alone "
+                      f"{llama / qkv['kernels']:.2f}x")  # fmt: skip
+            body.append([row.get("dtype"), "llama.cpp, whole call", num(llama, ".1f"),
+                         num(llama / row.get("new_tokens", 1), ".3f"), ratios])  # fmt: skip
+    lines = ["## Where a compiled decoding step's time goes (`decode_breakdown.py`)", ""]
+    lines += [*prose(TEXT.format(new=new)), ""]
+    return [*lines, *md_table(header, body), "", *machine_table([("decode_breakdown", data)])]
