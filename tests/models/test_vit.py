@@ -174,3 +174,9 @@ def test_bad_inputs_and_configs_name_the_argument():
         ViTConfig.from_name("vit-huge")
     with pytest.raises(TypeError, match="config: expected a ViTConfig"):
         ViT({"image_size": 8})
+
+
+def test_a_model_larger_than_memory_is_refused_before_anything_is_allocated():
+    huge = dataclasses.replace(TINY, embed_dim=65536, num_heads=64, ffn_dim=262144, num_layers=64)
+    with pytest.raises(ValueError, match=r"the model would need ~[\d,.]+ GiB"):
+        ViT(huge)

@@ -37,6 +37,7 @@ from qkv.layers._dropout import make_dropout
 from qkv.layers.attention import MultiHeadAttention
 from qkv.layers.linear import Linear
 from qkv.models.serialization import register_model_class
+from qkv.models.sizes import check_model_fits
 from qkv.models.vit_config import ViTConfig
 from qkv.positional import LearnedPositionalEmbedding, Sinusoidal2DPositionalEncoding
 from qkv.validation import describe
@@ -71,6 +72,7 @@ class ViT(nn.Module):
         super().__init__()
         if not isinstance(config, ViTConfig):
             raise TypeError(f"config: expected a ViTConfig, got {type(config).__name__}")
+        check_model_fits(config)  # before allocating: sizes may come from a file
         self.config = config
         E = config.embed_dim
         self.patch_embedding = PatchEmbedding(

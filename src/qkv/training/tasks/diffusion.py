@@ -77,7 +77,8 @@ class DiffusionOptions:
     FLAG_HELP: ClassVar[dict[str, str]] = {
         "patch_size": "side of the square patches the 8x8 digits are cut into",
         "num_layers": "denoiser blocks",
-        "text_layers": "encoder blocks over the prompt's tokens",
+        "text_layers": "encoder blocks over the prompt's tokens (0: cross-attention reads the "
+        "token and position embeddings, each key one word's own)",
         "conditioning": "how the timestep enters: 'adaln_zero' (shift, scale and gate of every "
         "sub-layer, DiT) or 'add' (added to the image tokens)",
         "condition_dropout": "share of training prompts replaced by the null prompt "
