@@ -7,14 +7,22 @@ A bool is never taken for a number: True is an int in Python, but not a size or 
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+from typing import TypeVar
+
 import torch
 
+Config = TypeVar("Config")
+
 __all__ = [
+    "check_choice",
     "check_int",
     "check_positive_float",
     "check_positive_int",
     "check_probability",
     "describe",
+    "preset",
 ]
 
 
@@ -61,3 +69,22 @@ def describe(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
     return f"{type(value).__name__} {value!r:.60}"
+
+
+def check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    """ValueError naming `name` unless value is one of `choices`."""
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+
+
+def preset(presets: Mapping[str, Config], name: str, overrides: Mapping[str, object]) -> Config:
+    """presets[name] (a dataclass) with the fields in `overrides` replaced: what every config's
+    `from_name` returns. An unknown name is a ValueError, an unknown field a TypeError."""
+    if name not in presets:
+        raise ValueError(f"name: unknown preset {name!r}; expected one of {sorted(presets)}")
+    chosen = presets[name]
+    fields = {field.name for field in dataclasses.fields(chosen)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise TypeError(f"overrides: unknown fields {unknown}; expected some of {sorted(fields)}")
+    return dataclasses.replace(chosen, **overrides)

@@ -30,7 +30,7 @@ from qkv.layers import EncoderBlock, LayerNorm, Linear
 from qkv.layers._dropout import make_dropout
 from qkv.models.bert import BertModel, init_bert_weights, mean_pool
 from qkv.positional import LearnedPositionalEmbedding
-from qkv.validation import check_int, check_positive_int, check_probability, describe
+from qkv.validation import check_choice, check_int, check_positive_int, check_probability, describe
 
 __all__ = [
     "CHUNK_POOLINGS",
@@ -116,8 +116,8 @@ class HierarchicalEncoder(nn.Module):
             raise TypeError(
                 f"chunk_encoder: expected a qkv BertModel, got {type(chunk_encoder).__name__}"
             )
-        _check_choice("chunk_pooling", chunk_pooling, CHUNK_POOLINGS)
-        _check_choice("document_pooling", document_pooling, DOCUMENT_POOLINGS)
+        check_choice("chunk_pooling", chunk_pooling, CHUNK_POOLINGS)
+        check_choice("document_pooling", document_pooling, DOCUMENT_POOLINGS)
         if not isinstance(freeze_chunk_encoder, bool):
             raise TypeError(
                 f"freeze_chunk_encoder: expected a bool, got {describe(freeze_chunk_encoder)}"
@@ -232,8 +232,3 @@ class HierarchicalClassifier(nn.Module):
     def classify_chunks(self, chunks: torch.Tensor, windows: Windows) -> torch.Tensor:
         """Chunk vectors (W, E) (from `encoder.embed_chunks`) -> logits (N, num_labels)."""
         return self.classifier(self.dropout(self.encoder.encode_chunks(chunks, windows)))
-
-
-def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")

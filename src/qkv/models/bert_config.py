@@ -7,10 +7,9 @@ the model.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-from qkv.validation import check_positive_float, check_positive_int, check_probability
+from qkv.validation import check_positive_float, check_positive_int, check_probability, preset
 
 __all__ = ["BertConfig"]
 
@@ -73,15 +72,7 @@ class BertConfig:
     @classmethod
     def from_name(cls, name: str, **overrides: object) -> BertConfig:
         """A named preset (see `BERT_PRESETS`), optionally with some fields replaced."""
-        if name not in BERT_PRESETS:
-            raise ValueError(f"name: expected one of {sorted(BERT_PRESETS)}, got {name!r}")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(overrides) - fields)
-        if unknown:
-            raise TypeError(
-                f"overrides: unknown fields {unknown}; expected some of {sorted(fields)}"
-            )
-        return dataclasses.replace(BERT_PRESETS[name], **overrides)
+        return preset(BERT_PRESETS, name, overrides)
 
 
 BERT_PRESETS: dict[str, BertConfig] = {

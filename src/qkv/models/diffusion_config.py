@@ -19,12 +19,18 @@ The presets: "diffusion-digits", the model `qkv train diffusion` trains on the 8
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from qkv.layers.attention import check_heads
 from qkv.layers.feedforward import ACTIVATIONS
-from qkv.validation import check_int, check_positive_float, check_positive_int, check_probability
+from qkv.validation import (
+    check_choice,
+    check_int,
+    check_positive_float,
+    check_positive_int,
+    check_probability,
+    preset,
+)
 
 __all__ = ["CONDITIONING_KINDS", "PRESETS", "DiffusionConfig"]
 
@@ -78,8 +84,8 @@ class DiffusionConfig:
                 f"embed_dim: {self.embed_dim} is odd; expected an even width (the timestep's "
                 f"sinusoidal embedding comes in sin/cos pairs)"
             )
-        _check_choice("conditioning", self.conditioning, CONDITIONING_KINDS)
-        _check_choice("activation", self.activation, tuple(ACTIVATIONS))
+        check_choice("conditioning", self.conditioning, CONDITIONING_KINDS)
+        check_choice("activation", self.activation, tuple(ACTIVATIONS))
         check_positive_float("beta_start", self.beta_start)
         check_positive_float("beta_end", self.beta_end)
         if not self.beta_start <= self.beta_end < 1:
@@ -107,20 +113,7 @@ class DiffusionConfig:
 
         Example: `DiffusionConfig.from_name("diffusion-digits", vocab_size=120)`.
         """
-        if name not in PRESETS:
-            raise ValueError(f"name: unknown preset {name!r}; expected one of {sorted(PRESETS)}")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(overrides) - fields)
-        if unknown:
-            raise TypeError(
-                f"overrides: unknown fields {unknown}; expected some of {sorted(fields)}"
-            )
-        return dataclasses.replace(PRESETS[name], **overrides)
-
-
-def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+        return preset(PRESETS, name, overrides)
 
 
 PRESETS: dict[str, DiffusionConfig] = {

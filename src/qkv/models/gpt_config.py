@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from qkv.layers.attention import check_heads
 from qkv.positional import RopeScaling
-from qkv.validation import check_positive_int, check_probability
+from qkv.validation import check_choice, check_positive_int, check_probability, preset
 
 __all__ = ["FFN_KINDS", "GPTConfig", "NORM_KINDS", "POSITION_KINDS", "PRESETS"]
 
@@ -88,9 +88,9 @@ class GPTConfig:
             object.__setattr__(self, "num_kv_heads", self.num_heads)  # frozen: resolve once
         check_positive_int("num_kv_heads", self.num_kv_heads)
         check_heads(self.embed_dim, self.num_heads, self.num_kv_heads)
-        _check_choice("position", self.position, POSITION_KINDS)
-        _check_choice("norm", self.norm, NORM_KINDS)
-        _check_choice("ffn", self.ffn, FFN_KINDS)
+        check_choice("position", self.position, POSITION_KINDS)
+        check_choice("norm", self.norm, NORM_KINDS)
+        check_choice("ffn", self.ffn, FFN_KINDS)
         _check_positive_float("norm_eps", self.norm_eps)
         _check_rope(self)
         for name in ("bias", "tie_embeddings"):
@@ -124,15 +124,7 @@ class GPTConfig:
 
         Example: `GPTConfig.from_name("gpt2", dropout=0.0)`.
         """
-        if name not in PRESETS:
-            raise ValueError(f"name: unknown preset {name!r}; expected one of {sorted(PRESETS)}")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(overrides) - fields)
-        if unknown:
-            raise TypeError(
-                f"overrides: unknown fields {unknown}; expected some of {sorted(fields)}"
-            )
-        return dataclasses.replace(PRESETS[name], **overrides)
+        return preset(PRESETS, name, overrides)
 
 
 def _check_positive_float(name: str, value: object) -> None:
@@ -140,11 +132,6 @@ def _check_positive_float(name: str, value: object) -> None:
         raise TypeError(f"{name}: expected a positive float, got {type(value).__name__} {value!r}")
     if not (value > 0 and math.isfinite(value)):
         raise ValueError(f"{name}: expected a finite float > 0, got {value}")
-
-
-def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
 
 
 def _check_rope(config: GPTConfig) -> None:

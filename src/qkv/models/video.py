@@ -20,7 +20,6 @@ the frame-by-frame and position-by-position reshapes of the factorised blocks.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +36,13 @@ from qkv.layers.patch_embedding import PatchEmbedding
 from qkv.models.outputs import ClassificationOutput
 from qkv.models.serialization import register_model_class
 from qkv.positional import LearnedPositionalEmbedding
-from qkv.validation import check_positive_float, check_positive_int, check_probability, describe
+from qkv.validation import (
+    check_positive_float,
+    check_positive_int,
+    check_probability,
+    describe,
+    preset,
+)
 
 __all__ = ["VIDEO_ATTENTION_KINDS", "VIDEO_PRESETS", "VideoClassifier", "VideoClassifierConfig"]
 
@@ -95,17 +100,7 @@ class VideoClassifierConfig:
     @classmethod
     def from_name(cls, name: str, **overrides: object) -> VideoClassifierConfig:
         """A preset of `VIDEO_PRESETS`, with some fields replaced."""
-        if name not in VIDEO_PRESETS:
-            raise ValueError(
-                f"name: unknown preset {name!r}; expected one of {sorted(VIDEO_PRESETS)}"
-            )
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(overrides) - fields)
-        if unknown:
-            raise TypeError(
-                f"overrides: unknown fields {unknown}; expected some of {sorted(fields)}"
-            )
-        return dataclasses.replace(VIDEO_PRESETS[name], **overrides)
+        return preset(VIDEO_PRESETS, name, overrides)
 
 
 VIDEO_PRESETS: dict[str, VideoClassifierConfig] = {

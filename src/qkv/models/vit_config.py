@@ -17,12 +17,18 @@ E = 768, MLP 3072, 12 heads; 224 x 224 RGB images, patches of 16, 1000 ImageNet 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from qkv.layers.attention import check_heads
 from qkv.layers.feedforward import ACTIVATIONS
-from qkv.validation import check_int, check_positive_float, check_positive_int, check_probability
+from qkv.validation import (
+    check_choice,
+    check_int,
+    check_positive_float,
+    check_positive_int,
+    check_probability,
+    preset,
+)
 
 __all__ = ["POOLING_KINDS", "PRESETS", "VIT_POSITION_KINDS", "ViTConfig"]
 
@@ -71,9 +77,9 @@ class ViTConfig:
                 f"expected a divisor (the image is cut into whole patches)"
             )
         check_heads(self.embed_dim, self.num_heads, self.num_heads)
-        _check_choice("pooling", self.pooling, POOLING_KINDS)
-        _check_choice("position", self.position, VIT_POSITION_KINDS)
-        _check_choice("activation", self.activation, tuple(ACTIVATIONS))
+        check_choice("pooling", self.pooling, POOLING_KINDS)
+        check_choice("position", self.position, VIT_POSITION_KINDS)
+        check_choice("activation", self.activation, tuple(ACTIVATIONS))
         if self.position == "sinusoidal2d" and self.embed_dim % 4:
             raise ValueError(
                 f"embed_dim: {self.embed_dim} is not a multiple of 4; position='sinusoidal2d' "
@@ -105,20 +111,7 @@ class ViTConfig:
 
         Example: `ViTConfig.from_name("vit-digits", pooling="mean")`.
         """
-        if name not in PRESETS:
-            raise ValueError(f"name: unknown preset {name!r}; expected one of {sorted(PRESETS)}")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(overrides) - fields)
-        if unknown:
-            raise TypeError(
-                f"overrides: unknown fields {unknown}; expected some of {sorted(fields)}"
-            )
-        return dataclasses.replace(PRESETS[name], **overrides)
-
-
-def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+        return preset(PRESETS, name, overrides)
 
 
 PRESETS: dict[str, ViTConfig] = {
