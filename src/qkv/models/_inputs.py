@@ -1,4 +1,4 @@
-"""Checks of the inputs the encoder-decoder takes: ids and (B, L) attention masks.
+"""Checks of the inputs the models take: ids, (B, L) attention masks, class labels.
 
 Errors name the argument, the value seen and the value expected.
 """
@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 
 from qkv.models.losses import IGNORE_INDEX
+from qkv.validation import describe
 
-__all__ = ["check_ids", "key_mask"]
+__all__ = ["check_class_labels", "check_ids", "key_mask"]
 
 
 def key_mask(
@@ -47,4 +48,17 @@ def check_ids(
         raise ValueError(
             f"{name}: expected ids in [0, {vocab_size}), got values in "
             f"[{int(real.min())}, {int(real.max())}]"
+        )
+
+
+def check_class_labels(labels: object, batch: int, num_classes: int) -> None:
+    """labels: (batch,) integer class indices in [0, num_classes), as a classifier takes them."""
+    if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != (batch,):
+        raise ValueError(f"labels: expected shape ({batch},) class indices, got {describe(labels)}")
+    if labels.is_floating_point() or labels.dtype == torch.bool:
+        raise TypeError(f"labels: expected an integer tensor of class indices, got {labels.dtype}")
+    if len(labels) and not 0 <= int(labels.min()) <= int(labels.max()) < num_classes:
+        raise ValueError(
+            f"labels: expected class indices in [0, {num_classes}), got values from "
+            f"{int(labels.min())} to {int(labels.max())}"
         )

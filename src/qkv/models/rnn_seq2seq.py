@@ -42,7 +42,7 @@ from qkv.layers.rnn_attention import AdditiveAttention, DotAttention, GeneralAtt
 from qkv.models._inputs import check_ids
 from qkv.models.encoder_decoder import teacher_forcing_inputs
 from qkv.models.losses import sequence_cross_entropy
-from qkv.validation import check_int, check_positive_int, check_probability, describe
+from qkv.validation import check_choice, check_int, check_positive_int, check_probability, describe
 
 __all__ = [
     "ATTENTION_KINDS",
@@ -75,10 +75,7 @@ class RNNSeq2SeqConfig:
     eos_token_id: int = 2
 
     def __post_init__(self) -> None:
-        if self.attention not in ATTENTION_KINDS:
-            raise ValueError(
-                f"attention: expected one of {ATTENTION_KINDS}, got {self.attention!r}"
-            )
+        check_choice("attention", self.attention, ATTENTION_KINDS)
         for name in ("src_vocab_size", "tgt_vocab_size", "embed_dim", "hidden_size",
                      "attention_dim", "num_encoder_layers"):  # fmt: skip
             check_positive_int(name, getattr(self, name))

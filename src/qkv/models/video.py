@@ -33,10 +33,12 @@ from qkv.layers.feedforward import ACTIVATIONS
 from qkv.layers.linear import Linear
 from qkv.layers.norms import LayerNorm
 from qkv.layers.patch_embedding import PatchEmbedding
+from qkv.models._inputs import check_class_labels
 from qkv.models.outputs import ClassificationOutput
 from qkv.models.serialization import register_model_class
 from qkv.positional import LearnedPositionalEmbedding
 from qkv.validation import (
+    check_choice,
     check_positive_float,
     check_positive_int,
     check_probability,
@@ -80,10 +82,8 @@ class VideoClassifierConfig:
                 f"expected a divisor (each frame is cut into whole patches)"
             )
         check_heads(self.embed_dim, self.num_heads, self.num_heads)
-        for name, choices in (("attention", tuple(VIDEO_ATTENTION_KINDS)),
-                              ("activation", tuple(ACTIVATIONS))):  # fmt: skip
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{name}: expected one of {choices}, got {getattr(self, name)!r}")
+        check_choice("attention", self.attention, tuple(VIDEO_ATTENTION_KINDS))
+        check_choice("activation", self.activation, tuple(ACTIVATIONS))
         check_positive_float("norm_eps", self.norm_eps)
         check_probability("dropout", self.dropout)
 
@@ -161,7 +161,7 @@ class VideoClassifier(nn.Module):
         logits = self.head(features)  # (B, num_classes)
         loss = None
         if labels is not None:
-            _check_labels(labels, logits.shape[0], self.config.num_classes)
+            check_class_labels(labels, logits.shape[0], self.config.num_classes)
             loss = F.cross_entropy(logits.float(), labels)
         return ClassificationOutput(logits=logits, loss=loss)
 
@@ -179,18 +179,6 @@ class VideoClassifier(nn.Module):
         x = frames.view(B, T, *frames.shape[1:])  # (B, T, N, E)
         x = x + self.space_position.weight + self.time_position.weight[:, None]  # (N, E), (T, 1, E)
         return self.dropout(x)
-
-
-def _check_labels(labels: object, batch: int, num_classes: int) -> None:
-    if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != (batch,):
-        raise ValueError(f"labels: expected shape ({batch},) class indices, got {describe(labels)}")
-    if labels.is_floating_point() or labels.dtype == torch.bool:
-        raise TypeError(f"labels: expected an integer tensor of class indices, got {labels.dtype}")
-    if len(labels) and not 0 <= int(labels.min()) <= int(labels.max()) < num_classes:
-        raise ValueError(
-            f"labels: expected class indices in [0, {num_classes}), got values from "
-            f"{int(labels.min())} to {int(labels.max())}"
-        )
 
 
 register_model_class(VideoClassifier, VideoClassifierConfig)

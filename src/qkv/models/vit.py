@@ -36,11 +36,11 @@ from qkv.layers import EncoderBlock, LatentPooling, LayerNorm, PatchEmbedding
 from qkv.layers._dropout import make_dropout
 from qkv.layers.attention import MultiHeadAttention
 from qkv.layers.linear import Linear
+from qkv.models._inputs import check_class_labels
 from qkv.models.serialization import register_model_class
 from qkv.models.sizes import check_model_fits
 from qkv.models.vit_config import ViTConfig
 from qkv.positional import LearnedPositionalEmbedding, Sinusoidal2DPositionalEncoding
-from qkv.validation import describe
 
 __all__ = ["ImageClassificationOutput", "ViT", "ViTConfig"]
 
@@ -125,7 +125,7 @@ class ViT(nn.Module):
         logits = self.head(features)  # (B, num_classes)
         loss = None
         if labels is not None:
-            _check_labels(labels, logits.shape[0], self.config.num_classes)
+            check_class_labels(labels, logits.shape[0], self.config.num_classes)
             loss = F.cross_entropy(logits.float(), labels)
         return ImageClassificationOutput(
             logits=logits, loss=loss,
@@ -185,18 +185,6 @@ def _append_to(recorded: list[torch.Tensor]):
         recorded.append(weights)  # (B, H, L, L)
 
     return hook
-
-
-def _check_labels(labels: object, batch: int, num_classes: int) -> None:
-    if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != (batch,):
-        raise ValueError(f"labels: expected shape ({batch},) class indices, got {describe(labels)}")
-    if labels.is_floating_point() or labels.dtype == torch.bool:
-        raise TypeError(f"labels: expected an integer tensor of class indices, got {labels.dtype}")
-    if len(labels) and not 0 <= int(labels.min()) <= int(labels.max()) < num_classes:
-        raise ValueError(
-            f"labels: expected class indices in [0, {num_classes}), got values from "
-            f"{int(labels.min())} to {int(labels.max())}"
-        )
 
 
 register_model_class(ViT, ViTConfig)

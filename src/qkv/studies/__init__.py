@@ -69,6 +69,7 @@ from qkv.studies.record import (
     read_result,
     write_result,
 )
+from qkv.validation import check_choice
 
 __all__ = [
     "SIZES",
@@ -123,8 +124,7 @@ def run_study(
     result with the rest.
     """
     module = study_module(name)
-    if size not in SIZES:
-        raise ValueError(f"size: expected one of {SIZES}, got {size!r}")
+    check_choice("size", size, SIZES)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed: expected an int >= 0, got {seed!r}")
     settings = dict(module.SIZES[size])

@@ -39,6 +39,7 @@ from qkv.studies.inputs import data_order, documentation_lm
 from qkv.studies.record import StudyResult
 from qkv.training.optim import build_optimizer
 from qkv.training.schedule import build_scheduler
+from qkv.validation import check_choice
 
 __all__ = ["CLAIM", "SHARINGS", "SIZES", "TITLE", "figure", "run", "share_projections"]
 
@@ -141,8 +142,7 @@ def share_projections(model: GPT, sharing: str) -> GPT:
     module, "shared q/k/v" makes both k_proj and v_proj the q_proj module (needs H_kv = H);
     "separate" leaves the model as it is. The parameters of the dropped projections are gone
     (`model.parameters()` lists each tied one once)."""
-    if sharing not in SHARINGS:
-        raise ValueError(f"sharing: expected one of {SHARINGS}, got {sharing!r}")
+    check_choice("sharing", sharing, SHARINGS)
     if sharing != "separate" and model.config.num_kv_heads != model.config.num_heads:
         raise ValueError(
             f"sharing: {sharing!r} needs as many K/V heads as query heads, got num_kv_heads="

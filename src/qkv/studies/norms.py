@@ -49,6 +49,7 @@ from qkv.studies.inputs import data_order, documentation_lm
 from qkv.studies.record import StudyResult
 from qkv.training.optim import build_optimizer
 from qkv.training.schedule import build_scheduler
+from qkv.validation import check_choice
 
 __all__ = ["ARRANGEMENTS", "CLAIM", "NORMS", "SIZES", "TITLE", "CausalLM", "figure",
            "padding_effects", "run", "without_residual"]  # fmt: skip
@@ -201,8 +202,7 @@ class CausalLM(nn.Module):
         block_size: int, arrangement: str,
     ) -> None:  # fmt: skip
         super().__init__()
-        if arrangement not in ARRANGEMENTS:
-            raise ValueError(f"arrangement: expected one of {ARRANGEMENTS}, got {arrangement!r}")
+        check_choice("arrangement", arrangement, ARRANGEMENTS)
         self.token_embedding = nn.Embedding(vocab_size, embed_dim)
         self.position_embedding = LearnedPositionalEmbedding(block_size, embed_dim)
         norm_first = arrangement != "post-norm"

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from qkv.models.vit import ViT
+from qkv.validation import check_choice
 
 __all__ = ["HEAD_FUSIONS", "attention_rollout", "vit_rollout_map"]
 
@@ -41,8 +42,7 @@ def attention_rollout(
     Returns (B, L, L) (or (L, L)) float32, computed in float64: entry [i, j] is the share of
     the last layer's output token i that comes from input token j.
     """
-    if head_fusion not in HEAD_FUSIONS:
-        raise ValueError(f"head_fusion: expected one of {HEAD_FUSIONS}, got {head_fusion!r}")
+    check_choice("head_fusion", head_fusion, HEAD_FUSIONS)
     if isinstance(attentions, torch.Tensor) or not attentions:
         raise TypeError("attentions: expected a non-empty sequence of per-layer tensors")
     shape = attentions[0].shape

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from qkv.validation import check_choice
+
 __all__ = ["TileCounter", "TileTraffic", "Transfer", "active_traffic", "count_tile_traffic"]
 
 DIRECTIONS = ("read", "write")
@@ -66,8 +68,7 @@ class TileTraffic:
         k_block: int | None = None,
     ) -> None:
         """Record that the loop moved all of `x` (a slice of an HBM tensor) in `direction`."""
-        if direction not in DIRECTIONS:
-            raise ValueError(f"direction: expected one of {DIRECTIONS}, got {direction!r}")
+        check_choice("direction", direction, DIRECTIONS)
         elements = x.numel()
         self.transfers.append(
             Transfer(direction, tensor, q_block, k_block, elements, elements * x.element_size())

@@ -43,7 +43,7 @@ from qkv.models import DiffusionConfig, DiffusionTransformer, load, save
 from qkv.models.ddpm import ddim_sample, ddpm_sample, q_sample
 from qkv.models.diffusion import guided_noise
 from qkv.models.diffusion_config import CONDITIONING_KINDS
-from qkv.validation import check_probability
+from qkv.validation import check_choice, check_probability
 
 __all__ = ["SAMPLERS", "DiffusionOptions", "DiffusionTask", "load_sampler", "sample_digits"]
 
@@ -103,9 +103,7 @@ class DiffusionTask:
     }  # fmt: skip
 
     def __init__(self, options: DiffusionOptions = DiffusionOptions()) -> None:
-        if options.conditioning not in CONDITIONING_KINDS:
-            raise ValueError(f"conditioning: expected one of {CONDITIONING_KINDS}, got "
-                             f"{options.conditioning!r}")  # fmt: skip
+        check_choice("conditioning", options.conditioning, CONDITIONING_KINDS)
         check_probability("condition_dropout", options.condition_dropout)
         self.options = options
         self.tokenizer = train_prompt_tokenizer()
@@ -235,8 +233,7 @@ def sample_digits(
     "ddpm" (Algorithm 2, all T steps) or "ddim" (eta = 0, `steps` steps), classifier-free
     guidance at scale `guidance` (0: the unconditional model, 1: the conditional one).
     on_step(x_t, t, eps): called with each step's input and guided noise prediction."""
-    if sampler not in SAMPLERS:
-        raise ValueError(f"sampler: expected one of {SAMPLERS}, got {sampler!r}")
+    check_choice("sampler", sampler, SAMPLERS)
     config, device = model.config, next(model.parameters()).device
     ids, mask = encode_prompts(tokenizer, [*prompts, NULL_PROMPT],
                                max_length=config.max_prompt_length)  # fmt: skip

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from qkv.data import digit_splits, shift_images
 from qkv.models import ViT, ViTConfig, save
 from qkv.models.vit_config import POOLING_KINDS, VIT_POSITION_KINDS
+from qkv.validation import check_choice
 
 __all__ = ["VitOptions", "VitTask"]
 
@@ -82,10 +83,8 @@ class VitTask:
     }  # fmt: skip
 
     def __init__(self, options: VitOptions = VitOptions()) -> None:
-        for name, value, kinds in (("pooling", options.pooling, POOLING_KINDS),
-                                   ("position", options.position, VIT_POSITION_KINDS)):  # fmt: skip
-            if value not in kinds:
-                raise ValueError(f"{name}: expected one of {kinds}, got {value!r}")
+        check_choice("pooling", options.pooling, POOLING_KINDS)
+        check_choice("position", options.position, VIT_POSITION_KINDS)
         self.options = options
         self.config = self._config()  # checks the sizes before the data is read
         splits = digit_splits(
