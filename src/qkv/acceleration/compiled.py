@@ -18,6 +18,7 @@ from torch import nn
 
 from qkv import capabilities
 from qkv.acceleration.compile_store import GraphStore, model_key, store_directory
+from qkv.acceleration.flat_call import flat_call
 
 __all__ = [
     "CompiledSteps",
@@ -167,6 +168,10 @@ def compile_forward(model: nn.Module, args: tuple, kwargs: dict) -> Any:
     return graph
 
 
+def _rewritten_forward(graph):
+    return lambda model, args, kwargs: graph.fn(model, *args, **kwargs)
+
+
 class GuardFreeUnavailableError(RuntimeError):
     """This torch lacks what `CompiledSteps` calls beyond torch.compile's public API."""
 
@@ -186,9 +191,12 @@ class CompiledSteps:
     does, until two consecutive steps (two cache lengths: a graph specialised on a length of 1
     fails at the second) passed the same graph; every later step calls that graph's `fn`
     directly, which makes a step measurably faster than torch.compile with
-    `skip_guard_eval_unsafe` (benchmarks/decode.py). A step that raises there runs again with
-    every guard checked (compiling what it needs, or raising a genuine error; a failed graph
-    wrote only cache slots the rerun writes again), and so does the next one.
+    `skip_guard_eval_unsafe` (benchmarks/decode.py). Those steps then go through a
+    `qkv.acceleration.flat_call.FlatCall`: from the third on, the graph is called with its
+    inputs gathered by a plan, rather than by the rewritten forward's walk of the module tree.
+    A step that raises there runs again with every guard checked (compiling what it needs, or
+    raising a genuine error; a failed graph wrote only cache slots the rerun writes again), and
+    so does the next one.
 
     Guards on module globals are not kept (aot_compile drops them: an attention backend
     registered, or an environment variable changed, after a model's first compiled call does
@@ -203,6 +211,7 @@ class CompiledSteps:
         self.checked_graph = None  # the graph the last checked step ran
         self.checked_steps = 0  # how many consecutive checked steps ran it
         self.trusted = None  # the graph later steps run without guards
+        self.direct = None  # how they run it: a FlatCall, or its rewritten forward
         self.fallback: GuardedSteps | None = None  # where the guard-free path is unavailable
 
     def __call__(self, *args, **kwargs):
@@ -210,9 +219,9 @@ class CompiledSteps:
             return self.fallback(*args, **kwargs)
         if self.trusted is not None:
             try:
-                return self.trusted.fn(self.model, *args, **kwargs)
+                return self.direct(self.model, args, kwargs)
             except Exception:  # a genuine error raises again below, with guards checked
-                self.trusted, self.checked_steps = None, 0
+                self.trusted, self.direct, self.checked_steps = None, None, 0
         try:
             graph = self._graph_for(args, kwargs)
         except GuardFreeUnavailableError as error:  # a torch whose private API moved: stay public
@@ -222,7 +231,7 @@ class CompiledSteps:
         same = graph is self.checked_graph
         self.checked_graph, self.checked_steps = graph, self.checked_steps + 1 if same else 1
         if self.checked_steps == 2:
-            self.trusted = graph
+            self.trusted, self.direct = graph, flat_call(graph) or _rewritten_forward(graph)
         return graph.fn(self.model, *args, **kwargs)
 
     def _graph_for(self, args: tuple, kwargs: dict):
