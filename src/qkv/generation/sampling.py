@@ -8,6 +8,8 @@ reads its verdict at every step). Filters set what they drop to -inf; sampling d
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -77,11 +79,13 @@ class LogitsCheck:
 
     def choosable(self, logits: torch.Tensor, step: int) -> torch.Tensor:
         """The step's logits (B, V) to choose from, once checked or recorded."""
-        finite = torch.isfinite(logits.amax(dim=-1))  # (B,)
-        if self.at_once:
-            if not bool(finite.all()):
-                raise _not_finite(step, (~finite).nonzero().flatten().tolist())
+        top = logits.amax(dim=-1)  # (B,)
+        if self.at_once:  # B numbers read on the host: cheaper than reducing them on the device
+            bad = [row for row, value in enumerate(top.tolist()) if not math.isfinite(value)]
+            if bad:
+                raise _not_finite(step, bad)
             return logits
+        finite = torch.isfinite(top)
         bad = (self.first_bad < 0) & ~finite.all()
         self.first_bad = torch.where(bad, step, self.first_bad)
         return logits.masked_fill(~finite.unsqueeze(-1), 0.0)
