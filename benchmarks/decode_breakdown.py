@@ -9,8 +9,9 @@ qkv call is split, by timers around two calls, into
 
     kernels        inside inductor's compiled graph (`CompiledFxGraph.__call__`): the C++
                    kernels and the extern calls (SDPA) of the 127 decoding steps
-    before graph   from `CompiledSteps.__call__` to the graph: torch.compile's rewritten
-                   forward gathering every parameter and cache tensor from the module tree,
+    before graph   from `CompiledSteps.__call__` to the graph: gathering its inputs (from
+                   the sixth step on by the plan of qkv.acceleration.flat_call, before that
+                   by torch.compile's rewritten forward walking the module tree),
                    and AOTAutograd's runtime wrapper
     after graph    from the graph's return to the step's: the output object, side effects
     outside steps  the rest of the call: the prefill (eager, packed), and per step the

@@ -8,9 +8,10 @@ from .machine import machine_table
 TEXT = """\
 The compiled call of the decoding benchmark (batch 1, a 32-token prompt, {new} new tokens,
 `generate(..., compile=True)` inside `packed_linears`), split by timers around the compiled
-graph: the graph's kernels; before it, torch.compile's rewritten forward gathering every
-parameter and cache tensor from the module tree, and AOTAutograd's wrapper; after it, the
-output; outside the steps, the prefill and the loop's own work per step (the finiteness check,
+graph: the graph's kernels; before it, gathering the graph's inputs (from the sixth step on by
+`qkv.acceleration.flat_call`'s plan, before that by torch.compile's rewritten forward walking
+the module tree) and AOTAutograd's wrapper; after it, the output and the cache's new length;
+outside the steps, the prefill and the loop's own work per step (the finiteness check,
 the argmax, the positions). llama.cpp's whole call on the same weights is timed in the same
 rounds. The fastest round of each. "kernels alone" is what qkv would reach with no Python
 around its graph: the distance between the two ratios is the interpreter's."""

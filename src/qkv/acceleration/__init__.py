@@ -6,7 +6,8 @@
 - `compiled_steps`: decoding steps through the model's forward compiled by torch.compile,
   what `qkv.generate(..., compile=True)` runs; its graphs are kept on disk for later processes
   (`compile_store`), and `qkv.generate`'s default, compile="auto", switches to them once they
-  pay for themselves (`auto`).
+  pay for themselves (`auto`); once trusted, a graph is called with its inputs gathered by a
+  plan learned from recorded steps (`flat_call`).
 
 Each asks `qkv.capabilities` what this CPU and PyTorch build support and falls back to the plain
 PyTorch op where they do not: the same results, slower.

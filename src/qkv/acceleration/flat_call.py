@@ -18,6 +18,10 @@ key mask, the cache's tensors and its length. So `FlatCall`
 3. checks that plan against a third recorded step, and from then on calls the graph itself
    with the gathered inputs, sets those attributes and builds the result.
 
+Taking what did not change between two steps for a constant is the premise `CompiledSteps`
+already trusts its guards on: within one call, steps differ only by their tokens, positions,
+key mask and cache length. The checked step catches a plan that mistook anything else.
+
 Anything the plan cannot explain (an input that changes but is reachable from no argument, an
 attribute set to a value no output holds) leaves the steps on the rewritten forward, with a
 debug log that says why. Side effects on the model itself are not looked for: the forward of a

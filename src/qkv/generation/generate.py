@@ -20,11 +20,13 @@ Compiling takes a while once per machine and architecture (later calls, later `p
 blocks and later processes reuse the graphs: qkv.acceleration.compile_store) and needs what
 torch.compile's inductor needs on the CPU: a C++ compiler. The default, `compile="auto"`, starts
 eagerly and switches to the compiled steps once they pay for themselves
-(qkv.acceleration.auto): at once when the model's graphs are in memory. Once two
-steps have passed a graph's guards, later steps call it without checking them again
-(`CompiledSteps`); `compile="guarded"` keeps to torch.compile's public API and checks every guard
-at every step (`GuardedSteps`); `compile=True` falls back to it where this torch lacks what the
-guard-free path calls (qkv.acceleration.compiled; speed in benchmarks/decode.py).
+(qkv.acceleration.auto): at once when the model's graphs are in memory. Once two steps have
+passed a graph's guards, later steps call it without checking them again (`CompiledSteps`), and
+from the sixth step on with its inputs gathered by a plan rather than by torch.compile's walk of
+the module tree (qkv.acceleration.flat_call). `compile="guarded"` keeps to torch.compile's public
+API and checks every guard at every step (`GuardedSteps`); `compile=True` falls back to it where
+this torch lacks what the guard-free path calls (qkv.acceleration.compiled; speed in
+benchmarks/decode.py).
 """
 
 from __future__ import annotations
