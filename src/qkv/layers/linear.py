@@ -76,7 +76,19 @@ def _uses_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """x (..., in) @ weight (out, in)^T + bias (out,) -> (..., out), by oneDNN."""
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    return _own_tensor(y)
+
+
+def _own_tensor(y: torch.Tensor) -> torch.Tensor:
+    """y as a tensor of its own over the same memory, where oneDNN returned (..., out) as a
+    view of its (N, out) result, which nothing else holds: F.linear returns no view, and
+    FSDP2 warns about every module output that is one (an in-place op on it would skip its
+    hook), so a model whose last layer is a Linear would warn at every step."""
+    if y._base is None:
+        return y
+    own = y.new_empty(0)
+    return own.set_(y.untyped_storage(), y.storage_offset(), y.shape, y.stride())
 
 
 class _OneDNNLinear(torch.autograd.Function):
