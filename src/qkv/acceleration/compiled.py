@@ -191,9 +191,10 @@ class CompiledSteps:
     does, until two consecutive steps (two cache lengths: a graph specialised on a length of 1
     fails at the second) passed the same graph; every later step calls that graph's `fn`
     directly, which makes a step measurably faster than torch.compile with
-    `skip_guard_eval_unsafe` (benchmarks/decode.py). Those steps then go through a
-    `qkv.acceleration.flat_call.FlatCall`: from the third on, the graph is called with its
-    inputs gathered by a plan, rather than by the rewritten forward's walk of the module tree.
+    `skip_guard_eval_unsafe` (benchmarks/decode.py). Those steps go through a
+    `qkv.acceleration.flat_call.FlatCall`: the first two are recorded, the third checks the
+    plan made from them, and from the fourth on the graph is called with its inputs gathered
+    by that plan rather than by the rewritten forward's walk of the module tree.
     A step that raises there runs again with every guard checked (compiling what it needs, or
     raising a genuine error; a failed graph wrote only cache slots the rerun writes again), and
     so does the next one.
