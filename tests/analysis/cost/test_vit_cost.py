@@ -1,11 +1,12 @@
 """`qkv cost` for the Vision Transformer: parameters against the published ViT-B/16 (86M,
 Dosovitskiy et al. 2021, Table 1), against Hugging Face's ViTForImageClassification built from
 the same sizes and against qkv's own ViT; forward FLOPs against `FlopCounterMode` on both
-models; the command's column."""
+models; a config.json transformers wrote; the command's column."""
 
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -101,6 +102,33 @@ def test_a_qkv_vit_checkpoint_is_read_without_its_weights(tmp_path):
     save(model, tmp_path)
     (tmp_path / "model.safetensors").unlink()  # only config.json is needed
     assert cost_report(tmp_path).parameters == sum(p.numel() for p in model.parameters())
+
+
+def test_a_config_json_transformers_wrote_gives_its_models_parameters_and_flops(tmp_path):
+    """No weights read: the reference is ViTForImageClassification built from that config."""
+    hf_config = transformers.ViTConfig(
+        hidden_size=48, num_hidden_layers=2, num_attention_heads=3, intermediate_size=96,
+        image_size=16, patch_size=4, num_channels=3, num_labels=7, attn_implementation="eager",
+    )  # fmt: skip
+    hf_config.save_pretrained(tmp_path)
+    reference = transformers.ViTForImageClassification(hf_config).eval()
+    report = cost_report(tmp_path, batch=2)
+    assert report.parameters == reference.num_parameters()
+    images = torch.rand(2, 3, 16, 16)
+    assert report.forward_flops == _counted(lambda: reference(images))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [("qkv_bias", False, "qkv_bias is false"), ("hidden_act", "relu", "hidden_act is 'relu'"),
+     ("patch_size", 5, "patch_size: 5 does not divide"), ("hidden_size", "48", "hidden_size")],
+)  # fmt: skip
+def test_a_vit_config_json_qkv_cannot_compute_is_refused_by_name(field, value, message, tmp_path):
+    document = {"model_type": "vit", "hidden_size": 48, "num_attention_heads": 3,
+                "image_size": 16, "patch_size": 4, field: value}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(document))
+    with pytest.raises(ValueError, match=message):
+        cost_report(tmp_path)
 
 
 def test_command_prints_the_vit_column(capsys):

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from qkv.models.bert_config import BERT_PRESETS, BertConfig
-from qkv.models.checkpoints import bert, gpt2, llama
+from qkv.models.checkpoints import bert, gpt2, llama, vit
 from qkv.models.encoder_decoder_config import TRANSFORMER_PRESETS, TransformerConfig
 from qkv.models.gpt_config import PRESETS as GPT_PRESETS
 from qkv.models.gpt_config import GPTConfig
@@ -71,7 +71,7 @@ def resolve_model(model: object) -> tuple[str, ModelConfig]:
 
 def read_checkpoint_config(path: str | Path) -> ModelConfig:
     """The config of a checkpoint folder (its config.json) or of a config.json file: qkv's own
-    format or a Hugging Face GPT-2, Llama, Mistral or BERT config. ValueError otherwise."""
+    format or a Hugging Face GPT-2, Llama, Mistral, BERT or ViT config. ValueError otherwise."""
     file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
     try:
         document = json.loads(file.read_text())
@@ -98,7 +98,7 @@ def _qkv_config(document: dict, file: Path) -> ModelConfig:
         raise ValueError(f"model: {file} has an invalid {name}: {error}") from error
 
 
-def _hugging_face_config(document: dict, file: Path) -> GPTConfig | BertConfig:
+def _hugging_face_config(document: dict, file: Path) -> GPTConfig | BertConfig | ViTConfig:
     """By model_type, through the converters of qkv.models.checkpoints (imported here: they
     import the model classes)."""
 
@@ -107,6 +107,7 @@ def _hugging_face_config(document: dict, file: Path) -> GPTConfig | BertConfig:
         "llama": llama.gpt_config_from_llama,
         "mistral": llama.gpt_config_from_llama,
         "bert": bert.config_from_hf,
+        "vit": vit.config_from_hf,
     }
     model_type = document.get("model_type")
     if model_type not in converters:

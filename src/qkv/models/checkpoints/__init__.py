@@ -6,6 +6,7 @@
 - `registry`: the architectures qkv reads and writes; `bert`, `gpt2`, `llama`, `t5` register theirs
   with their key maps.
 - `pretrained`: `from_pretrained(path)` and `save_pretrained(model, path)`.
+- `vit`: a ViT config.json read into a `ViTConfig` (for `qkv cost`; no ViT weights are read).
 
 This package sits above the model classes: it imports them, they never import it.
 """
