@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkv.layers import EncoderBlock
-from qkv.models import ViT, ViTConfig, load, save
+from qkv.models import DiffusionConfig, ViT, ViTConfig, load, save
+from qkv.models.video import VideoClassifierConfig
 from qkv.positional import sinusoidal_2d_table
 
 TINY = ViTConfig(image_size=8, patch_size=2, channels=2, embed_dim=16, num_layers=2,
@@ -180,3 +181,17 @@ def test_a_model_larger_than_memory_is_refused_before_anything_is_allocated():
     huge = dataclasses.replace(TINY, embed_dim=65536, num_heads=64, ffn_dim=262144, num_layers=64)
     with pytest.raises(ValueError, match=r"the model would need ~[\d,.]+ GiB"):
         ViT(huge)
+
+
+@pytest.mark.parametrize(
+    "preset",
+    [ViTConfig.from_name("vit-tiny"), DiffusionConfig.from_name("diffusion-tiny"),
+     VideoClassifierConfig.from_name("video-tiny")],
+    ids=["vit", "diffusion", "video"],
+)  # fmt: skip
+def test_every_image_config_cuts_whole_square_patches(preset):
+    """The shared patch arithmetic (qkv.models.patch_grid) of the three image configs."""
+    config = dataclasses.replace(preset, image_size=12, patch_size=4)
+    assert config.grid == (3, 3) and config.num_patches == 9
+    with pytest.raises(ValueError, match="patch_size: 5 does not divide image_size=12"):
+        dataclasses.replace(config, patch_size=5)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from qkv.layers.attention import check_heads
 from qkv.layers.feedforward import ACTIVATIONS
+from qkv.models.patch_grid import SquarePatches
 from qkv.validation import (
     check_choice,
     check_int,
@@ -38,7 +39,7 @@ CONDITIONING_KINDS = ("adaln_zero", "add")
 
 
 @dataclass(frozen=True, kw_only=True)
-class DiffusionConfig:
+class DiffusionConfig(SquarePatches):
     """Sizes and choices of a text-conditioned diffusion Transformer (see the module docstring).
 
     image_size (the side of a square image), patch_size P (dividing image_size), channels C,
@@ -73,11 +74,7 @@ class DiffusionConfig:
                      "num_timesteps"):  # fmt: skip
             check_positive_int(name, getattr(self, name))
         check_int("text_layers", self.text_layers, minimum=0)
-        if self.image_size % self.patch_size:
-            raise ValueError(
-                f"patch_size: {self.patch_size} does not divide image_size={self.image_size}; "
-                f"expected a divisor (the image is cut into whole patches)"
-            )
+        self._check_patches()
         check_heads(self.embed_dim, self.num_heads, self.num_heads)
         if self.embed_dim % 2:
             raise ValueError(
@@ -95,17 +92,6 @@ class DiffusionConfig:
             )
         check_positive_float("norm_eps", self.norm_eps)
         check_probability("dropout", self.dropout)
-
-    @property
-    def grid(self) -> tuple[int, int]:
-        """(rows, columns) of the patch grid."""
-        side = self.image_size // self.patch_size
-        return side, side
-
-    @property
-    def num_patches(self) -> int:
-        """N = (image_size / patch_size)^2, the image tokens."""
-        return self.grid[0] * self.grid[1]
 
     @classmethod
     def from_name(cls, name: str, **overrides: object) -> DiffusionConfig:

@@ -35,6 +35,7 @@ from qkv.layers.norms import LayerNorm
 from qkv.layers.patch_embedding import PatchEmbedding
 from qkv.models._inputs import check_class_labels
 from qkv.models.outputs import ClassificationOutput
+from qkv.models.patch_grid import SquarePatches
 from qkv.models.serialization import register_model_class
 from qkv.positional import LearnedPositionalEmbedding
 from qkv.validation import (
@@ -52,7 +53,7 @@ VIDEO_ATTENTION_KINDS = {"full": SpaceTimeBlock, "factorized": FactorizedBlock}
 
 
 @dataclass(frozen=True, kw_only=True)
-class VideoClassifierConfig:
+class VideoClassifierConfig(SquarePatches):
     """Sizes of a `VideoClassifier`: frames T, image_size (the side of a square frame),
     patch_size P (dividing image_size), channels C, embed_dim E, num_layers, num_heads H,
     ffn_dim, num_classes, attention ("full" or "factorized"), activation (the FFN's),
@@ -76,21 +77,12 @@ class VideoClassifierConfig:
         for name in ("frames", "image_size", "patch_size", "channels", "embed_dim",
                      "num_layers", "num_heads", "ffn_dim", "num_classes"):  # fmt: skip
             check_positive_int(name, getattr(self, name))
-        if self.image_size % self.patch_size:
-            raise ValueError(
-                f"patch_size: {self.patch_size} does not divide image_size={self.image_size}; "
-                f"expected a divisor (each frame is cut into whole patches)"
-            )
+        self._check_patches()
         check_heads(self.embed_dim, self.num_heads, self.num_heads)
         check_choice("attention", self.attention, tuple(VIDEO_ATTENTION_KINDS))
         check_choice("activation", self.activation, tuple(ACTIVATIONS))
         check_positive_float("norm_eps", self.norm_eps)
         check_probability("dropout", self.dropout)
-
-    @property
-    def num_patches(self) -> int:
-        """N = (image_size / patch_size)^2 patches per frame."""
-        return (self.image_size // self.patch_size) ** 2
 
     @property
     def num_tokens(self) -> int:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from qkv.layers.attention import check_heads
 from qkv.layers.feedforward import ACTIVATIONS
+from qkv.models.patch_grid import SquarePatches
 from qkv.validation import (
     check_choice,
     check_int,
@@ -37,7 +38,7 @@ VIT_POSITION_KINDS = ("learned", "sinusoidal2d")
 
 
 @dataclass(frozen=True, kw_only=True)
-class ViTConfig:
+class ViTConfig(SquarePatches):
     """Sizes and component choices of a Vision Transformer (see the module docstring).
 
     image_size (the side of a square image), patch_size P (dividing image_size), channels C,
@@ -71,11 +72,7 @@ class ViTConfig:
                      "num_heads", "ffn_dim", "num_classes", "num_latents"):  # fmt: skip
             check_positive_int(name, getattr(self, name))
         check_int("latent_blocks", self.latent_blocks, minimum=0)
-        if self.image_size % self.patch_size:
-            raise ValueError(
-                f"patch_size: {self.patch_size} does not divide image_size={self.image_size}; "
-                f"expected a divisor (the image is cut into whole patches)"
-            )
+        self._check_patches()
         check_heads(self.embed_dim, self.num_heads, self.num_heads)
         check_choice("pooling", self.pooling, POOLING_KINDS)
         check_choice("position", self.position, VIT_POSITION_KINDS)
@@ -88,17 +85,6 @@ class ViTConfig:
         check_positive_float("norm_eps", self.norm_eps)
         check_probability("dropout", self.dropout)
         check_probability("attention_dropout", self.attention_dropout)
-
-    @property
-    def grid(self) -> tuple[int, int]:
-        """(rows, columns) of the patch grid."""
-        side = self.image_size // self.patch_size
-        return side, side
-
-    @property
-    def num_patches(self) -> int:
-        """N = (image_size / patch_size)^2, the patch tokens."""
-        return self.grid[0] * self.grid[1]
 
     @property
     def num_tokens(self) -> int:
