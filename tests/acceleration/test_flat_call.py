@@ -66,7 +66,7 @@ def _flat(graph=_graph, **options):
 
 
 def _decode(step, steps=6):
-    """Outputs, cache lengths and cache contents of `steps` steps of `step` on a fresh cache."""
+    """(model, cache, outputs) after `steps` steps of `step` on a fresh model and cache."""
     model, cache = _Model(), _Cache()
     outputs = []
     for i in range(steps):
