@@ -299,9 +299,7 @@ def _reachable(args: tuple, kwargs: dict) -> Iterator[tuple[Path, Any]]:
     """(path, value) for what a graph input can be taken from: each argument, the attributes
     of an object argument, the items of its tuple or list attributes, and the sizes of every
     tensor among them, in that order."""
-    roots = [(("args", i), v) for i, v in enumerate(args)]
-    roots += [(("kwargs", name), v) for name, v in kwargs.items()]
-    for root, value in roots:
+    for root, value in _places(args, kwargs):
         yield from _with_sizes((root,), value)
         if _is_object(value):
             for name, attribute in vars(value).items():
@@ -321,9 +319,13 @@ def _with_sizes(path: Path, value) -> Iterator[tuple[Path, Any]]:
 
 def _objects(args: tuple, kwargs: dict) -> Iterator[tuple[tuple, Any]]:
     """(place, value) of the arguments whose attributes the forward may read or set."""
+    return ((place, value) for place, value in _places(args, kwargs) if _is_object(value))
+
+
+def _places(args: tuple, kwargs: dict) -> list[tuple[tuple, Any]]:
+    """(place, value) of every argument: ("args", i) or ("kwargs", name)."""
     places = [(("args", i), v) for i, v in enumerate(args)]
-    places += [(("kwargs", name), v) for name, v in kwargs.items()]
-    return ((place, value) for place, value in places if _is_object(value))
+    return places + [(("kwargs", name), v) for name, v in kwargs.items()]
 
 
 def _is_object(value) -> bool:
