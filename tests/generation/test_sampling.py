@@ -161,3 +161,37 @@ def test_a_seed_reproduces_the_tokens_and_another_seed_does_not(sampling):
     assert not torch.equal(first, other)
     # each of the two rows differs: a different seed changes whole runs, not one token
     assert bool((first[:, 5:] != other[:, 5:]).sum(dim=1).ge(5).all())
+
+
+def _awkward_logits() -> torch.Tensor:
+    """(6, V) rows where an argmax can go wrong: ties for the max, a NaN (two, with a larger
+    value between them), +inf, -inf everywhere, -inf but one, -0.0 tied with 0.0."""
+    logits = _logits(3).repeat(3, 1)  # (6, V)
+    logits[0, [4, 9, 30]] = 10.0
+    logits[1, 7], logits[1, 8], logits[1, 20] = float("nan"), 1e30, float("nan")
+    logits[2, 11] = float("inf")
+    logits[3] = float("-inf")
+    logits[4] = float("-inf")
+    logits[4, 42] = -5.0
+    logits[5] = -1.0
+    logits[5, 3], logits[5, 6] = -0.0, 0.0
+    return logits
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "bf16", "no rows"])
+def test_greedy_picks_what_torch_argmax_picks(layout):
+    """temperature 0 is torch.argmax's choice, first index on ties and a NaN counting as the
+    largest, whichever path computes it (NumPy for fp32 CPU logits, torch otherwise)."""
+    logits = _awkward_logits()
+    if layout == "strided":
+        logits = logits.t().contiguous().t()  # the same values, column-major
+    elif layout == "bf16":
+        logits = logits.bfloat16()
+    elif layout == "no rows":
+        logits = logits[:0]
+    chosen = next_token(logits)
+    expected = logits.argmax(dim=-1)
+    assert chosen.dtype == torch.int64 and chosen.device == logits.device
+    assert torch.equal(chosen, expected)
+    if layout != "no rows":
+        assert chosen.tolist()[:3] == [4, 7, 11]
