@@ -7,6 +7,8 @@ whether qkv's tokens equal transformers' and where they part if not.
 
 from __future__ import annotations
 
+import statistics
+
 from .format import (
     NOT_RECORDED,
     dtype_name,
@@ -244,6 +246,7 @@ def decode_section(data: dict) -> list[str]:
         )
     lines += ["The diagnostics:", "", *md_table(header, body), ""]
     lines += _peers(rows)
+    lines += _by_memory_state(rows, band.get("bytes"))
     lines += ["Tokens compared with transformers':", ""]
     lines += [line for r in rows for line in prose(f"- {_tokens_note(r)}")]
     return lines
@@ -299,3 +302,77 @@ def _peers(rows: list[dict]) -> list[str]:
             ]
         )
     return [*lines, "Tokens/s (median call):", "", *md_table(header, body), ""]
+
+
+STATES_TEXT = """\
+The read bandwidth of this kind of machine moves between states within a run (the probes above),
+and the two decoders do not move alike. Each timing round is put in the state its own probe
+found (below or above the midpoint between the row's slowest and fastest probe), and the
+medians are taken within each state: what qkv/llama.cpp is when memory is slow and when it is
+fast."""
+
+_STATE_SPLIT = 1.25  # a row's fastest probe over its slowest: below this, one state only
+
+
+def _by_memory_state(rows: list[dict], probe_bytes: object) -> list[str]:
+    """qkv compiled against llama.cpp per memory state, from the rounds' raw samples."""
+    if not isinstance(probe_bytes, int):
+        return []
+    body = []
+    for r in rows:
+        per_round = _rounds(r, probe_bytes)
+        if not per_round:
+            continue
+        speeds = [b for b, *_ in per_round]
+        if max(speeds) < _STATE_SPLIT * min(speeds):
+            continue
+        middle = (min(speeds) + max(speeds)) / 2
+        for state, chosen in (
+            ("slow", [x for x in per_round if x[0] < middle]),
+            ("fast", [x for x in per_round if x[0] >= middle]),
+        ):
+            body.append(
+                [
+                    dtype_name(r.get("dtype")),
+                    state,
+                    str(len(chosen)),
+                    num(statistics.median(x[0] for x in chosen) / 1e9, ".0f"),
+                    num(statistics.median(x[1] for x in chosen), ".0f"),
+                    num(statistics.median(x[2] for x in chosen), ".0f"),
+                    num(statistics.median(x[1] / x[2] for x in chosen), ".2f"),
+                    pct(statistics.median(x[1] / x[3] for x in chosen), ".1f"),
+                    pct(statistics.median(x[2] / x[3] for x in chosen), ".1f"),
+                ]
+            )
+    if not body:
+        return []
+    header = [
+        "dtype",
+        "memory",
+        "rounds",
+        "read probe GB/s",
+        "qkv compiled tok/s",
+        "llama.cpp tok/s",
+        "qkv compiled / llama.cpp (paired)",
+        "qkv % of the round's limit",
+        "llama.cpp % of the round's limit",
+    ]
+    return [*prose(STATES_TEXT), "", *md_table(header, body), ""]
+
+
+def _rounds(r: dict, probe_bytes: int) -> list[tuple[float, float, float, float]]:
+    """Per timing round: (read bandwidth in bytes/s, qkv compiled tok/s, llama.cpp tok/s, the
+    limit in tok/s from that round's probe); [] where a sample is missing."""
+    probes = r.get("bandwidth_probe_ms") or []
+    ours = get(r, "timings", "qkv_compiled", "samples_ms") or []
+    theirs = get(r, "timings", "llama_cpp", "samples_ms") or []
+    tokens, per_token = r.get("new_tokens"), get(r, "bytes_per_token", "total")
+    if not (probes and len(probes) == len(ours) == len(theirs)) or not per_token or not tokens:
+        return []
+    rounds = []
+    for probe_ms, our_ms, their_ms in zip(probes, ours, theirs, strict=True):
+        bandwidth = probe_bytes / (probe_ms / 1e3)
+        rounds.append(
+            (bandwidth, tokens / (our_ms / 1e3), tokens / (their_ms / 1e3), bandwidth / per_token)
+        )
+    return rounds

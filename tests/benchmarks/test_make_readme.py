@@ -253,3 +253,40 @@ def test_the_batched_decoding_file_gives_the_ratio_to_llama_cpp(results):
     assert "batch 8, fp32: qkv 1300.0 tokens/s, 2.60x transformers, 0.95x llama.cpp" in (
         " ".join(page.split())
     )
+
+
+def test_decoding_against_llama_cpp_is_split_by_the_rounds_memory_state(results):
+    """Rounds whose probe read fast and rounds whose probe read slow get a line each: medians
+    over their own rounds, the limit from each round's own probe. Here qkv keeps pace with
+    llama.cpp when memory is slow (both at the limit) and is ahead when it is fast."""
+    gib = 2**30
+    probes_gbps = [50.0, 80.0, 50.0, 80.0, 50.0]  # slow, fast, slow, fast, slow
+    ours_tok_s = [300.0, 450.0, 310.0, 440.0, 290.0]
+    theirs_tok_s = [300.0, 360.0, 310.0, 400.0, 320.0]
+    row = {
+        "dtype": "fp32",
+        "batch": 1,
+        "prompt": 32,
+        "new_tokens": 128,
+        "bytes_per_token": {"weights": 150_000_000, "total": 160_000_000},
+        "bandwidth_probe_ms": [gib / (g * 1e9) * 1e3 for g in probes_gbps],
+        "timings": {
+            "qkv_compiled": {"samples_ms": [128 / s * 1e3 for s in ours_tok_s]},
+            "llama_cpp": {"samples_ms": [128 / s * 1e3 for s in theirs_tok_s]},
+        },
+        "peers": {"llama_cpp": {"version": "0.0.1"}},
+    }
+    data = {"machine": MACHINE, "bandwidth": {"bytes": gib}, "rows": [row]}
+    (results / "decode.json").write_text(json.dumps(data))
+    page = make_readme.render(results)
+    # slow: ratios 1.0, 1.0, 0.906 -> median 1.00; qkv 300 tok/s of a 50e9 / 160e6 = 312.5 limit
+    assert "| fp32 | slow | 3 | 50 | 300 | 310 | 1.00 | 96.0% | 99.2% |" in page
+    # fast: ratios 1.25, 1.10 -> 1.175 (printed 1.18 or 1.17 by rounding: the median is exact)
+    fast = next(line for line in page.splitlines() if line.startswith("| fp32 | fast |"))
+    assert fast.startswith("| fp32 | fast | 2 | 80 | 445 | 380 | 1.1") and fast.endswith(
+        "| 89.0% | 76.0% |"
+    )
+    # probes within 25% of each other: one state, no table
+    row["bandwidth_probe_ms"] = [gib / (g * 1e9) * 1e3 for g in [50.0, 55.0, 50.0, 55.0, 52.0]]
+    (results / "decode.json").write_text(json.dumps(data))
+    assert "| memory |" not in make_readme.render(results)
