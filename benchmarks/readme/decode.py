@@ -8,6 +8,7 @@ whether qkv's tokens equal transformers' and where they part if not.
 from __future__ import annotations
 
 import statistics
+from typing import NamedTuple
 
 from .format import (
     NOT_RECORDED,
@@ -323,25 +324,25 @@ def _by_memory_state(rows: list[dict], probe_bytes: object) -> list[str]:
         per_round = _rounds(r, probe_bytes)
         if not per_round:
             continue
-        speeds = [b for b, *_ in per_round]
+        speeds = [x.bandwidth for x in per_round]
         if max(speeds) < _STATE_SPLIT * min(speeds):
             continue
         middle = (min(speeds) + max(speeds)) / 2
         for state, chosen in (
-            ("slow", [x for x in per_round if x[0] < middle]),
-            ("fast", [x for x in per_round if x[0] >= middle]),
+            ("slow", [x for x in per_round if x.bandwidth < middle]),
+            ("fast", [x for x in per_round if x.bandwidth >= middle]),
         ):
             body.append(
                 [
                     dtype_name(r.get("dtype")),
                     state,
                     str(len(chosen)),
-                    num(statistics.median(x[0] for x in chosen) / 1e9, ".0f"),
-                    num(statistics.median(x[1] for x in chosen), ".0f"),
-                    num(statistics.median(x[2] for x in chosen), ".0f"),
-                    num(statistics.median(x[1] / x[2] for x in chosen), ".2f"),
-                    pct(statistics.median(x[1] / x[3] for x in chosen), ".1f"),
-                    pct(statistics.median(x[2] / x[3] for x in chosen), ".1f"),
+                    num(statistics.median(x.bandwidth for x in chosen) / 1e9, ".0f"),
+                    num(statistics.median(x.ours for x in chosen), ".0f"),
+                    num(statistics.median(x.theirs for x in chosen), ".0f"),
+                    num(statistics.median(x.ours / x.theirs for x in chosen), ".2f"),
+                    pct(statistics.median(x.ours / x.limit for x in chosen), ".1f"),
+                    pct(statistics.median(x.theirs / x.limit for x in chosen), ".1f"),
                 ]
             )
     if not body:
@@ -360,9 +361,18 @@ def _by_memory_state(rows: list[dict], probe_bytes: object) -> list[str]:
     return [*prose(STATES_TEXT), "", *md_table(header, body), ""]
 
 
-def _rounds(r: dict, probe_bytes: int) -> list[tuple[float, float, float, float]]:
-    """Per timing round: (read bandwidth in bytes/s, qkv compiled tok/s, llama.cpp tok/s, the
-    limit in tok/s from that round's probe); [] where a sample is missing."""
+class _Round(NamedTuple):
+    """One timing round: its probe's read bandwidth (bytes/s), qkv compiled's and llama.cpp's
+    tokens/s, and the limit in tokens/s that the probe sets."""
+
+    bandwidth: float
+    ours: float
+    theirs: float
+    limit: float
+
+
+def _rounds(r: dict, probe_bytes: int) -> list[_Round]:
+    """The row's timing rounds; [] where a sample is missing."""
     probes = r.get("bandwidth_probe_ms") or []
     ours = get(r, "timings", "qkv_compiled", "samples_ms") or []
     theirs = get(r, "timings", "llama_cpp", "samples_ms") or []
@@ -373,6 +383,7 @@ def _rounds(r: dict, probe_bytes: int) -> list[tuple[float, float, float, float]
     for probe_ms, our_ms, their_ms in zip(probes, ours, theirs, strict=True):
         bandwidth = probe_bytes / (probe_ms / 1e3)
         rounds.append(
-            (bandwidth, tokens / (our_ms / 1e3), tokens / (their_ms / 1e3), bandwidth / per_token)
-        )
+            _Round(bandwidth, tokens / (our_ms / 1e3), tokens / (their_ms / 1e3),
+                   bandwidth / per_token)
+        )  # fmt: skip
     return rounds
