@@ -29,6 +29,11 @@ no attention_mask for either), 128 new tokens:
                    a new process then pays its first call with what that compile left
                    (torch.compile's caches, qkv's compile store): "next process"; once
                    two steps passed a graph's guards, later steps call it without them
+    qkv aot        the same packed copy with generate(..., compile="aot"): the step exported
+                   once and compiled ahead of time by AOTInductor into a library whose C++
+                   wrapper calls the same kernels, no Python between them
+                   (qkv.acceleration.exported); compiled after compile=True's, its first call
+                   timed the same way ("aot compile s", "next process")
     qkv guarded    the same with compile="guarded": torch.compile's public API alone, every
                    guard checked at every step; "guard-free gain" (paired) is what skipping
                    the guards buys (qkv keeps its private path only while it is >= 5%)
@@ -106,7 +111,7 @@ from common import (
 from peers import peer_calls
 from torch import nn
 
-from qkv.acceleration import PackedLinear, SharedInputMember, compiled, packed_linears
+from qkv.acceleration import PackedLinear, SharedInputMember, compiled, exported, packed_linears
 from qkv.generation import generate
 from qkv.models import GPT
 
@@ -298,29 +303,28 @@ def second_process_first_call(dtype: str, args) -> dict:
 def first_call(dtype: str, args) -> dict:
     """A process's first `generate(..., compile=True)` on the packed model of this dtype: its
     seconds, its compilations (0 when the compile store served it), the same call again, and
-    whether its tokens equal eager decoding's."""
+    whether its tokens equal eager decoding's; then the same for compile="aot" ("aot_")."""
     ours, _ = build_models(args.device)
     ours = ours.to(DTYPES[dtype])
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, LLAMA["vocab_size"], (1, args.prompt), generator=generator)
     ids = ids.to(args.device)
-    compilations = []
-    real = compiled.compile_forward
+    compilations, aot_compilations = [], []
+    real, real_aot = compiled.compile_forward, exported._compile
     compiled.compile_forward = lambda *a: compilations.append(1) or real(*a)
+    exported._compile = lambda *a: aot_compilations.append(1) or real_aot(*a)
+    result = {}
     with packed_linears(ours):
         eager = generate(ours, ids, max_new_tokens=args.new_tokens, compile=False)
-        start = time.perf_counter()
-        output = generate(ours, ids, max_new_tokens=args.new_tokens, compile=True)
-        first_s = time.perf_counter() - start
-        start = time.perf_counter()
-        generate(ours, ids, max_new_tokens=args.new_tokens, compile=True)
-        again_s = time.perf_counter() - start
-    return {
-        "first_call_s": first_s,
-        "second_call_s": again_s,
-        "compilations": len(compilations),
-        "equals_eager": bool(torch.equal(output, eager)),
-    }
+        for prefix, mode in (("", True), ("aot_", "aot")):
+            start = time.perf_counter()
+            output = generate(ours, ids, max_new_tokens=args.new_tokens, compile=mode)
+            result[f"{prefix}first_call_s"] = time.perf_counter() - start
+            start = time.perf_counter()
+            generate(ours, ids, max_new_tokens=args.new_tokens, compile=mode)
+            result[f"{prefix}second_call_s"] = time.perf_counter() - start
+            result[f"{prefix}equals_eager"] = bool(torch.equal(output, eager))
+    return {**result, "compilations": len(compilations), "aot_compilations": len(aot_compilations)}
 
 
 def first_divergence(a: torch.Tensor, b: torch.Tensor) -> int | None:
@@ -390,6 +394,7 @@ def bench_dtype(base_ours, base_theirs, dtype: str, bandwidth: Bandwidth, args) 
         "qkv": lambda: generate(ours, ids, max_new_tokens=n, compile=False),
         "qkv_packed": lambda: generate(packed_model, ids, max_new_tokens=n, compile=False),
         "qkv_compiled": lambda: generate(packed_model, ids, max_new_tokens=n, compile=True),
+        "qkv_aot": lambda: generate(packed_model, ids, max_new_tokens=n, compile="aot"),
         "qkv_guarded": lambda: generate(packed_model, ids, max_new_tokens=n, compile="guarded"),
         "transformers": lambda: theirs.generate(
             ids, do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None
@@ -418,6 +423,10 @@ def bench_dtype(base_ours, base_theirs, dtype: str, bandwidth: Bandwidth, args) 
     start = time.perf_counter()
     compiled_output = calls["qkv_compiled"]()  # the first call compiles
     compile_s = time.perf_counter() - start
+    start = time.perf_counter()
+    aot_output = calls["qkv_aot"]()  # the first call exports and compiles the step
+    aot_compile_s = time.perf_counter() - start
+    check["aot_equals_compiled"] = bool(torch.equal(aot_output, compiled_output))
     log(f"{dtype}: a second process's first compiled call ...")
     warm = second_process_first_call(dtype, args)
     check["compiled_equals_qkv"] = bool(torch.equal(compiled_output, calls["qkv"]()))
@@ -483,6 +492,14 @@ def bench_dtype(base_ours, base_theirs, dtype: str, bandwidth: Bandwidth, args) 
             for name in ("llama_cpp", "transformers_compiled")
             if name in timings
         },
+        "aot_peer_paired_ratios": {
+            name: paired_ratio(timings[name], timings["qkv_aot"])
+            for name in ("llama_cpp", "transformers_compiled")
+            if name in timings
+        },
+        # what the AOTInductor library buys over compile=True's Python wrapper (paired)
+        "aot_over_compiled_paired": paired_ratio(timings["qkv_compiled"], timings["qkv_aot"]),
+        "aot_compile_s": aot_compile_s,
         "packing_ms": packing_ms(ours, ids),
         "compile_s": compile_s,
         # a new process, the same architecture, torch.compile's caches and qkv's compile store
@@ -577,12 +594,14 @@ def warm_compile(row: dict) -> str:
 
 def peers_table(rows: list[dict]) -> str:
     """qkv's fastest path beside what a user would run instead, in the same rounds."""
-    header = ["dtype", "qkv compiled tok/s", "llama.cpp tok/s", "hf compiled tok/s"]
-    header += ["compiled/llama.cpp paired", "compiled/hf compiled paired", "llama.cpp %lim"]
+    header = ["dtype", "qkv compiled tok/s", "qkv aot tok/s", "llama.cpp tok/s"]
+    header += ["hf compiled tok/s", "compiled/llama.cpp paired", "aot/llama.cpp paired"]
+    header += ["compiled/hf compiled paired", "aot %lim paired", "llama.cpp %lim"]
     header += ["hf compile s", "tokens vs hf (llama.cpp, hf compiled)"]
     body = []
     for r in rows:
         s, ratios, info = r["tokens_per_s"], r["peer_paired_ratios"], r["peers"]
+        aot = r["aot_peer_paired_ratios"]
         steps = info["first_divergence_from_transformers"]
         same = {
             name: "equal" if steps.get(name, "-") is None else f"from step {steps.get(name, '-')}"
@@ -593,10 +612,13 @@ def peers_table(rows: list[dict]) -> str:
             [
                 r["dtype"],
                 f"{s['qkv_compiled']:.1f}",
+                f"{s['qkv_aot']:.1f}",
                 f"{s['llama_cpp']:.1f}" if "llama_cpp" in s else "-",
                 f"{s['transformers_compiled']:.1f}",
                 f"{ratios['llama_cpp']:.3f}" if "llama_cpp" in ratios else "-",
+                f"{aot['llama_cpp']:.3f}" if "llama_cpp" in aot else "-",
                 f"{ratios['transformers_compiled']:.3f}",
+                f"{100 * r['fraction_of_round_limit']['qkv_aot']:.1f}%",
                 f"{100 * r['fraction_of_round_limit']['llama_cpp']:.1f}%"
                 if "llama_cpp" in s
                 else "-",

@@ -179,6 +179,7 @@ def decode_section(data: dict) -> list[str]:
         "qkv",
         "packed",
         "compiled",
+        "compiled, aot",
         "compiled, guarded",
         "transformers",
         "compiled / transformers (paired)",
@@ -187,7 +188,9 @@ def decode_section(data: dict) -> list[str]:
         "one `.sum()` per weight, % of limit",
         "pack ms",
         "compile s: cold / next process",
+        "aot compile s: cold / next process",
         "guard-free / guarded (paired)",
+        "aot / compiled (paired)",
     ]
     body = [
         [
@@ -195,6 +198,7 @@ def decode_section(data: dict) -> list[str]:
             num(get(r, "tokens_per_s", "qkv"), ".1f"),
             num(get(r, "tokens_per_s", "qkv_packed"), ".1f"),
             f"**{num(get(r, 'tokens_per_s', 'qkv_compiled'), '.1f')}**",
+            f"**{num(get(r, 'tokens_per_s', 'qkv_aot'), '.1f')}**",
             num(get(r, "tokens_per_s", "qkv_guarded"), ".1f"),
             num(get(r, "tokens_per_s", "transformers"), ".1f"),
             paired(r.get("compiled_ratio"), r.get("compiled_paired_ratio"), ".2f"),
@@ -205,7 +209,10 @@ def decode_section(data: dict) -> list[str]:
             num(r.get("packing_ms"), ".0f"),
             f"{num(r.get('compile_s'), '.1f')} / "
             f"{num(get(r, 'warm_compile', 'first_call_s'), '.1f')}",
+            f"{num(r.get('aot_compile_s'), '.1f')} / "
+            f"{num(get(r, 'warm_compile', 'aot_first_call_s'), '.1f')}",
             num(r.get("guard_free_paired_gain"), ".3f"),
+            num(r.get("aot_over_compiled_paired"), ".3f"),
         ]
         for r in rows
     ]
@@ -274,10 +281,13 @@ def _peers(rows: list[dict]) -> list[str]:
     header = [
         "dtype",
         "qkv compiled",
+        "qkv aot",
         "llama.cpp",
         "transformers compiled",
         "qkv compiled / llama.cpp (paired)",
+        "qkv aot / llama.cpp (paired)",
         "qkv compiled / transformers compiled (paired)",
+        "qkv aot % of limit (paired)",
         "llama.cpp % of limit (paired)",
         "transformers compile s",
         "tokens vs transformers: llama.cpp; transformers compiled",
@@ -293,10 +303,13 @@ def _peers(rows: list[dict]) -> list[str]:
             [
                 dtype_name(r.get("dtype")),
                 num(get(r, "tokens_per_s", "qkv_compiled"), ".1f"),
+                num(get(r, "tokens_per_s", "qkv_aot"), ".1f"),
                 num(get(r, "tokens_per_s", "llama_cpp"), ".1f"),
                 num(get(r, "tokens_per_s", "transformers_compiled"), ".1f"),
                 num(get(r, "peer_paired_ratios", "llama_cpp"), ".2f"),
+                num(get(r, "aot_peer_paired_ratios", "llama_cpp"), ".2f"),
                 num(get(r, "peer_paired_ratios", "transformers_compiled"), ".2f"),
+                pct(get(r, "fraction_of_round_limit", "qkv_aot"), ".1f"),
                 pct(get(r, "fraction_of_round_limit", "llama_cpp"), ".1f"),
                 num(get(r, "peers", "hf_compile_s"), ".1f"),
                 "; ".join(same),
@@ -316,12 +329,14 @@ _STATE_SPLIT = 1.25  # a row's fastest probe over its slowest: below this, one s
 
 
 def _by_memory_state(rows: list[dict], probe_bytes: object) -> list[str]:
-    """qkv compiled against llama.cpp per memory state, from the rounds' raw samples."""
+    """qkv's fastest path (compile="aot" where the row timed it, else compile=True) against
+    llama.cpp per memory state, from the rounds' raw samples."""
     if not isinstance(probe_bytes, int):
         return []
     body = []
     for r in rows:
-        per_round = _rounds(r, probe_bytes)
+        ours = "qkv_aot" if get(r, "timings", "qkv_aot", "samples_ms") else "qkv_compiled"
+        per_round = _rounds(r, probe_bytes, ours)
         if not per_round:
             continue
         speeds = [x.bandwidth for x in per_round]
@@ -335,6 +350,7 @@ def _by_memory_state(rows: list[dict], probe_bytes: object) -> list[str]:
             body.append(
                 [
                     dtype_name(r.get("dtype")),
+                    ours.removeprefix("qkv_"),
                     state,
                     str(len(chosen)),
                     num(statistics.median(x.bandwidth for x in chosen) / 1e9, ".0f"),
@@ -349,12 +365,13 @@ def _by_memory_state(rows: list[dict], probe_bytes: object) -> list[str]:
         return []
     header = [
         "dtype",
+        "qkv path",
         "memory",
         "rounds",
         "read probe GB/s",
-        "qkv compiled tok/s",
+        "qkv tok/s",
         "llama.cpp tok/s",
-        "qkv compiled / llama.cpp (paired)",
+        "qkv / llama.cpp (paired)",
         "qkv % of the round's limit",
         "llama.cpp % of the round's limit",
     ]
@@ -362,8 +379,8 @@ def _by_memory_state(rows: list[dict], probe_bytes: object) -> list[str]:
 
 
 class _Round(NamedTuple):
-    """One timing round: its probe's read bandwidth (bytes/s), qkv compiled's and llama.cpp's
-    tokens/s, and the limit in tokens/s that the probe sets."""
+    """One timing round: its probe's read bandwidth (bytes/s), qkv's and llama.cpp's tokens/s,
+    and the limit in tokens/s that the probe sets."""
 
     bandwidth: float
     ours: float
@@ -371,10 +388,11 @@ class _Round(NamedTuple):
     limit: float
 
 
-def _rounds(r: dict, probe_bytes: int) -> list[_Round]:
-    """The row's timing rounds; [] where a sample is missing."""
+def _rounds(r: dict, probe_bytes: int, name: str) -> list[_Round]:
+    """The row's timing rounds of qkv's candidate `name` and llama.cpp; [] where a sample is
+    missing."""
     probes = r.get("bandwidth_probe_ms") or []
-    ours = get(r, "timings", "qkv_compiled", "samples_ms") or []
+    ours = get(r, "timings", name, "samples_ms") or []
     theirs = get(r, "timings", "llama_cpp", "samples_ms") or []
     tokens, per_token = r.get("new_tokens"), get(r, "bytes_per_token", "total")
     if not (probes and len(probes) == len(ours) == len(theirs)) or not per_token or not tokens:

@@ -91,7 +91,7 @@ def test_compile_refuses_what_it_does_not_serve(monkeypatch, tmp_path):
     monkeypatch.setenv("QKV_COMPILE_CACHE", str(tmp_path))  # no graph stored by another test
     model = qkv_model("tiny-llama")
     prompt = torch.zeros(1, 3, dtype=torch.long)
-    with pytest.raises(TypeError, match='compile: expected "auto", a bool or "guarded"'):
+    with pytest.raises(TypeError, match='compile: expected "auto", a bool, "guarded" or "aot"'):
         generate(model, prompt, max_new_tokens=2, compile="yes")
     with pytest.raises(ValueError, match="compile: not supported with sinks"):
         generate(model, prompt, max_new_tokens=2, sinks=(1, 4), compile=True)

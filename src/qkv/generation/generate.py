@@ -26,7 +26,9 @@ from the sixth step on with its inputs gathered by a plan rather than by torch.c
 the module tree (qkv.acceleration.flat_call). `compile="guarded"` keeps to torch.compile's public
 API and checks every guard at every step (`GuardedSteps`); `compile=True` falls back to it where
 this torch lacks what the guard-free path calls (qkv.acceleration.compiled; speed in
-benchmarks/decode.py).
+benchmarks/decode.py). `compile="aot"` exports the step once and compiles it ahead of time with
+AOTInductor into a library whose C++ wrapper calls the same kernels, with no Python between
+them: the same tokens, faster steps (qkv.acceleration.exported).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from torch import nn
 from qkv import capabilities
 from qkv.acceleration.auto import auto_steps
 from qkv.acceleration.compiled import compiled_steps
+from qkv.acceleration.exported import exported_steps
 from qkv.generation.loop import DecodeStep, decode_loop
 from qkv.generation.options import DecodeOptions, decode_options
 from qkv.generation.steps import DecoderOnlySteps, EncoderDecoderSteps, make_cache, prompt_mask
@@ -80,9 +83,10 @@ def generate(
     with a StreamingLLM cache of that size, past its context. `on_token(tokens (B,))` streams
     each step (not with beam search, whose tokens are known only at the end). `compile=True`
     decodes with the model's forward compiled (see the module doc): the same tokens, faster
-    steps after a one-time compilation; `compile="guarded"` with torch.compile's public API
-    alone, every guard checked every step; `compile="auto"` (the default) eagerly until the
-    compiled steps pay, `compile=False` eagerly.
+    steps after a one-time compilation; `compile="aot"` through AOTInductor, no Python between
+    the kernels; `compile="guarded"` with torch.compile's public API alone, every guard checked
+    every step; `compile="auto"` (the default) eagerly until the compiled steps pay,
+    `compile=False` eagerly.
 
     Raises ValueError naming `model` when its logits stop being finite (NaN, +inf, or -inf
     for every token), with the step where they did: see `LogitsCheck` for when it is seen.
@@ -236,6 +240,8 @@ def _has_bf16_linears(model: nn.Module) -> bool:
 
 def _step_forward(model, options: DecodeOptions):
     """What runs a decoder-only model's steps after the prefill (see the module doc)."""
+    if options.compile == "aot":
+        return exported_steps(model, options.sinks)
     if options.compiles:
         return compiled_steps(model, options.sinks, guarded=options.compile == "guarded")
     if options.compile == "auto" and options.sinks is None and options.num_beams == 1:

@@ -21,8 +21,9 @@ __all__ = ["COMPILE_MODES", "DecodeOptions", "decode_options"]
 
 # compile: "auto" (compiled steps once they pay: qkv.acceleration.auto), False (eager), True
 # (compiled, guard-free steps where torch allows), "guarded" (torch.compile's public API alone):
-# see qkv.acceleration.compiled
-COMPILE_MODES = ("auto", False, True, "guarded")
+# see qkv.acceleration.compiled; "aot" (the step compiled ahead of time by AOTInductor, no Python
+# between its kernels): see qkv.acceleration.exported
+COMPILE_MODES = ("auto", False, True, "guarded", "aot")
 
 
 @dataclass(frozen=True)
@@ -61,14 +62,16 @@ class DecodeOptions:
         if self.sinks is not None:
             _check_sinks(self.sinks)
             object.__setattr__(self, "sinks", tuple(self.sinks))
-        if not (isinstance(self.compile, bool) or self.compile in ("auto", "guarded")):
-            raise TypeError(f'compile: expected "auto", a bool or "guarded", got {self.compile!r}')
+        if not (isinstance(self.compile, bool) or self.compile in ("auto", "guarded", "aot")):
+            raise TypeError(
+                f'compile: expected "auto", a bool, "guarded" or "aot", got {self.compile!r}'
+            )
         _check_beams(self)
 
     @property
     def compiles(self) -> bool:
-        """Whether compiled steps were asked for explicitly (compile=True or "guarded")."""
-        return self.compile is True or self.compile == "guarded"
+        """Whether compiled steps were asked for explicitly (compile=True, "guarded" or "aot")."""
+        return self.compile is True or self.compile in ("guarded", "aot")
 
     @property
     def sampling(self) -> dict:

@@ -1,0 +1,241 @@
+"""`qkv.generate(..., compile="aot")`: decoding steps through AOTInductor, no Python per kernel.
+
+`compile=True` (qkv.acceleration.compiled) runs inductor's kernels from a Python wrapper that
+checks the size of every input, allocates and reinterprets buffers and calls each kernel, one
+line at a time: on the 55M Llama of benchmarks/decode.py about a tenth of a bf16 step, and
+more again to gather the inputs and go through torch.compile's runtime wrappers. Here the step
+is exported once (`torch.export`) and compiled ahead of time by AOTInductor into a C++ library
+whose own wrapper makes those calls; the model's weights are its constants, pointing at the
+model's own tensors (no copy: a weight changed in place is seen by the next step).
+
+    with qkv.acceleration.packed_linears(model):      # one-row products as streaming kernels
+        tokens = qkv.generate(model, prompt, max_new_tokens=128, compile="aot")
+
+One library serves every prompt and cache length of a model at one batch size (the cache's
+length and slot count are symbolic), with the same tokens as `compile=True`: the same kernels.
+It is compiled once per machine where the compile store is on (qkv.acceleration.compile_store:
+`<key>/exported-b<B>-<ids dtype>-<positions dtype>.pt2` beside the compiled graphs) and loaded
+by later processes.
+
+What the library does not serve runs elsewhere: a call with a padding mask or another cache
+(`CompiledSteps`, as `compile=True`), and a step over a cache of fewer than 2 tokens (eagerly:
+export treats sizes 0 and 1 as constants). A model whose step cannot be exported or compiled
+(an operator with no C++ kernel, such as the packed products of several rows) decodes through
+`CompiledSteps`, with a warning once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from qkv.acceleration import compiled
+from qkv.acceleration.compile_store import model_key, store_directory
+from qkv.acceleration.packing import PackedLinear
+from qkv.layers.kv_cache import StaticKVCache
+from qkv.models.outputs import CausalLMOutput
+
+__all__ = ["ExportedSteps", "exported_steps"]
+
+logger = logging.getLogger(__name__)
+
+# By model (weak: gone with it): the loaded libraries by (model key, batch size, dtypes of the
+# token ids and positions), or the reason the model's step could not be exported.
+_RUNNERS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Any]] = weakref.WeakKeyDictionary()
+
+
+class ExportedSteps:
+    """The decoding steps of one call through the model's exported step (see the module doc):
+    called as the model is, `steps(input_ids (B, 1), attention_mask=None, position_ids (B, 1),
+    cache=..., logits_to_keep=1, check_ids=False)`, returning its logits (B, 1, V) in fp32."""
+
+    def __init__(self, model: nn.Module, options: dict[str, Any], fallback) -> None:
+        self.model, self.options = model, options
+        self.fallback = fallback  # () -> what runs the calls the library does not serve
+        self.steps_elsewhere = None
+        self.runners: dict[int, _Runner | None] = {}  # by batch size, pointed at the model
+        self.carrier: torch.Tensor | None = None  # its first `length` items carry the length
+
+    def __call__(self, input_ids, **kwargs):
+        cache = kwargs.get("cache")
+        runner = None
+        if _served(input_ids, kwargs):
+            B = input_ids.shape[0]
+            if B not in self.runners:  # once per call: the weights do not change within it
+                self.runners[B] = self._runner(input_ids, kwargs)
+            runner = self.runners[B]
+        if runner is None:
+            if self.steps_elsewhere is None:
+                self.steps_elsewhere = self.fallback()
+            return self.steps_elsewhere(input_ids, **kwargs)
+        if cache.length < 2:  # a size export specialises: this step runs eagerly
+            return self.model(input_ids, **kwargs)
+        if cache.length + 1 > cache.max_length:
+            raise ValueError(
+                f"cache: {cache.length + 1} tokens exceed max_length={cache.max_length}; "
+                f"expected a longer cache or a SinkKVCache"
+            )
+        if self.carrier is None or self.carrier.numel() < cache.length:
+            self.carrier = torch.empty(cache.max_length, device=input_ids.device)
+        inputs = [input_ids, kwargs["position_ids"], self.carrier[: cache.length]]
+        logits = runner.loader.boxed_run([*inputs, *cache.keys, *cache.values])[0]
+        cache.advance(1)
+        return CausalLMOutput(logits=logits)  # (B, 1, V) fp32
+
+    def _runner(self, input_ids: torch.Tensor, kwargs: dict):
+        """The model's library for this batch size: loaded, stored or compiled now; None where
+        the step cannot be exported here (the reason is logged once)."""
+        ids, positions = input_ids.dtype, kwargs["position_ids"].dtype
+        key = (model_key(self.model, self.options), input_ids.shape[0], ids, positions)
+        runners = _RUNNERS.setdefault(self.model, {})
+        if key not in runners:
+            runners[key] = _load_or_compile(self.model, key, self.options, input_ids, kwargs)
+        runner = runners[key]
+        if isinstance(runner, str):
+            return None
+        runner.point_at(self.model)
+        return runner
+
+
+def exported_steps(model: nn.Module, sinks: tuple[int, int] | None = None):
+    """What runs the decoding steps after the prefill with `compile="aot"`: `ExportedSteps`,
+    with `compile=True`'s steps for the calls it does not serve; the model itself (with a
+    warning once) where torch.compile cannot build CPU kernels here."""
+    steps = compiled.compiled_steps(model, sinks)  # the same checks; compiles nothing yet
+    if not isinstance(steps, compiled.CompiledSteps):
+        return steps
+    return ExportedSteps(model, compiled._INDUCTOR_OPTIONS, fallback=lambda: steps)
+
+
+def _served(input_ids: torch.Tensor, kwargs: dict) -> bool:
+    """Whether a call is one the exported step computes: one new token per row, unpadded, over
+    a StaticKVCache, its last logits only, ids not checked."""
+    return (
+        type(kwargs.get("cache")) is StaticKVCache
+        and kwargs.get("attention_mask") is None
+        and kwargs.get("position_ids") is not None
+        and kwargs.get("logits_to_keep") == 1
+        and kwargs.get("check_ids") is False
+        and input_ids.dim() == 2
+        and input_ids.shape[1] == 1
+        and set(kwargs) <= _STEP_ARGUMENTS
+    )
+
+
+_STEP_ARGUMENTS = {"cache", "attention_mask", "position_ids", "logits_to_keep", "check_ids"}
+
+
+class _Step(nn.Module):
+    """What is exported: the model's step over a cache given as tensors, its last logits in
+    fp32. The products that `packed_linears` holds outside the module tree are registered here,
+    so that their weights are named constants, like every other parameter."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.packed = nn.ModuleList(_packed_linears(model))
+
+    def forward(self, input_ids, position_ids, carrier, keys: list, values: list):
+        cache = StaticKVCache.__new__(StaticKVCache)  # the call's cache, its sizes symbolic
+        cache.keys, cache.values = tuple(keys), tuple(values)
+        cache.length, cache.max_length = carrier.shape[0], keys[0].shape[2]
+        output = self.model(
+            input_ids, position_ids=position_ids, cache=cache, logits_to_keep=1, check_ids=False
+        )
+        return output.logits.float()  # (B, 1, V)
+
+
+def _packed_linears(model: nn.Module) -> list[nn.Module]:
+    return [linear for m in model.modules() if isinstance(m, PackedLinear) for linear in m._linears]
+
+
+class _Runner:
+    """A loaded library and the tensors its constants point at (kept alive here)."""
+
+    def __init__(self, loader) -> None:
+        self.loader = loader
+        self.names = loader.get_constant_fqns()
+        self.constants: dict[str, torch.Tensor] = {}
+
+    def point_at(self, model: nn.Module) -> None:
+        """Point the constants at the model's present tensors, where any of them changed (a
+        parameter replaced rather than written in place)."""
+        tensors = _tensors(model)
+        if all(tensors.get(name) is self.constants.get(name) for name in self.names):
+            return
+        missing = [name for name in self.names if name not in tensors]
+        if missing:
+            raise RuntimeError(f"compile='aot': the model lost the tensors {missing[:4]}")
+        self.constants = {name: tensors[name] for name in self.names}
+        self.loader.load_constants(self.constants, False, True, True, False)
+
+
+def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    step = _Step(model)
+    return {**dict(step.named_parameters(remove_duplicate=False)),
+            **dict(step.named_buffers(remove_duplicate=False))}  # fmt: skip
+
+
+def _load_or_compile(model, key: tuple, options: dict, input_ids, kwargs) -> _Runner | str:
+    """The library of `key` from the compile store, or compiled (and stored); the reason as a
+    string where the step cannot be exported or compiled."""
+    directory = store_directory()
+    name = "exported-b{}-{}-{}.pt2".format(*key[1:]).replace("torch.", "")
+    path = None if directory is None else directory / key[0] / name
+    if path is not None and path.exists():
+        try:
+            return _Runner(torch._inductor.aoti_load_package(str(path)).loader)
+        except Exception as error:  # another torch's file, or a damaged one
+            logger.warning("exported step %s not loaded (compiling again): %s", path, error)
+    try:
+        return _Runner(_compile(model, options, input_ids, kwargs, path).loader)
+    except Exception as error:
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        logger.warning("compile='aot': steps decode through compile=True instead (%s)", reason)
+        return reason
+
+
+def _compile(model, options: dict, input_ids, kwargs: dict, path: Path | None):
+    """Export the step for this batch size and compile it with AOTInductor, into `path` (or a
+    temporary file), with its constants left out of the library: they are the model's."""
+    cache = kwargs["cache"]
+    B, D = input_ids.shape[0], cache.keys[0].shape[-1]
+    slots, length = 8, 3  # examples: any sizes >= 2, which export keeps symbolic
+    example_cache = [torch.zeros(B, t.shape[1], slots, D, dtype=t.dtype) for t in cache.keys]
+    example = (
+        torch.zeros(B, 1, dtype=input_ids.dtype),
+        torch.full((B, 1), length, dtype=kwargs["position_ids"].dtype),
+        torch.empty(length), example_cache, [t.clone() for t in example_cache],
+    )  # fmt: skip
+    auto = torch.export.Dim.AUTO
+    shapes = ({}, {}, {0: auto}, [{2: auto}] * len(cache.keys), [{2: auto}] * len(cache.keys))
+    started = time.perf_counter()
+    with torch.no_grad():
+        program = torch.export.export(_Step(model), example, dynamic_shapes=shapes, strict=False)
+    opaque = {str(n.target) for n in program.graph.nodes if str(n.target).startswith("qkv.")}
+    if opaque:
+        raise RuntimeError(f"the step calls {sorted(opaque)}, which have no C++ kernel")
+    configs = {**options, "aot_inductor.package_constants_in_so": False}
+    if path is None:  # no store: a file of this process, gone once loaded
+        with tempfile.TemporaryDirectory(prefix="qkv-step-") as folder:
+            target = Path(folder) / "step.pt2"
+            torch._inductor.aoti_compile_and_package(program, package_path=str(target),
+                                                     inductor_configs=configs)  # fmt: skip
+            return torch._inductor.aoti_load_package(str(target))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")  # written, then renamed
+    torch._inductor.aoti_compile_and_package(
+        program, package_path=str(partial), inductor_configs=configs
+    )
+    os.replace(partial, path)
+    logger.info("compile='aot': step exported and compiled in %.1f s (%s)",
+                time.perf_counter() - started, path)  # fmt: skip
+    return torch._inductor.aoti_load_package(str(path))

@@ -1,0 +1,177 @@
+"""`compile="aot"` (qkv.acceleration.exported): decoding steps through AOTInductor give the
+tokens and logits of eager decoding (itself checked against transformers elsewhere), one
+library serves every prompt and cache length, its constants are the model's own tensors, a
+later process loads it from the compile store, and what it does not serve runs elsewhere."""
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from qkv.acceleration import compiled, exported, packed_linears
+from qkv.generation import decode_steps, generate
+from tests.generation.reference_models import left_padded_prompts, qkv_model, redraw
+
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A compile store of this module's own, and a count of the libraries compiled in it."""
+    directory = tmp_path_factory.mktemp("store")
+    previous = os.environ.get("QKV_COMPILE_CACHE")
+    os.environ["QKV_COMPILE_CACHE"] = str(directory)
+    compilations = []
+    real = exported._compile
+
+    def counted(*args):
+        compilations.append(args[0])
+        return real(*args)
+
+    exported._compile = counted
+    yield directory, compilations
+    exported._compile = real
+    if previous is None:
+        os.environ.pop("QKV_COMPILE_CACHE")
+    else:
+        os.environ["QKV_COMPILE_CACHE"] = previous
+
+
+@pytest.fixture(scope="module")
+def llama(store):
+    """A tiny Llama (RoPE, GQA, SwiGLU) whose step has been compiled once."""
+    model = qkv_model("tiny-llama")
+    generate(model, torch.arange(3, 9).unsqueeze(0), max_new_tokens=3, compile="aot")
+    return model
+
+
+def _steps(model, ids, mask=None, **options):
+    """(tokens (B, new), logits (B, new, V)) of greedy decoding."""
+    steps = list(decode_steps(model, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                              **options))  # fmt: skip
+    return torch.stack([s.tokens for s in steps], 1), torch.stack([s.logits for s in steps], 1)
+
+
+@pytest.mark.parametrize("prompt_length", [1, 2, 9])
+def test_exported_steps_equal_eager_ones_for_every_prompt_length(llama, store, prompt_length):
+    """Tokens and logits of eager decoding; one library serves every prompt and cache length
+    (a one-token prompt's first step, over a cache of 1, runs eagerly)."""
+    prompt = torch.arange(1, prompt_length + 1).unsqueeze(0)  # (1, prompt_length)
+    eager_tokens, eager_logits = _steps(llama, prompt)
+    tokens, logits = _steps(llama, prompt, compile="aot")
+    torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(tokens, eager_tokens)
+    assert len(store[1]) == 1
+
+
+def test_the_library_reads_the_models_own_weights(llama, store):
+    """Weights written in place are read by the next call; weights replaced by new tensors are
+    pointed at again. Nothing is compiled again."""
+    prompt = torch.arange(2, 7).unsqueeze(0)
+    with torch.no_grad():
+        llama.blocks[0].ffn.down_proj.weight.mul_(-1.5)
+        llama.blocks[1].self_attn.out_proj.weight = torch.nn.Parameter(
+            torch.randn_like(llama.blocks[1].self_attn.out_proj.weight)
+        )
+    expected = generate(llama, prompt, max_new_tokens=NEW_TOKENS)
+    assert torch.equal(generate(llama, prompt, max_new_tokens=NEW_TOKENS, compile="aot"), expected)
+    assert len(store[1]) == 1
+
+
+def test_packed_products_are_served(store):
+    """Inside packed_linears, the one-row products are streaming reductions in the library:
+    the eager tokens, from a library of its own (the packed model's step is another)."""
+    model = redraw(qkv_model("tiny-llama"), seed=5)
+    prompt = torch.arange(3, 9).unsqueeze(0)
+    expected = generate(model, prompt, max_new_tokens=NEW_TOKENS)
+    compiled_before = len(store[1])
+    with packed_linears(model):
+        got = generate(model, prompt, max_new_tokens=NEW_TOKENS, compile="aot")
+    assert torch.equal(got, expected)
+    assert len(store[1]) == compiled_before + 1
+
+
+def test_a_new_process_loads_the_library_from_the_store(llama, store):
+    """A new process, whose compiler raises, decodes another tiny Llama (other weights) with
+    the library the fixture stored."""
+    directory, _ = store
+    assert len(list(directory.rglob("exported-b1-int64-int64.pt2"))) >= 1
+    script = textwrap.dedent(f"""
+        import torch
+        from qkv.acceleration import exported
+        from qkv.generation import generate
+        from tests.generation.reference_models import qkv_model, redraw
+
+        def refuse(*args):
+            raise AssertionError("compiled again")
+
+        exported._compile = refuse
+        model = redraw(qkv_model("tiny-llama"), seed=3)
+        prompt = torch.arange(3, 9).unsqueeze(0)
+        expected = generate(model, prompt, max_new_tokens={NEW_TOKENS})
+        got = generate(model, prompt, max_new_tokens={NEW_TOKENS}, compile="aot")
+        assert torch.equal(got, expected), (got, expected)
+        print("loaded")
+    """)
+    environment = {**os.environ, "QKV_COMPILE_CACHE": str(directory)}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+        env=environment,
+    )  # fmt: skip
+    assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.fixture
+def elsewhere(monkeypatch):
+    """compile=True's steps, standing in for themselves: they count their calls and run the
+    model eagerly (no compilation)."""
+    calls = []
+
+    def step(self, *args, **kwargs):
+        calls.append(self.model)
+        return self.model(*args, **kwargs)
+
+    monkeypatch.setattr(compiled.CompiledSteps, "__call__", step)
+    return calls
+
+
+def test_a_padded_batch_decodes_through_the_compiled_steps(llama, elsewhere):
+    """A call with a padding mask is not one the library serves: every step after the prefill
+    goes to compile=True's steps, with the eager tokens."""
+    ids, mask = left_padded_prompts()
+    assert torch.equal(_steps(llama, ids, mask, compile="aot")[0], _steps(llama, ids, mask)[0])
+    assert elsewhere == [llama] * (NEW_TOKENS - 1)
+
+
+def test_a_step_that_cannot_be_exported_decodes_through_the_compiled_steps(
+    caplog, monkeypatch, elsewhere
+):
+    """A compiler failure (here: a stand-in that raises) warns with its reason, and the steps
+    are compile=True's, with the eager tokens."""
+    model = qkv_model("tiny-mistral")
+
+    def broken(*args):
+        raise RuntimeError("no C++ kernel for this")
+
+    monkeypatch.setattr(exported, "_compile", broken)
+    prompt = torch.arange(3, 9).unsqueeze(0)
+    with caplog.at_level(logging.WARNING, logger="qkv.acceleration.exported"):
+        got = generate(model, prompt, max_new_tokens=4, compile="aot")
+    assert torch.equal(got, generate(model, prompt, max_new_tokens=4))
+    assert "no C++ kernel for this" in caplog.text
+    assert elsewhere == [model] * 3
+
+
+def test_sinks_and_beam_search_are_refused_by_name():
+    model = qkv_model("tiny-llama")
+    prompt = torch.arange(3, 9).unsqueeze(0)
+    with pytest.raises(ValueError, match="sinks"):
+        generate(model, prompt, max_new_tokens=2, compile="aot", sinks=(1, 4))
+    with pytest.raises(ValueError, match="compile"):
+        generate(model, prompt, max_new_tokens=2, compile="aot", num_beams=2)
+    with pytest.raises(TypeError, match='"aot"'):
+        generate(model, prompt, max_new_tokens=2, compile="fast")
