@@ -29,7 +29,7 @@ Greedy decoding at batch 1, one call timed as a user sees it, the prefill includ
 is a Llama-style GPT ({model}), built by transformers and saved once, then loaded from that
 directory by both libraries; the peer is transformers' `generate` with
 `attn_implementation="sdpa"`. Neither stops early (the config has no eos token), and the tokens
-of every path are compared with transformers'. Three qkv paths, side by side:
+of every path are compared with transformers'. Four qkv paths, side by side:
 - qkv: `qkv.generation.generate(model, ..., compile=False)`, eager (the default, compile="auto",
   switches to the compiled steps below once they pay for themselves), its fp32 products on
   oneDNN where that is faster here (`qkv.layers.Linear`);
@@ -47,7 +47,13 @@ of every path are compared with transformers'. Three qkv paths, side by side:
   layer's new key and value are written in place into its cache tensor. Compiling is paid once
   per machine and architecture ("compile s: cold": the first call, with torch.compile's caches
   and qkv's compile store empty; "next process": a new process's first call, which loads the
-  stored graph instead of compiling).
+  stored graph instead of compiling);
+- aot: the packed model with `generate(..., compile="aot")`: the same step exported once
+  (`torch.export`) and compiled ahead of time by AOTInductor into a library whose C++ wrapper
+  calls the same kernels, with the model's own weights as its constants
+  (`src/qkv/acceleration/exported.py`); no Python runs between a step's kernels ("aot compile
+  s": its first call, after compile=True's; "next process": loading the stored library, in the
+  same new process after its compile=True call; "aot / compiled": what the library buys).
 
 At batch 1 every step reads every weight once (of the embedding table, the one row looked up)
 and the K/V cache so far, at about one FLOP per byte: decoding is memory-bound. The limit in

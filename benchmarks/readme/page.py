@@ -119,11 +119,16 @@ def headlines(results: dict[str, dict]) -> list[str]:
         )
     if "decode" in results:
         for r in sorted(results["decode"].get("rows", []), key=lambda r: dtype_rank(r["dtype"])):
+            aot = get(r, "tokens_per_s", "qkv_aot") is not None  # the fastest path, if timed
+            speed = get(r, "tokens_per_s", "qkv_aot" if aot else "qkv_compiled")
+            hf = get(r, "tokens_per_s", "transformers")
+            ratios = "aot_peer_paired_ratios" if aot else "peer_paired_ratios"
+            path = 'qkv compile="aot"' if aot else "compiled qkv"
             items.append(
-                f"Greedy decoding, batch 1, {dtype_name(r['dtype'])}: compiled qkv "
-                f"{num(get(r, 'tokens_per_s', 'qkv_compiled'), '.1f')} tokens/s, "
-                f"{num(r.get('compiled_ratio'), '.2f')}x transformers"
-                + _llama_cpp(get(r, "peer_paired_ratios", "llama_cpp"))
+                f"Greedy decoding, batch 1, {dtype_name(r['dtype'])}: {path} "
+                f"{num(speed, '.1f')} tokens/s, "
+                f"{num(speed / hf if speed and hf else None, '.2f')}x transformers"
+                + _llama_cpp(get(r, ratios, "llama_cpp"))
             )
     for r in sorted(
         results.get("decode_batch", {}).get("rows", []), key=lambda r: dtype_rank(r["dtype"])
