@@ -50,19 +50,20 @@ test: lint browser
 	$(MAKE) --no-print-directory test-masked
 
 # The CPU fast paths (oneDNN and packed linears, bf16 under autocast, compiled products, the
-# AOTInductor step, the dropout kernel) again, with CPU features masked as on an older or
-# smaller CPU: oneDNN capped at AVX2 (no AVX-512, no AMX), then PyTorch's kernels and inductor
-# at their portable baseline.
+# dropout kernel) again, with CPU features masked as on an older or smaller CPU: oneDNN capped
+# at AVX2 (no AVX-512, no AMX), then PyTorch's kernels and inductor at their portable baseline.
 # Each run has its own inductor cache: torch.compile's cache does not key its C++ code on
 # ATEN_CPU_CAPABILITY, and code vectorised for one ISA fails to build under another.
 FAST_PATH_TESTS := tests/acceleration/test_packing.py tests/layers/test_dropout.py \
 	tests/layers/test_linear.py tests/attention/test_dropout.py \
-	tests/acceleration/test_compiled.py::test_packed_and_compiled_equals_eager_and_one_graph_serves_every_later_call \
-	tests/acceleration/test_exported.py::test_packed_products_are_served
+	tests/acceleration/test_compiled.py::test_packed_and_compiled_equals_eager_and_one_graph_serves_every_later_call
+# The AOTInductor step builds the same kernels: held to AVX2 only, where a CPU without AVX-512
+# is likeliest (a library per masked run costs ~20 s).
+AVX2_TESTS := tests/acceleration/test_exported.py::test_packed_products_are_served
 test-masked: $(STAMP)
 	@echo "== fast paths with oneDNN capped at AVX2, ATEN_CPU_CAPABILITY=avx2"
 	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 TORCHINDUCTOR_CACHE_DIR=$(VENV)/inductor-avx2 \
-		$(BIN)/python -m pytest $(FAST_PATH_TESTS)
+		$(BIN)/python -m pytest $(FAST_PATH_TESTS) $(AVX2_TESTS)
 	@echo "== fast paths with oneDNN capped at SSE4.1, ATEN_CPU_CAPABILITY=default"
 	ONEDNN_MAX_CPU_ISA=SSE41 ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_CACHE_DIR=$(VENV)/inductor-default \
 		$(BIN)/python -m pytest $(FAST_PATH_TESTS)

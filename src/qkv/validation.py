@@ -27,9 +27,10 @@ __all__ = [
 
 
 def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
-    """`value` must be an int (not a bool), at least `minimum` when one is given."""
+    """`value` must be an int (not a bool), at least `minimum` when one is given. A symbolic
+    size (torch.SymInt, what a length is while torch.export traces) counts as an int."""
     expected = "an int" if minimum is None else f"an int >= {minimum}"
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, int | torch.SymInt):
         raise TypeError(f"{name}: expected {expected}, got {type(value).__name__} {value!r}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name}: expected {expected}, got {value}")

@@ -34,6 +34,17 @@ def test_compiled_steps_equal_eager_ones_on_a_left_padded_batch(preset):
     assert torch.equal(tokens, eager_tokens)
 
 
+def test_a_relative_position_bias_compiles_at_batch_2():
+    """T5's bias (1, H, L_q, L_k) against a symbolic batch size: it broadcasts (a tuple test
+    of its sizes once failed under torch.compile)."""
+    model = qkv_model("tiny-gpt2", position="t5")
+    prompts = torch.arange(2, 12).view(2, 5)
+    eager_tokens, eager_logits = _steps(model, prompts, None)
+    tokens, logits = _steps(model, prompts, None, compile=True)
+    torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(tokens, eager_tokens)
+
+
 @pytest.mark.parametrize("prompt_length", [1, 2])
 def test_compiled_steps_stay_right_as_the_cache_grows_past_the_window(prompt_length):
     """From the third step on the compiled steps trust their guards (compiled.py,

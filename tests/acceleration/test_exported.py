@@ -21,7 +21,7 @@ NEW_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    """A compile store of this module's own, and a count of the libraries compiled in it."""
+    """A compile store of this module's own, and the models whose step was compiled into it."""
     directory = tmp_path_factory.mktemp("store")
     previous = os.environ.get("QKV_COMPILE_CACHE")
     os.environ["QKV_COMPILE_CACHE"] = str(directory)
@@ -65,7 +65,20 @@ def test_exported_steps_equal_eager_ones_for_every_prompt_length(llama, store, p
     tokens, logits = _steps(llama, prompt, compile="aot")
     torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
     assert torch.equal(tokens, eager_tokens)
-    assert len(store[1]) == 1
+    assert store[1].count(llama) == 1  # the fixture's compilation, and no other
+
+
+def test_windows_and_relative_biases_are_exported_too(caplog):
+    """A window of 4 (outgrown by the cache) and T5's bias table, built from symbolic lengths,
+    at batch 2: the library serves them (no fallback warned of), with eager tokens."""
+    model = qkv_model("tiny-gpt2", position="t5", sliding_window=4)
+    prompts = torch.arange(2, 12).view(2, 5)
+    with caplog.at_level(logging.WARNING, logger="qkv.acceleration.exported"):
+        tokens, logits = _steps(model, prompts, compile="aot")
+    eager_tokens, eager_logits = _steps(model, prompts)
+    assert "instead" not in caplog.text
+    torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(tokens, eager_tokens)
 
 
 def test_the_library_reads_the_models_own_weights(llama, store):
@@ -79,7 +92,7 @@ def test_the_library_reads_the_models_own_weights(llama, store):
         )
     expected = generate(llama, prompt, max_new_tokens=NEW_TOKENS)
     assert torch.equal(generate(llama, prompt, max_new_tokens=NEW_TOKENS, compile="aot"), expected)
-    assert len(store[1]) == 1
+    assert store[1].count(llama) == 1  # the fixture's compilation, and no other
 
 
 def test_packed_products_are_served(store):

@@ -252,7 +252,8 @@ def _window_extent(window: int | tuple[int, int]) -> tuple[int, int]:
 
 
 def _check_length(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """A length: an int >= 0, or a symbolic one (a torch.SymInt, while torch.export traces)."""
+    if isinstance(value, bool) or not isinstance(value, int | torch.SymInt):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
     if value < 0:
         raise ValueError(f"{name}: expected a non-negative length, got {value}")

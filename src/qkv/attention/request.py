@@ -424,7 +424,9 @@ def _check_score_shaped(
             f"does not broadcast against the head axis"
         )
     aligned = target[-tensor.dim() :]
-    if any(size not in (1, want) for size, want in zip(tensor.shape, aligned, strict=True)):
+    # `size != 1 and size != want`, not `size not in (1, want)`: under torch.compile, a symbolic
+    # `want` (a batch size) made the tuple test fail for a size of 1
+    if any(size != 1 and size != want for size, want in zip(tensor.shape, aligned, strict=True)):
         raise ValueError(
             f"{name}: shape {tuple(tensor.shape)} does not broadcast to (B, H, L_q, L_k) = {target}"
         )

@@ -289,6 +289,8 @@ def _once_per_shape(bias):
     computed: dict[tuple[int, int], torch.Tensor] = {}
 
     def shared(L_q: int, L_k: int) -> torch.Tensor:
+        if isinstance(L_q, torch.SymInt) or isinstance(L_k, torch.SymInt):
+            return bias(L_q, L_k)  # a symbolic size (torch.export) has no hash: one per layer
         if (L_q, L_k) not in computed:
             computed[L_q, L_k] = bias(L_q, L_k)
         return computed[L_q, L_k]
