@@ -12,7 +12,7 @@ so both hold the same weights. Each dtype casts both models with .to(dtype).
 One call, timed as a user sees it (prefill included), batch 1, a 32-token prompt (no padding,
 no attention_mask for either), 128 new tokens:
     qkv            qkv.generation.generate(model, ids, max_new_tokens=128, compile=False)
-                   (greedy, eager; the default, compile="auto", switches to the compiled
+                   (greedy, eager; the default, compile="auto", switches to the aot
                    steps below once they pay for themselves: qkv.acceleration.auto)
     qkv packed     the same on a copy inside `with qkv.acceleration.packed_linears(model):`
                    (oneDNN-packed weights, fused where they read one input, what `qkv

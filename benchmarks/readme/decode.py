@@ -31,7 +31,7 @@ directory by both libraries; the peer is transformers' `generate` with
 `attn_implementation="sdpa"`. Neither stops early (the config has no eos token), and the tokens
 of every path are compared with transformers'. Four qkv paths, side by side:
 - qkv: `qkv.generation.generate(model, ..., compile=False)`, eager (the default, compile="auto",
-  switches to the compiled steps below once they pay for themselves), its fp32 products on
+  switches to the aot steps below once they pay for themselves), its fp32 products on
   oneDNN where that is faster here (`qkv.layers.Linear`);
 - packed: the same inside `with qkv.acceleration.packed_linears(model):` (what `qkv generate` does
   on the CPU unless given `--no-pack`): every linear becomes a `PackedLinear` that holds its

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
-from qkv.acceleration import auto
+from qkv.acceleration import auto, exported
 from qkv.acceleration.auto import PROBE_STEPS, SAVED_FRACTION, AutoSteps
 from qkv.generation import generate
 from tests.generation.reference_models import qkv_model
@@ -83,19 +83,27 @@ def test_repeated_short_calls_switch_once_the_time_spent_covers_the_cost(clock):
     assert spent_before_switch - steps + (steps - PROBE_STEPS) < cost / SAVED_FRACTION
 
 
-def test_auto_on_a_real_model_compiles_nothing_for_a_short_call_then_uses_graphs_in_memory():
-    """The default decodes a short call eagerly (nothing compiled); once compile=True compiled
-    the model's graph, the default uses it from the first step, with the same tokens."""
+def test_auto_on_a_real_model_compiles_nothing_for_a_short_call_then_uses_the_step_in_memory(
+    monkeypatch,
+):
+    """The default decodes a short call eagerly (nothing compiled); once compile="aot"
+    compiled the model's step, the default uses it from the first step, with the same tokens;
+    compile=True's graphs are not what it switches to."""
     model = qkv_model("tiny-llama")
     prompt = torch.arange(1, 6).unsqueeze(0)  # (1, 5)
     counters.clear()
+    libraries = []
+    real = exported._compile
+    monkeypatch.setattr(exported, "_compile", lambda *a: libraries.append(1) or real(*a))
     eager = generate(model, prompt, max_new_tokens=6, compile=False)
     assert torch.equal(generate(model, prompt, max_new_tokens=6), eager)
-    assert not counters["stats"]["unique_graphs"]
-    generate(model, prompt, max_new_tokens=6, compile=True)
+    assert not counters["stats"]["unique_graphs"] and not libraries
+    generate(model, prompt, max_new_tokens=6, compile="aot")
+    assert exported.compile_seconds(model) == 0.0 and len(libraries) == 1
     runner = auto.auto_steps(model, 5)
-    assert runner.compiled is not None  # graphs in memory: compiled from the first step
+    assert isinstance(runner.compiled, exported.ExportedSteps)  # from the first step
     assert torch.equal(generate(model, prompt, max_new_tokens=6), eager)
+    assert len(libraries) == 1
 
 
 def test_auto_decodes_eagerly_where_compiled_steps_do_not_serve(monkeypatch):

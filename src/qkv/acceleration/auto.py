@@ -1,8 +1,10 @@
 """`compile="auto"`, the default of `qkv.generate`: compiled decoding steps whenever they pay.
 
-Compiled steps (qkv.acceleration.compiled) cost seconds once: tens for a first compilation on a
-machine, a few to load a graph an earlier process stored (qkv.acceleration.compile_store), none
-once the model's graphs are in memory; then each step is faster (benchmarks/decode.py: several
+The compiled steps it switches to are compile="aot"'s (qkv.acceleration.exported: the step
+compiled ahead of time by AOTInductor, with compile=True's steps, qkv.acceleration.compiled, for
+the calls it does not serve). They cost seconds once: tens for a first compilation on a
+machine, a few to load a library an earlier process stored (qkv.acceleration.compile_store),
+none once the model's library is in memory; then each step is faster (benchmarks/decode.py: several
 times the eager steps of its 55M Llama on 2 CPU cores). Whether that pays depends on how much
 decoding follows, which a call knows only in part. `AutoSteps` runs the first steps eagerly,
 times them, and switches to the compiled steps once the eager time they would save covers what
@@ -14,8 +16,8 @@ they cost:
 This is the rent-or-buy rule (Karlin et al. 1988, "Competitive snoopy caching"): counting what
 was already spent keeps a program that decodes the same model again and again within about
 twice the time of the best choice in hindsight, and counting the steps left makes a long call
-switch early. The cost is `compiled.compile_seconds` (0 with graphs in memory: they are used
-from the first step; LOAD_SECONDS with graphs stored; the compilation measured for this model on
+switch early. The cost is `exported.compile_seconds` (0 with a library in memory: it is used
+from the first step; LOAD_SECONDS with one stored; the compilation measured for this model on
 this machine), or COMPILE_SECONDS where nothing is known.
 
 The eager steps are used where compiled ones do not serve the call: an encoder-decoder, beam
@@ -36,7 +38,7 @@ from collections.abc import Callable
 from torch import nn
 
 from qkv import capabilities
-from qkv.acceleration import compiled
+from qkv.acceleration import exported
 
 __all__ = ["COMPILE_SECONDS", "PROBE_STEPS", "SAVED_FRACTION", "AutoSteps", "auto_steps"]
 
@@ -72,16 +74,16 @@ class AutoSteps:
         self,
         model: nn.Module,
         steps: int,
-        cost: Callable[[nn.Module], float | None] = compiled.compile_seconds,
-        compile: Callable[[nn.Module], Callable] = compiled.compiled_steps,
+        cost: Callable[[nn.Module], float | None] = exported.compile_seconds,
+        compile: Callable[[nn.Module], Callable] = exported.exported_steps,
     ) -> None:
         self.model, self.left, self.compile = model, steps, compile
         self.cost = cost(model)
         self.eager_seconds: list[float] = []  # of this call's eager steps
         self.compiled: Callable | None = None
         self.decided = self.cost == 0.0
-        if self.decided:  # graphs in memory: nothing to weigh
-            self._switch("the model's graphs are in memory")
+        if self.decided:  # a library in memory: nothing to weigh
+            self._switch("the model's compiled step is in memory")
 
     def __call__(self, *args, **kwargs):
         if not self.decided and len(self.eager_seconds) == PROBE_STEPS:

@@ -38,12 +38,12 @@ import torch
 from torch import nn
 
 from qkv.acceleration import compiled
-from qkv.acceleration.compile_store import model_key, store_directory
+from qkv.acceleration.compile_store import LOAD_SECONDS, model_key, store_directory
 from qkv.acceleration.packing import PackedLinear
 from qkv.layers.kv_cache import StaticKVCache
 from qkv.models.outputs import CausalLMOutput
 
-__all__ = ["ExportedSteps", "exported_steps"]
+__all__ = ["ExportedSteps", "compile_seconds", "exported_steps"]
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,29 @@ def exported_steps(model: nn.Module, sinks: tuple[int, int] | None = None):
     if not isinstance(steps, compiled.CompiledSteps):
         return steps
     return ExportedSteps(model, compiled._INDUCTOR_OPTIONS, fallback=lambda: steps)
+
+
+def compile_seconds(model: nn.Module) -> float | None:
+    """What exported steps would cost the model before their first step, in seconds: 0 with a
+    library in memory, LOAD_SECONDS with one stored, else the compile measured for this model
+    here (its libraries since removed), or None where nothing is known."""
+    key = model_key(model, compiled._INDUCTOR_OPTIONS)
+    loaded = _RUNNERS.get(model, {})
+    if any(k[0] == key and not isinstance(r, str) for k, r in loaded.items()):
+        return 0.0
+    directory = store_directory()
+    if directory is None:
+        return None
+    folder = directory / key
+    if any(folder.glob("exported-*.pt2")):
+        return LOAD_SECONDS
+    try:
+        return float((folder / _SECONDS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+_SECONDS_FILE = "exported_compile_seconds"  # beside the libraries: the last compile's seconds
 
 
 def _served(input_ids: torch.Tensor, kwargs: dict) -> bool:
@@ -236,6 +259,7 @@ def _compile(model, options: dict, input_ids, kwargs: dict, path: Path | None):
         program, package_path=str(partial), inductor_configs=configs
     )
     os.replace(partial, path)
-    logger.info("compile='aot': step exported and compiled in %.1f s (%s)",
-                time.perf_counter() - started, path)  # fmt: skip
+    seconds = time.perf_counter() - started
+    (path.parent / _SECONDS_FILE).write_text(f"{seconds:.3f}")
+    logger.info("compile='aot': step exported and compiled in %.1f s (%s)", seconds, path)
     return torch._inductor.aoti_load_package(str(path))

@@ -136,7 +136,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=None,
         help="decode with the model's forward compiled by torch.compile (faster steps after a "
         "compilation of tens of seconds, paid once per machine: later runs load it in a few); "
-        "--no-compile: eagerly. Default: compiled once it pays for itself, at once where this "
-        'machine has compiled the model (qkv.generate\'s compile="auto")',
+        "--no-compile: eagerly. Default: the step compiled ahead of time by AOTInductor once "
+        "that pays for itself, at once where this process has compiled the model "
+        '(qkv.generate\'s compile="auto")',
     )
     generate.set_defaults(run=_generate)

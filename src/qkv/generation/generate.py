@@ -19,8 +19,8 @@ norms, RoPE, casts and cache writes between the matrix products fuse into a few 
 Compiling takes a while once per machine and architecture (later calls, later `packed_linears`
 blocks and later processes reuse the graphs: qkv.acceleration.compile_store) and needs what
 torch.compile's inductor needs on the CPU: a C++ compiler. The default, `compile="auto"`, starts
-eagerly and switches to the compiled steps once they pay for themselves
-(qkv.acceleration.auto): at once when the model's graphs are in memory. Once two steps have
+eagerly and switches to `compile="aot"`'s steps (below) once they pay for themselves
+(qkv.acceleration.auto): at once when the model's compiled step is in memory. Once two steps have
 passed a graph's guards, later steps call it without checking them again (`CompiledSteps`), and
 from the sixth step on with its inputs gathered by a plan rather than by torch.compile's walk of
 the module tree (qkv.acceleration.flat_call). `compile="guarded"` keeps to torch.compile's public
@@ -85,7 +85,7 @@ def generate(
     decodes with the model's forward compiled (see the module doc): the same tokens, faster
     steps after a one-time compilation; `compile="aot"` through AOTInductor, no Python between
     the kernels; `compile="guarded"` with torch.compile's public API alone, every guard checked
-    every step; `compile="auto"` (the default) eagerly until the compiled steps pay,
+    every step; `compile="auto"` (the default) eagerly until `compile="aot"`'s steps pay,
     `compile=False` eagerly.
 
     Raises ValueError naming `model` when its logits stop being finite (NaN, +inf, or -inf

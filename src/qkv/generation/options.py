@@ -19,7 +19,7 @@ from qkv.validation import check_int
 
 __all__ = ["COMPILE_MODES", "DecodeOptions", "decode_options"]
 
-# compile: "auto" (compiled steps once they pay: qkv.acceleration.auto), False (eager), True
+# compile: "auto" ("aot"'s steps once they pay: qkv.acceleration.auto), False (eager), True
 # (compiled, guard-free steps where torch allows), "guarded" (torch.compile's public API alone):
 # see qkv.acceleration.compiled; "aot" (the step compiled ahead of time by AOTInductor, no Python
 # between its kernels): see qkv.acceleration.exported
