@@ -89,6 +89,15 @@ class StaticKVCache(_KVStorage):
         super().__init__(num_layers, shape, dtype, device)
         self.max_length = max_length
 
+    def check_room(self, num_tokens: int) -> None:
+        """Raise ValueError where `num_tokens` more tokens would not fit in the slots."""
+        end = self.length + num_tokens
+        if end > self.max_length:
+            raise ValueError(
+                f"cache: {end} tokens exceed max_length={self.max_length}; expected a longer "
+                f"cache or a SinkKVCache"
+            )
+
     def attend_inputs(
         self,
         layer: int,
@@ -102,11 +111,7 @@ class StaticKVCache(_KVStorage):
         return (q, all cached keys, all cached values) for attention."""
         T = k.shape[2]
         end = self.length + T
-        if end > self.max_length:
-            raise ValueError(
-                f"cache: {end} tokens exceed max_length={self.max_length}; expected a longer "
-                f"cache or a SinkKVCache"
-            )
+        self.check_room(T)
         if rope is not None:
             if positions is None:  # one sequence, no padding: the slots are the positions
                 positions = torch.arange(self.length, end, device=k.device)
