@@ -1,27 +1,30 @@
-"""Benchmark: where a compiled decoding step's time goes, beside llama.cpp's whole step.
+"""Benchmark: where a decoding step's time goes, beside llama.cpp's whole step.
 
-    .venv/bin/python benchmarks/decode_breakdown.py            # fp32 and bf16 (2-4 min)
+    .venv/bin/python benchmarks/decode_breakdown.py            # fp32 and bf16 (3-5 min)
     .venv/bin/python benchmarks/decode_breakdown.py --dtype fp32 --repeats 4
 
-The model, prompt and packed, compiled qkv call are those of benchmarks/decode.py (batch 1, a
-32-token prompt, 128 new tokens, `generate(..., compile=True)` inside `packed_linears`). Each
-qkv call is split, by timers around two calls, into
+The model, prompt and packed qkv call are those of benchmarks/decode.py (batch 1, a 32-token
+prompt, 128 new tokens, `generate(..., compile="aot")` inside `packed_linears`: the path
+`compile="auto"`, the default, takes). Each qkv call is split, by timers around two calls, into
 
-    kernels        inside inductor's compiled graph (`CompiledFxGraph.__call__`): the C++
-                   kernels and the extern calls (SDPA) of the 127 decoding steps
-    before graph   from `CompiledSteps.__call__` to the graph: gathering its inputs (from
-                   the sixth step on by the plan of qkv.acceleration.flat_call, before that
-                   by torch.compile's rewritten forward walking the module tree),
-                   and AOTAutograd's runtime wrapper
-    after graph    from the graph's return to the step's: the output object, side effects
+    library        inside the AOTInductor library's `boxed_run`: its C++ wrapper, kernels,
+                   allocations and extern calls (SDPA) for the 127 decoding steps
+    into library   from `ExportedSteps.__call__` to the library: which calls it serves, the
+                   list of its inputs
+    after library  from the library's return to the step's: the cache's new length, the
+                   output object
     outside steps  the rest of the call: the prefill (eager, packed), and per step the
                    loop's own work (the finiteness check, the argmax, positions, tokens)
 
+and the same library compiled for one thread is timed alone ("library, 1 thread"), so that
+its ratio to the two-thread figure tells how much the second core buys: the kernels stream the
+weights, and every parallel loop ends at a barrier.
+
 llama.cpp (llama-cpp-python, the GGUF of benchmarks/peers.py) is timed in the same rounds, so
-"qkv / llama.cpp" compares whole calls on one machine state, and "kernels / llama.cpp" what
-qkv's step would take with no Python around its graph. Fastest round of each. The timers read
-torch's private `CompiledFxGraph` class: a torch that moves it stops this script, not qkv.
-Results: benchmarks/results/decode_breakdown.json.
+"qkv / llama.cpp" compares whole calls on one machine state, and "library / llama.cpp" what
+qkv's step would take with no Python around it. Fastest round of each. The timers wrap the
+loaded library's runner, which is torch's private AOTInductor class: a torch that changes it
+stops this script, not qkv. Results: benchmarks/results/decode_breakdown.json.
 """
 
 from __future__ import annotations
@@ -35,34 +38,54 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("QKV_COMPILE_CACHE", "off")  # compile here: no graph stored elsewhere
+os.environ.setdefault("QKV_COMPILE_CACHE", "off")  # compile here: no library stored elsewhere
 
 import torch
 from common import DTYPES, log, machine_info, write_json
 from decode import LLAMA, build_models
 from peers import LlamaCpp, missing, write_gguf
-from torch._inductor.output_code import CompiledFxGraph
 
-from qkv.acceleration import compiled, packed_linears
+from qkv.acceleration import exported, packed_linears
 from qkv.generation import generate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 class StepTimers:
-    """Seconds spent in the compiled graph, before it and after it, summed over steps."""
+    """Seconds spent in the library, before it and after it, summed over steps."""
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
-        self.kernels = self.before = self.after = 0.0
+        self.library = self.before = self.after = 0.0
         self.steps = 0
         self._entered = self._returned = 0.0
 
     @contextlib.contextmanager
-    def installed(self):
-        step_call, graph_call = compiled.CompiledSteps.__call__, CompiledFxGraph.__call__
+    def installed(self, model):
+        """Timers around `ExportedSteps.__call__` and around the boxed_run of `model`'s
+        loaded libraries (a stand-in object with the runner's other attributes)."""
+        step_call = exported.ExportedSteps.__call__
+        runners = exported._RUNNERS.get(model, {}).values()
+        served = [runner for runner in runners if not isinstance(runner, str)]  # str: a reason
+        loaders = [runner.loader for runner in served]
+        timers = self
+
+        class TimedLoader:
+            def __init__(self, loader) -> None:
+                self.loader = loader
+
+            def __getattr__(self, name):
+                return getattr(self.loader, name)
+
+            def boxed_run(self, inputs):
+                started = time.perf_counter()
+                timers.before += started - timers._entered
+                output = self.loader.boxed_run(inputs)
+                timers._returned = time.perf_counter()
+                timers.library += timers._returned - started
+                return output
 
         def step(steps, *args, **kwargs):
             self._entered = time.perf_counter()
@@ -71,19 +94,34 @@ class StepTimers:
             self.steps += 1
             return output
 
-        def graph(graph_self, *args, **kwargs):
-            started = time.perf_counter()
-            self.before += started - self._entered
-            output = graph_call(graph_self, *args, **kwargs)
-            self._returned = time.perf_counter()
-            self.kernels += self._returned - started
-            return output
-
-        compiled.CompiledSteps.__call__, CompiledFxGraph.__call__ = step, graph
+        for runner, loader in zip(served, loaders, strict=True):
+            runner.loader = TimedLoader(loader)
+        exported.ExportedSteps.__call__ = step
         try:
             yield self
         finally:
-            compiled.CompiledSteps.__call__, CompiledFxGraph.__call__ = step_call, graph_call
+            exported.ExportedSteps.__call__ = step_call
+            for runner, loader in zip(served, loaders, strict=True):
+                runner.loader = loader
+
+
+def library_one_thread(base, dtype: str, ids, rounds: int, new_tokens: int) -> float:
+    """ms per call in the library compiled for, and run on, one thread (fastest round)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = copy.deepcopy(base).to(DTYPES[dtype])
+        with packed_linears(model):
+            generate(model, ids, max_new_tokens=new_tokens, compile="aot")
+            timers, best = StepTimers(), None
+            for _ in range(rounds):
+                with timers.installed(model):
+                    timers.reset()
+                    generate(model, ids, max_new_tokens=new_tokens, compile="aot")
+                best = timers.library if best is None else min(best, timers.library)
+        return best * 1e3
+    finally:
+        torch.set_num_threads(threads)
 
 
 def breakdown(base, theirs, dtype: str, rounds: int, new_tokens: int) -> dict:
@@ -94,7 +132,7 @@ def breakdown(base, theirs, dtype: str, rounds: int, new_tokens: int) -> dict:
     block = contextlib.ExitStack()
     block.enter_context(packed_linears(model))
     log(f"{dtype}: compiling ...")
-    generate(model, ids, max_new_tokens=new_tokens, compile=True)
+    generate(model, ids, max_new_tokens=new_tokens, compile="aot")
     llama = None
     if missing() is None:
         folder = Path(tempfile.mkdtemp(prefix="qkv-breakdown-"))
@@ -104,14 +142,14 @@ def breakdown(base, theirs, dtype: str, rounds: int, new_tokens: int) -> dict:
     timers = StepTimers()
     log(f"{dtype}: timing {rounds} rounds ...")
     for _ in range(rounds):
-        with timers.installed():
+        with timers.installed(model):
             timers.reset()
             started = time.perf_counter()
-            generate(model, ids, max_new_tokens=new_tokens, compile=True)
+            generate(model, ids, max_new_tokens=new_tokens, compile="aot")
             total = time.perf_counter() - started
-        row = {"total": total, "kernels": timers.kernels, "before graph": timers.before,
-               "after graph": timers.after}  # fmt: skip
-        row["outside steps"] = total - timers.kernels - timers.before - timers.after
+        row = {"total": total, "library": timers.library, "into library": timers.before,
+               "after library": timers.after}  # fmt: skip
+        row["outside steps"] = total - timers.library - timers.before - timers.after
         if best is None or total < best["total"]:
             best = {name: seconds * 1e3 for name, seconds in row.items()}
             best["steps"] = timers.steps
@@ -121,6 +159,10 @@ def breakdown(base, theirs, dtype: str, rounds: int, new_tokens: int) -> dict:
             seconds = (time.perf_counter() - started) * 1e3
             llama_ms = seconds if llama_ms is None else min(llama_ms, seconds)
     block.close()
+    if not best["steps"]:
+        raise RuntimeError(f"{dtype}: no step ran through the exported library")
+    log(f"{dtype}: the library for one thread ...")
+    best["library, 1 thread"] = library_one_thread(base, dtype, ids, rounds, new_tokens)
     return {"dtype": dtype, "new_tokens": new_tokens, "qkv_ms": best, "llama_cpp_ms": llama_ms}
 
 
@@ -131,15 +173,20 @@ def table(rows: list[dict]) -> str:
     ]
     for row in rows:
         qkv, steps = row["qkv_ms"], row["qkv_ms"]["steps"]
-        for part in ("kernels", "before graph", "after graph", "outside steps", "total"):
+        for part in ("library", "into library", "after library", "outside steps", "total"):
             lines.append(f"| {row['dtype']} | {part} | {qkv[part]:.1f} | "
                          f"{qkv[part] / steps:.3f} | {qkv[part] / qkv['total']:.1%} |")  # fmt: skip
         if row["llama_cpp_ms"] is not None:
             llama = row["llama_cpp_ms"]
             lines.append(f"| {row['dtype']} | llama.cpp, whole call | {llama:.1f} | "
                          f"{llama / row['new_tokens']:.3f} | qkv / llama.cpp "
-                         f"{llama / qkv['total']:.2f}x, kernels alone "
-                         f"{llama / qkv['kernels']:.2f}x |")  # fmt: skip
+                         f"{llama / qkv['total']:.2f}x, library alone "
+                         f"{llama / qkv['library']:.2f}x |")  # fmt: skip
+        one = qkv["library, 1 thread"]
+        lines.append(
+            f"| {row['dtype']} | library, 1 thread | {one:.1f} | {one / steps:.3f} | "
+            f"2 threads are {one / qkv['library']:.2f}x as fast |"
+        )
     return "\n".join(lines)
 
 

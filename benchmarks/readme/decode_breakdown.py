@@ -1,4 +1,4 @@
-"""The section of benchmarks/decode_breakdown.py: where a compiled decoding step's time goes."""
+"""The section of benchmarks/decode_breakdown.py: where a decoding step's time goes."""
 
 from __future__ import annotations
 
@@ -6,17 +6,17 @@ from .format import get, md_table, num, pct, prose
 from .machine import machine_table
 
 TEXT = """\
-The compiled call of the decoding benchmark (batch 1, a 32-token prompt, {new} new tokens,
-`generate(..., compile=True)` inside `packed_linears`), split by timers around the compiled
-graph: the graph's kernels; before it, gathering the graph's inputs (from the sixth step on by
-`qkv.acceleration.flat_call`'s plan, before that by torch.compile's rewritten forward walking
-the module tree) and AOTAutograd's wrapper; after it, the output and the cache's new length;
-outside the steps, the prefill and the loop's own work per step (the finiteness check,
-the argmax, the positions). llama.cpp's whole call on the same weights is timed in the same
-rounds. The fastest round of each. "kernels alone" is what qkv would reach with no Python
-around its graph: the distance between the two ratios is the interpreter's."""
+The default call of the decoding benchmark (batch 1, a 32-token prompt, {new} new tokens,
+`generate(..., compile="aot")` inside `packed_linears`: what `compile="auto"` takes), split by
+timers around the AOTInductor library's run: the library (its C++ wrapper, kernels,
+allocations and SDPA calls); into it, which calls it serves and the list of its inputs; after
+it, the cache's new length and the output; outside the steps, the prefill and the loop's own
+work per step (the finiteness check, the argmax, the positions). llama.cpp's whole call on the
+same weights is timed in the same rounds. The fastest round of each. "library alone" is what qkv
+would reach with no Python around its steps. "library, 1 thread" is the same library compiled
+for one thread: its ratio to the two-thread figure is what the second core buys."""
 
-PARTS = ("kernels", "before graph", "after graph", "outside steps", "total")
+PARTS = ("library", "into library", "after library", "outside steps", "total")
 
 
 def decode_breakdown_section(data: dict) -> list[str]:
@@ -33,11 +33,16 @@ def decode_breakdown_section(data: dict) -> list[str]:
             body.append([row.get("dtype"), part, num(value, ".1f"), num(per_step, ".3f"),
                          pct(share, ".1f")])  # fmt: skip
         llama = row.get("llama_cpp_ms")
-        if isinstance(llama, (int, float)) and qkv.get("total") and qkv.get("kernels"):
-            ratios = (f"qkv {llama / qkv['total']:.2f}x llama.cpp's speed; kernels alone "
-                      f"{llama / qkv['kernels']:.2f}x")  # fmt: skip
+        if isinstance(llama, (int, float)) and qkv.get("total") and qkv.get("library"):
+            ratios = (f"qkv {llama / qkv['total']:.2f}x llama.cpp's speed; library alone "
+                      f"{llama / qkv['library']:.2f}x")  # fmt: skip
             body.append([row.get("dtype"), "llama.cpp, whole call", num(llama, ".1f"),
                          num(llama / row.get("new_tokens", 1), ".3f"), ratios])  # fmt: skip
-    lines = ["## Where a compiled decoding step's time goes (`decode_breakdown.py`)", ""]
+        one = qkv.get("library, 1 thread")
+        if isinstance(one, (int, float)) and qkv.get("library"):
+            body.append([row.get("dtype"), "library, 1 thread", num(one, ".1f"),
+                         num(one / steps, ".3f"),
+                         f"2 threads {one / qkv['library']:.2f}x as fast"])  # fmt: skip
+    lines = ["## Where a decoding step's time goes (`decode_breakdown.py`)", ""]
     lines += [*prose(TEXT.format(new=new)), ""]
     return [*lines, *md_table(header, body), "", *machine_table([("decode_breakdown", data)])]
