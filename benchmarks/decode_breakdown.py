@@ -118,6 +118,8 @@ def library_one_thread(base, dtype: str, ids, rounds: int, new_tokens: int) -> f
                 with timers.installed(model):
                     timers.reset()
                     generate(model, ids, max_new_tokens=new_tokens, compile="aot")
+                if not timers.steps:
+                    raise RuntimeError(f"{dtype}, 1 thread: no step ran through the library")
                 best = timers.library if best is None else min(best, timers.library)
         return best * 1e3
     finally:
