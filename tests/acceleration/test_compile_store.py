@@ -3,10 +3,6 @@ of the same architecture, in this process and in a new one, with their own weigh
 its guards do not check changes the key; a damaged file is compiled again."""
 
 import logging
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -14,6 +10,7 @@ import torch
 from qkv.acceleration import compiled, packed_linears
 from qkv.acceleration.compile_store import GraphStore, model_key, store_directory
 from qkv.generation import generate
+from tests.acceleration.new_process import decodes_from_the_store
 from tests.generation.reference_models import qkv_model, redraw
 
 NEW_TOKENS = 8
@@ -54,29 +51,9 @@ def test_a_stored_graph_serves_other_models_of_the_architecture_here_and_in_a_ne
                        expected)  # fmt: skip
     assert len(compilations) == 1  # loaded, not compiled
 
-    script = textwrap.dedent(f"""
-        import torch
-        from qkv.acceleration import compiled
-        from qkv.generation import generate
-        from tests.generation.reference_models import qkv_model, redraw
-
-        def refuse(*args):
-            raise AssertionError("compiled again")
-
-        compiled.compile_forward = refuse
-        model = redraw(qkv_model("tiny-llama"), seed=3)
-        prompt = torch.arange(3, 9).unsqueeze(0)
-        expected = generate(model, prompt, max_new_tokens={NEW_TOKENS})
-        got = generate(model, prompt, max_new_tokens={NEW_TOKENS}, compile=True)
-        assert torch.equal(got, expected), (got, expected)
-        print("loaded")
-    """)
-    environment = {**os.environ, "QKV_COMPILE_CACHE": str(directory)}
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-        env=environment,
-    )  # fmt: skip
-    assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-3000:]
+    decodes_from_the_store(
+        directory, refused="compiled.compile_forward", compile=True, new_tokens=NEW_TOKENS
+    )
 
 
 def test_what_guards_do_not_check_changes_the_key():

@@ -5,15 +5,13 @@ later process loads it from the compile store, and what it does not serve runs e
 
 import logging
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
 from qkv.acceleration import compiled, exported, packed_linears
 from qkv.generation import decode_steps, generate
+from tests.acceleration.new_process import decodes_from_the_store
 from tests.generation.reference_models import left_padded_prompts, qkv_model, redraw
 
 NEW_TOKENS = 8
@@ -113,29 +111,9 @@ def test_a_new_process_loads_the_library_from_the_store(llama, store):
     the library the fixture stored."""
     directory, _ = store
     assert len(list(directory.rglob("exported-b1-int64-int64.pt2"))) >= 1
-    script = textwrap.dedent(f"""
-        import torch
-        from qkv.acceleration import exported
-        from qkv.generation import generate
-        from tests.generation.reference_models import qkv_model, redraw
-
-        def refuse(*args):
-            raise AssertionError("compiled again")
-
-        exported._compile = refuse
-        model = redraw(qkv_model("tiny-llama"), seed=3)
-        prompt = torch.arange(3, 9).unsqueeze(0)
-        expected = generate(model, prompt, max_new_tokens={NEW_TOKENS}, compile=False)
-        got = generate(model, prompt, max_new_tokens={NEW_TOKENS}, compile="aot")
-        assert torch.equal(got, expected), (got, expected)
-        print("loaded")
-    """)
-    environment = {**os.environ, "QKV_COMPILE_CACHE": str(directory)}
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-        env=environment,
-    )  # fmt: skip
-    assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-3000:]
+    decodes_from_the_store(
+        directory, refused="exported._compile", compile="aot", new_tokens=NEW_TOKENS
+    )
 
 
 @pytest.fixture
