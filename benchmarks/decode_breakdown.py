@@ -9,12 +9,12 @@ prompt, 128 new tokens, `generate(..., compile="aot")` inside `packed_linears`: 
 
     library        inside the AOTInductor library's `boxed_run`: its C++ wrapper, kernels,
                    allocations and extern calls (SDPA) for the 127 decoding steps
-    into library   from `ExportedSteps.__call__` to the library: which calls it serves, the
-                   list of its inputs
-    after library  from the library's return to the step's: the cache's new length, the
-                   output object
+    into library   from `ExportedSteps.greedy` (the step a greedy loop calls; or `__call__`)
+                   to the library: which calls it serves, the list of its inputs
+    after library  from the library's return to the step's: the cache's new length
     outside steps  the rest of the call: the prefill (eager, packed), and per step the
-                   loop's own work (the finiteness check, the argmax, positions, tokens)
+                   loop's own work (the finiteness check of the row maxima the library
+                   returns, positions, tokens)
 
 and the same library compiled for one thread is timed alone ("library, 1 thread"), so that
 its ratio to the two-thread figure tells how much the second core buys: the kernels stream the
@@ -64,9 +64,9 @@ class StepTimers:
 
     @contextlib.contextmanager
     def installed(self, model):
-        """Timers around `ExportedSteps.__call__` and around the boxed_run of `model`'s
-        loaded libraries (a stand-in object with the runner's other attributes)."""
-        step_call = exported.ExportedSteps.__call__
+        """Timers around `ExportedSteps.__call__` and `greedy`, and around the boxed_run of
+        `model`'s loaded libraries (a stand-in object with the runner's other attributes)."""
+        step_call, step_greedy = exported.ExportedSteps.__call__, exported.ExportedSteps.greedy
         runners = exported._RUNNERS.get(model, {}).values()
         served = [runner for runner in runners if not isinstance(runner, str)]  # str: a reason
         loaders = [runner.loader for runner in served]
@@ -87,20 +87,26 @@ class StepTimers:
                 timers.library += timers._returned - started
                 return output
 
-        def step(steps, *args, **kwargs):
-            self._entered = time.perf_counter()
-            output = step_call(steps, *args, **kwargs)
-            self.after += time.perf_counter() - self._returned
-            self.steps += 1
-            return output
+        def timed(method):
+            def step(steps, *args, **kwargs):
+                self._entered = time.perf_counter()
+                output = method(steps, *args, **kwargs)
+                if output is not None:  # None: greedy did not serve the step, nothing ran
+                    self.after += time.perf_counter() - self._returned
+                    self.steps += 1
+                return output
+
+            return step
 
         for runner, loader in zip(served, loaders, strict=True):
             runner.loader = TimedLoader(loader)
-        exported.ExportedSteps.__call__ = step
+        exported.ExportedSteps.__call__ = timed(step_call)
+        exported.ExportedSteps.greedy = timed(step_greedy)
         try:
             yield self
         finally:
             exported.ExportedSteps.__call__ = step_call
+            exported.ExportedSteps.greedy = step_greedy
             for runner, loader in zip(served, loaders, strict=True):
                 runner.loader = loader
 

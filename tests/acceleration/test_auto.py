@@ -118,3 +118,21 @@ def test_auto_decodes_eagerly_where_compiled_steps_do_not_serve(monkeypatch):
     prompt = torch.arange(1, 6).unsqueeze(0)
     beams = generate(model, prompt, max_new_tokens=4, num_beams=2)  # no refusal by default
     assert beams.shape == (1, 9)
+
+
+def test_a_greedy_step_is_the_compiled_steps_once_switched_to_them(clock):
+    """`greedy` (a step that chooses too): None while the steps are eager, nothing counted;
+    the compiled steps' own once switched to them, counted as a step."""
+
+    class Compiled:
+        def greedy(self, *args):
+            return ("chosen", args)
+
+    def steps(cost):
+        model = _OneSecondSteps(clock)
+        return AutoSteps(model, 10, cost=lambda m: cost, compile=lambda m: Compiled())
+
+    eager = steps(1e9)
+    assert eager.greedy(1, 2, 3) is None and eager.left == 10
+    switched = steps(0.0)
+    assert switched.greedy(1, 2, 3) == ("chosen", (1, 2, 3)) and switched.left == 9

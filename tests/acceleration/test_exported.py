@@ -93,6 +93,50 @@ def test_the_library_reads_the_models_own_weights(llama, store):
     assert store[1].count(llama) == 1  # the fixture's compilation, and no other
 
 
+def test_a_greedy_loop_takes_the_librarys_own_argmax_and_maxima(llama, monkeypatch):
+    """Greedy decoding reads each step's choice and row maxima from the library (every step
+    after the prefill): they equal torch.argmax and amax over the step's logits, and the
+    tokens, with and without an end token, are eager decoding's."""
+    served = []
+    greedy = exported.ExportedSteps.greedy
+
+    def spied(self, *args):
+        chosen = greedy(self, *args)
+        served.append(chosen)
+        return chosen
+
+    monkeypatch.setattr(exported.ExportedSteps, "greedy", spied)
+    prompt = torch.arange(2, 8).unsqueeze(0)
+    tokens, logits = _steps(llama, prompt, compile="aot")
+    assert torch.equal(tokens, _steps(llama, prompt, compile=False)[0])
+    assert len(served) == NEW_TOKENS - 1 and None not in served
+    for step_logits, top, chosen in served:
+        assert torch.equal(chosen, step_logits.argmax(dim=-1))
+        assert torch.equal(top, step_logits.amax(dim=-1))
+    eos = int(tokens[0, 3])
+    expected = generate(llama, prompt, max_new_tokens=NEW_TOKENS, eos_token_id=eos, compile=False)
+    got = generate(llama, prompt, max_new_tokens=NEW_TOKENS, eos_token_id=eos, compile="aot")
+    assert torch.equal(got, expected)
+
+
+def test_non_finite_logits_from_the_library_fail_at_their_step(llama):
+    """The library's row maxima are checked as the loop's own are: a NaN embedding row for the
+    token chosen after the prompt spoils the next step's logits, and decoding stops there."""
+    prompt = torch.arange(2, 8).unsqueeze(0)
+    first = int(generate(llama, prompt, max_new_tokens=1, compile=False)[0, -1])
+    embedding = llama.token_embedding.weight
+    assert llama.lm_head.weight is not embedding  # untied: the prompt's logits stay finite
+    saved = embedding[first].clone()
+    with torch.no_grad():
+        embedding[first] = float("nan")
+    try:
+        with pytest.raises(ValueError, match=r"decoding step 1 .*not finite in rows \[0\]"):
+            generate(llama, prompt, max_new_tokens=NEW_TOKENS, compile="aot")
+    finally:
+        with torch.no_grad():
+            embedding[first] = saved
+
+
 def test_packed_products_are_served(store):
     """Inside packed_linears, the one-row products are streaming reductions in the library:
     the eager tokens, from a library of its own (the packed model's step is another)."""

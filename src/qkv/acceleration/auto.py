@@ -98,6 +98,17 @@ class AutoSteps:
         _SPENT[self.model] = _SPENT.get(self.model, 0.0) + seconds
         return output
 
+    def greedy(self, input_ids, position_ids, cache) -> tuple | None:
+        """The compiled steps' `greedy` step (see `ExportedSteps.greedy`) once switched to
+        them; None while the steps are eager (the caller then calls these steps instead)."""
+        if not self.decided and len(self.eager_seconds) == PROBE_STEPS:
+            self._decide()
+        greedy = getattr(self.compiled, "greedy", None)
+        chosen = None if greedy is None else greedy(input_ids, position_ids, cache)
+        if chosen is not None:
+            self.left -= 1
+        return chosen
+
     def _decide(self) -> None:
         self.decided = True
         cost = COMPILE_SECONDS if self.cost is None else self.cost

@@ -55,7 +55,8 @@ _RUNNERS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Any]] = weakref.WeakK
 class ExportedSteps:
     """The decoding steps of one call through the model's exported step (see the module doc):
     called as the model is, `steps(input_ids (B, 1), attention_mask=None, position_ids (B, 1),
-    cache=..., logits_to_keep=1, check_ids=False)`, returning its logits (B, 1, V) in fp32."""
+    cache=..., logits_to_keep=1, check_ids=False)`, returning its logits (B, 1, V) in fp32;
+    `greedy` runs a step that chooses its tokens too."""
 
     def __init__(self, model: nn.Module, options: dict[str, Any], fallback) -> None:
         self.model, self.options = model, options
@@ -78,13 +79,33 @@ class ExportedSteps:
             return self.steps_elsewhere(input_ids, **kwargs)
         if cache.length < 2:  # a size export specialises: this step runs eagerly
             return self.model(input_ids, **kwargs)
+        logits = self._run(runner, input_ids, kwargs["position_ids"], cache)[0]
+        return CausalLMOutput(logits=logits.unsqueeze(1))  # (B, 1, V) fp32
+
+    def greedy(self, input_ids, position_ids, cache) -> tuple | None:
+        """A step that also chooses its tokens greedily, for a loop that would otherwise
+        reduce the logits itself: (logits (B, V) fp32, each row's largest logit (B,), its
+        first index (B,) int64, as `torch.argmax`), all from the library. input_ids (B, 1),
+        position_ids (B, 1), an unpadded StaticKVCache. None where the library does not serve
+        the step (nothing is done then: the caller calls the steps as it would the model)."""
+        if type(cache) is not StaticKVCache or cache.length < 2:
+            return None
+        B = input_ids.shape[0]
+        if B not in self.runners:
+            kwargs = {"cache": cache, "position_ids": position_ids}
+            self.runners[B] = self._runner(input_ids, kwargs)
+        runner = self.runners[B]
+        return None if runner is None else self._run(runner, input_ids, position_ids, cache)
+
+    def _run(self, runner, input_ids, position_ids, cache) -> list[torch.Tensor]:
+        """One step through the library: [logits (B, V), maxima (B,), argmax (B,)]."""
         cache.check_room(1)  # the library's own check would fail with less to say
         if self.carrier is None or self.carrier.numel() < cache.length:
             self.carrier = torch.empty(cache.max_length, device=input_ids.device)
-        inputs = [input_ids, kwargs["position_ids"], self.carrier[: cache.length]]
-        logits = runner.loader.boxed_run([*inputs, *cache.keys, *cache.values])[0]
+        inputs = [input_ids, position_ids, self.carrier[: cache.length]]
+        outputs = runner.loader.boxed_run([*inputs, *cache.keys, *cache.values])
         cache.advance(1)
-        return CausalLMOutput(logits=logits)  # (B, 1, V) fp32
+        return outputs
 
     def _runner(self, input_ids: torch.Tensor, kwargs: dict):
         """The model's library for this batch size: loaded, stored or compiled now; None where
@@ -153,9 +174,10 @@ _STEP_ARGUMENTS = {"cache", "attention_mask", "position_ids", "logits_to_keep", 
 
 
 class _Step(nn.Module):
-    """What is exported: the model's step over a cache given as tensors, its last logits in
-    fp32. The products that `packed_linears` holds outside the module tree are registered here,
-    so that their weights are named constants, like every other parameter."""
+    """What is exported: the model's step over a cache given as tensors: its last logits in
+    fp32, with each row's largest logit and its index (all a greedy loop reads of them). The
+    products that `packed_linears` holds outside the module tree are registered here, so that
+    their weights are named constants, like every other parameter."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -169,7 +191,8 @@ class _Step(nn.Module):
         output = self.model(
             input_ids, position_ids=position_ids, cache=cache, logits_to_keep=1, check_ids=False
         )
-        return output.logits.float()  # (B, 1, V)
+        logits = output.logits[:, -1].float()  # (B, V)
+        return logits, logits.amax(dim=-1), logits.argmax(dim=-1)  # and (B,), (B,)
 
 
 def _packed_linears(model: nn.Module) -> list[nn.Module]:

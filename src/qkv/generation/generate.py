@@ -98,14 +98,16 @@ def generate(
             "with num_beams > 1 (or num_beams=1 to stream)"
         )
     decoding = start_decoding(model, input_ids, options, attention_mask)
-    new_tokens = []
+    new_tokens = []  # (B,) each
     for step in decoding.steps:
-        new_tokens.append(step.tokens.unsqueeze(1))
+        new_tokens.append(step.tokens)
         if on_token is not None:
             on_token(step.tokens)
     if isinstance(decoding.strategy, BeamSearch):
         return decoding.strategy.result(1)[0]
-    return torch.cat([decoding.prompt, *new_tokens], dim=1)
+    prompt = decoding.prompt  # (B, L0)
+    added = torch.stack(new_tokens, dim=1) if new_tokens else prompt[:, :0]  # (B, steps)
+    return torch.cat([prompt, added], dim=1)
 
 
 def stream(

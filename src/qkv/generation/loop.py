@@ -79,9 +79,13 @@ class StepSource(Protocol):
 
     def next(self, choice: Choice) -> torch.Tensor: ...  # (R', V) fp32
 
+    # Optional: `next_greedy(choice)` -> (logits (R, V), row maxima (R,), argmax (R,)) or None,
+    # a step that chooses greedily too (see `decode_loop`).
+
 
 class Strategy(Protocol):
-    """How tokens are chosen from a step's logits."""
+    """How tokens are chosen from a step's logits. Optional: `greedy` (true where the choice is
+    each row's argmax) with `chosen(tokens)`, the choice of tokens chosen elsewhere."""
 
     def choose(self, logits: torch.Tensor, step: int) -> Choice: ...
 
@@ -92,15 +96,30 @@ def decode_loop(
     """Up to `max_new_tokens` steps; stops early once a choice says every row is finished.
 
     Raises ValueError naming `model` when the logits stop being finite (`LogitsCheck`).
+
+    A greedy strategy (`greedy` true: its choice is each row's argmax) over a source whose step
+    can choose too (`next_greedy`: compile="aot"'s library reduces its logits itself) takes
+    that step's argmax and row maxima rather than reducing the logits here: the same tokens
+    and checks, with less Python per step, which matters because a step's weights have evicted
+    the interpreter's working set from the caches by then (as gpt-fast's decode_one_token
+    chooses inside the compiled step).
     """
     check = LogitsCheck(device)
+    fused = check.at_once and getattr(strategy, "greedy", False)
+    next_greedy = getattr(source, "next_greedy", None) if fused else None
     choice = None
     for step in range(max_new_tokens):
-        # no_grad per call, not around the loop: a grad mode set inside a generator would leak
-        # into the caller's code between steps.
-        with torch.no_grad():
-            logits = source.first() if choice is None else source.next(choice)
-            choice = strategy.choose(check.choosable(logits, step), step)
+        chosen = None if choice is None or next_greedy is None else next_greedy(choice)
+        if chosen is not None:
+            logits, top, tokens = chosen  # (R, V), (R,), (R,)
+            check.maxima(top, step)
+            choice = strategy.chosen(tokens)
+        else:
+            # no_grad per call, not around the loop: a grad mode set inside a generator would
+            # leak into the caller's code between steps.
+            with torch.no_grad():
+                logits = source.first() if choice is None else source.next(choice)
+                choice = strategy.choose(check.choosable(logits, step), step)
         done = choice.finished is not None and check.all_done(choice.finished)
         yield DecodeStep(choice.tokens, logits, source.cache, choice.parents)
         if done:

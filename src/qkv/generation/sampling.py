@@ -97,14 +97,18 @@ class LogitsCheck:
         """The step's logits (B, V) to choose from, once checked or recorded."""
         top = logits.amax(dim=-1)  # (B,)
         if self.at_once:  # B numbers read on the host: cheaper than reducing them on the device
-            bad = [row for row, value in enumerate(top.tolist()) if not math.isfinite(value)]
-            if bad:
-                raise _not_finite(step, bad)
+            self.maxima(top, step)
             return logits
         finite = torch.isfinite(top)
         bad = (self.first_bad < 0) & ~finite.all()
         self.first_bad = torch.where(bad, step, self.first_bad)
         return logits.masked_fill(~finite.unsqueeze(-1), 0.0)
+
+    def maxima(self, top: torch.Tensor, step: int) -> None:
+        """Check each row's largest logit (B,), read on the host at once."""
+        bad = [row for row, value in enumerate(top.tolist()) if not math.isfinite(value)]
+        if bad:
+            raise _not_finite(step, bad)
 
     def all_done(self, finished: torch.Tensor) -> bool:
         """Whether every row has finished, read with the check in one host sync."""

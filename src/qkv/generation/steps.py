@@ -38,6 +38,7 @@ class DecoderOnlySteps:
     def __init__(self, model, step_forward, input_ids, mask, positions, cache) -> None:
         self.model, self.step_forward, self.cache = model, step_forward, cache
         self.input_ids, self.mask, self.positions = input_ids, mask, positions
+        self._greedy = getattr(step_forward, "greedy", None)  # a step that chooses too
 
     def first(self) -> torch.Tensor:
         return self._logits(self.model, self.input_ids, check_ids=True)  # (B, V)
@@ -54,6 +55,18 @@ class DecoderOnlySteps:
             self.mask = torch.cat([self.mask, self.mask.new_ones(rows, 1)], dim=1)
         # Only the prompt needs its ids checked: later tokens are the loop's own choices.
         return self._logits(self.step_forward, choice.tokens.unsqueeze(1), check_ids=False)
+
+    def next_greedy(self, choice: Choice) -> tuple | None:
+        """`next`, where the step function can also choose greedily (compile="aot"'s library:
+        `ExportedSteps.greedy`): (logits (R, V) fp32, each row's largest logit (R,), its index
+        (R,)); None where it cannot (unpadded rows that stay in place only), nothing done."""
+        if self._greedy is None or self.mask is not None or choice.parents is not None:
+            return None
+        positions = self.positions[:, -1:] + 1  # (R, 1)
+        chosen = self._greedy(choice.tokens.unsqueeze(1), positions, self.cache)
+        if chosen is not None:
+            self.positions = positions
+        return chosen
 
     def _logits(self, forward, tokens, check_ids: bool) -> torch.Tensor:
         """Logits of the last position of each row, (R, V), in fp32: the only ones computed."""

@@ -44,9 +44,14 @@ class TokenChoice:
         self.sampling, self.generator = sampling, generator
         self.eos_token_id, self.fill_token_id = eos_token_id, fill_token_id
         self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.greedy = sampling.get("temperature", 0.0) == 0.0  # each row's argmax
 
     def choose(self, logits: torch.Tensor, step: int) -> Choice:
-        chosen = next_token(logits, **self.sampling, generator=self.generator)  # (B,)
+        return self.chosen(next_token(logits, **self.sampling, generator=self.generator))
+
+    def chosen(self, chosen: torch.Tensor) -> Choice:
+        """The choice of the tokens (B,) int64 drawn from a step's logits: finished rows get
+        the fill token."""
         if self.eos_token_id is None:
             return Choice(chosen)
         chosen = torch.where(self.finished, self.fill_token_id, chosen)
