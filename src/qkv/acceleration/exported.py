@@ -13,6 +13,9 @@ model's own tensors (no copy: a weight changed in place is seen by the next step
 
 One library serves every prompt and cache length of a model at one batch size (the cache's
 length and slot count are symbolic), with the same tokens as `compile=True`: the same kernels.
+It also returns each row's largest logit and its index, which greedy decoding takes as its
+check and its choice (`ExportedSteps.greedy`; qkv.generation.loop) instead of reducing the
+logits again in Python between two steps.
 It is compiled once per machine where the compile store is on (qkv.acceleration.compile_store:
 `<key>/exported-b<B>-<ids dtype>-<positions dtype>.pt2` beside the compiled graphs) and loaded
 by later processes.
