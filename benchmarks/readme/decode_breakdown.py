@@ -9,9 +9,10 @@ TEXT = """\
 The default call of the decoding benchmark (batch 1, a 32-token prompt, {new} new tokens,
 `generate(..., compile="aot")` inside `packed_linears`: what `compile="auto"` takes), split by
 timers around the AOTInductor library's run: the library (its C++ wrapper, kernels,
-allocations and SDPA calls); into it, which calls it serves and the list of its inputs; after
-it, the cache's new length and the output; outside the steps, the prefill and the loop's own
-work per step (the finiteness check, the argmax, the positions). llama.cpp's whole call on the
+allocations and SDPA calls, and each row's argmax and largest logit, which greedy decoding
+takes as its choice and its finiteness check); into it, which calls it serves and the list of
+its inputs; after it, the cache's new length; outside the steps, the prefill and the loop's own
+work per step (reading the row maxima, the positions, the tokens). llama.cpp's whole call on the
 same weights is timed in the same rounds. The fastest round of each. "library alone" is what qkv
 would reach with no Python around its steps. "library, 1 thread" is the same library compiled
 for one thread: its ratio to the two-thread figure is what the second core buys."""
