@@ -86,8 +86,7 @@ class AutoSteps:
             self._switch("the model's compiled step is in memory")
 
     def __call__(self, *args, **kwargs):
-        if not self.decided and len(self.eager_seconds) == PROBE_STEPS:
-            self._decide()
+        self._decide_once_probed()
         self.left -= 1
         if self.compiled is not None:
             return self.compiled(*args, **kwargs)
@@ -101,13 +100,16 @@ class AutoSteps:
     def greedy(self, input_ids, position_ids, cache) -> tuple | None:
         """The compiled steps' `greedy` step (see `ExportedSteps.greedy`) once switched to
         them; None while the steps are eager (the caller then calls these steps instead)."""
-        if not self.decided and len(self.eager_seconds) == PROBE_STEPS:
-            self._decide()
+        self._decide_once_probed()
         greedy = getattr(self.compiled, "greedy", None)
         chosen = None if greedy is None else greedy(input_ids, position_ids, cache)
         if chosen is not None:
             self.left -= 1
         return chosen
+
+    def _decide_once_probed(self) -> None:
+        if not self.decided and len(self.eager_seconds) == PROBE_STEPS:
+            self._decide()
 
     def _decide(self) -> None:
         self.decided = True
