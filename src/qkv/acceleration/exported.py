@@ -33,6 +33,7 @@ import logging
 import os
 import tempfile
 import time
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -272,16 +273,28 @@ def _compile(model, options: dict, input_ids, kwargs: dict, path: Path | None):
     if path is None:  # no store: a file of this process, gone once loaded
         with tempfile.TemporaryDirectory(prefix="qkv-step-") as folder:
             target = Path(folder) / "step.pt2"
-            torch._inductor.aoti_compile_and_package(program, package_path=str(target),
-                                                     inductor_configs=configs)  # fmt: skip
+            _package(program, target, configs)
             return torch._inductor.aoti_load_package(str(target))
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")  # written, then renamed
-    torch._inductor.aoti_compile_and_package(
-        program, package_path=str(partial), inductor_configs=configs
-    )
+    _package(program, partial, configs)
     os.replace(partial, path)
     seconds = time.perf_counter() - started
     (path.parent / _SECONDS_FILE).write_text(f"{seconds:.3f}")
     logger.info("compile='aot': step exported and compiled in %.1f s (%s)", seconds, path)
     return torch._inductor.aoti_load_package(str(path))
+
+
+def _package(program, path: Path, configs: dict) -> None:
+    """AOTInductor's compile of `program` into the package `path`. Torch 2.13's inductor copies
+    the graph with a deprecated pytree class and warns of it (a FutureWarning about `LeafSpec`)
+    at every compile: torch's own use, which nothing a user does can change, so that one warning
+    is not passed on; any other is."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_TORCH_LEAFSPEC_WARNING, category=FutureWarning)
+        torch._inductor.aoti_compile_and_package(
+            program, package_path=str(path), inductor_configs=configs
+        )
+
+
+_TORCH_LEAFSPEC_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
