@@ -68,15 +68,16 @@ state; "%lim paired" divides each round's tokens/s by the limit from that round'
 instead, and takes the median over rounds (as the "paired" ratio to transformers does). Also
 reported, as diagnostics: the "matvec floor", tokens/s if a step did nothing but the model's
 own matrix-vector products (F.linear over every projection and the lm_head, one token) with
-PyTorch's kernels here, and the "packed matvec floor", the same for the packed (and fused)
-products a packed step calls. The second bounds what eager decoding built on these kernels can
-reach: on an AMD EPYC with 2 threads (results/decode.json) they stream cold weights at ~20
-GB/s, about a third of the read peak that a .sum() reaches, so its fraction of the limit sits
-near 35%. The compiled path is not bound by it: at one row its products are inductor's own
-streaming reductions (qkv.acceleration.packing), which read weights about as fast as a .sum(). Last,
+PyTorch's kernels here, the "packed matvec floor", the same for the packed (and fused)
+products a packed step calls, and the "compiled matvec floor", the same for the products of a
+compiled step: at one row these are inductor's own streaming reductions over the plain weights
+(qkv.acceleration.packing), all in one compiled graph. The second bounds what eager decoding
+built on oneDNN's kernels can reach; the third bounds compile=True and compile="aot", whose
+steps add the norms, RoPE and attention to those products. Last,
 the "weights .sum() floor": one .sum() per weight tensor a step reads, nothing else, i.e. how
 fast this machine reads these tensors one call at a time (the 1 GiB probe streams one large
-tensor).
+tensor). Each floor's timed call does 8 tokens' worth of its work, one after another, as a
+decoding call's steps follow one another.
 """
 
 from __future__ import annotations
@@ -276,6 +277,64 @@ def packed_matvec_floor(model: GPT, ids: torch.Tensor) -> Callable[[], None]:
     return run
 
 
+def compiled_matvec_floor(model: GPT) -> Callable[[], None]:
+    """One token through every nn.Linear of the model as a compiled decoding step computes it
+    (PackedLinear's one-row product: the streaming reduction inductor generates from it, with
+    the step's inductor options), nothing else, compiled by AOTInductor as compile="aot"
+    compiles a step (no Python between the kernels); compiled here, outside the timing. The
+    fastest the products of compile=True and compile="aot" can make a step: what their
+    fractions of the limit are to be read against."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    dtype = linears[0].weight.dtype
+    widths = sorted({m.in_features for m in linears})
+
+    class Products(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.products = [PackedLinear(linear) for linear in linears]  # hold no tensors
+            self.linears = nn.ModuleList(linears)  # their weights: the library's constants
+
+        def forward(self, *rows: torch.Tensor) -> torch.Tensor:  # one (1, 1, E) row a width
+            by_width = dict(zip(widths, rows, strict=True))
+            outputs = [p._matvec(by_width[p.in_features]) for p in self.products]
+            return torch.cat(outputs, dim=-1)  # (1, 1, sum of out_features): one buffer
+
+    rows = tuple(torch.randn(1, 1, width, dtype=dtype) for width in widths)
+    module = Products()
+    # as the step's library: its constants are the model's own tensors, not copies in the
+    # library's file (whose pages the kernels would then read instead)
+    configs = {**compiled._INDUCTOR_OPTIONS, "aot_inductor.package_constants_in_so": False}
+    with torch.no_grad(), tempfile.TemporaryDirectory() as folder:
+        program = torch.export.export(module, rows, strict=False)
+        path = Path(folder) / "products.pt2"
+        exported._package(program, path, configs)
+        loader = torch._inductor.aoti_load_package(str(path)).loader
+    tensors = dict(module.named_parameters(remove_duplicate=False))
+    loader.load_constants({name: tensors[name] for name in loader.get_constant_fqns()},
+                          False, True, True, False)  # fmt: skip
+    inputs = list(rows)
+
+    def run():
+        loader.boxed_run(list(inputs))  # as compile="aot" calls its library
+
+    return run
+
+
+FLOOR_TOKENS = 8  # the tokens' worth of work a floor's timed call does
+
+
+def repeated(run: Callable[[], None]) -> Callable[[], None]:
+    """A floor's one token, FLOOR_TOKENS times in one timed call: as a decoding call's steps
+    follow one another, so that waking the threads and the caches is not counted as if each
+    step paid it."""
+
+    def run_tokens():
+        for _ in range(FLOOR_TOKENS):
+            run()
+
+    return run_tokens
+
+
 def packing_ms(model: GPT, ids: torch.Tensor) -> float:
     """Milliseconds spent packing the weights a packed generate call uses (packed at their
     first call: PackedLinear.packing_seconds, the fused products' included), in a fresh
@@ -442,9 +501,10 @@ def bench_dtype(base_ours, base_theirs, dtype: str, bandwidth: Bandwidth, args) 
     log(f"{dtype}: timing ...")
     candidates = {
         **calls,
-        "matvec_floor": matvec_floor(ours, args.device),
-        "packed_matvec_floor": packed_matvec_floor(ours, ids),
-        "read_floor": read_floor(ours),
+        "matvec_floor": repeated(matvec_floor(ours, args.device)),
+        "packed_matvec_floor": repeated(packed_matvec_floor(ours, ids)),
+        "compiled_matvec_floor": repeated(compiled_matvec_floor(ours)),
+        "read_floor": repeated(read_floor(ours)),
         "bandwidth_probe": bandwidth.probe,
     }
     timings = time_interleaved(
@@ -463,10 +523,10 @@ def bench_dtype(base_ours, base_theirs, dtype: str, bandwidth: Bandwidth, args) 
     weights = weight_bytes_read(ours)
     kv = kv_bytes_read(ours, args.prompt, n, element)
     speed = {name: n / timings[name].median for name in calls}
-    floors = ("matvec_floor", "packed_matvec_floor", "read_floor")
-    speed.update({name: 1.0 / timings[name].median for name in floors})
+    floors = ("matvec_floor", "packed_matvec_floor", "compiled_matvec_floor", "read_floor")
+    speed.update({name: FLOOR_TOKENS / timings[name].median for name in floors})
     best = {name: n / timings[name].min for name in calls}
-    best.update({name: 1.0 / timings[name].min for name in floors})
+    best.update({name: FLOOR_TOKENS / timings[name].min for name in floors})
     row = {
         "dtype": dtype,
         "batch": 1,
@@ -543,6 +603,7 @@ def table(rows: list[dict]) -> str:
     header = ["dtype", "qkv tok/s", "packed tok/s", "compiled tok/s", "hf tok/s", "qkv/hf"]
     header += ["packed/hf", "compiled/hf", "compiled/hf paired", "MB/token", "limit tok/s"]
     header += ["compiled %lim", "compiled %lim paired", "hf %lim", "packed matvec %lim"]
+    header += ["compiled matvec %lim"]
     header += ["weights .sum() %lim"]
     header += ["pack ms", "compile s: cold / next process", "tokens equal"]
     body = []
@@ -574,6 +635,7 @@ def table(rows: list[dict]) -> str:
                 f"{100 * r['fraction_of_round_limit']['qkv_compiled']:.1f}%",
                 f"{100 * f['transformers']:.1f}%",
                 f"{100 * f['packed_matvec_floor']:.1f}%",
+                f"{100 * f['compiled_matvec_floor']:.1f}%",
                 f"{100 * f['read_floor']:.1f}%",
                 f"{r['packing_ms']:.0f}",
                 f"{r['compile_s']:.1f} / {warm_compile(r)}",

@@ -64,8 +64,9 @@ fastest probe of the whole run; "paired" divides each round by the limit from it
 and takes the median over rounds, which matters on a machine whose read bandwidth varies from
 probe to probe. The diagnostics: the matvec floor (the model's own `F.linear` products alone,
 one token, PyTorch's default kernels), the packed matvec floor (the packed products a packed
-step calls, alone) and one `.sum()` per weight tensor a step reads (how fast these tensors
-can be read one call at a time)."""
+step calls, alone), the compiled matvec floor (the products of a compiled step, inductor's
+one-row reductions, alone: the most compile=True and compile="aot" can reach) and one `.sum()`
+per weight tensor a step reads (how fast these tensors can be read one call at a time)."""
 
 
 def _gbps(bytes_per_token: object, tokens_per_s: object) -> str:
@@ -230,6 +231,7 @@ def decode_section(data: dict) -> list[str]:
         "packed / transformers (paired)",
         "matvec floor tok/s (weights GB/s)",
         "packed matvec floor tok/s (weights GB/s)",
+        "compiled matvec floor tok/s (weights GB/s)",
         "one `.sum()` per weight tok/s (GB/s)",
         "read probe in the timing rounds, GB/s",
     ]
@@ -238,7 +240,7 @@ def decode_section(data: dict) -> list[str]:
         weights = get(r, "bytes_per_token", "weights")
         total = get(r, "bytes_per_token", "total")
         cells = []
-        for name in ("matvec_floor", "packed_matvec_floor", "read_floor"):
+        for name in ("matvec_floor", "packed_matvec_floor", "compiled_matvec_floor", "read_floor"):
             speed = get(r, "tokens_per_s", name)
             cells.append(f"{num(speed, '.1f')} ({_gbps(weights, speed)})")
         body.append(
