@@ -308,14 +308,12 @@ def compiled_matvec_floor(model: GPT) -> Callable[[], None]:
         program = torch.export.export(module, rows, strict=False)
         path = Path(folder) / "products.pt2"
         exported._package(program, path, configs)
-        loader = torch._inductor.aoti_load_package(str(path)).loader
-    tensors = dict(module.named_parameters(remove_duplicate=False))
-    loader.load_constants({name: tensors[name] for name in loader.get_constant_fqns()},
-                          False, True, True, False)  # fmt: skip
+        runner = exported._Runner(torch._inductor.aoti_load_package(str(path)).loader)
+    runner.use(dict(module.named_parameters(remove_duplicate=False)))
     inputs = list(rows)
 
     def run():
-        loader.boxed_run(list(inputs))  # as compile="aot" calls its library
+        runner.loader.boxed_run(list(inputs))  # as compile="aot" calls its library
 
     return run
 

@@ -220,6 +220,11 @@ class _Runner:
         missing = [name for name in self.names if name not in tensors]
         if missing:
             raise RuntimeError(f"compile='aot': the model lost the tensors {missing[:4]}")
+        self.use(tensors)
+
+    def use(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Point the constants at `tensors` (by name; each constant's must be there): user
+        managed, so the library reads those very tensors and copies nothing."""
         self.constants = {name: tensors[name] for name in self.names}
         self.loader.load_constants(self.constants, False, True, True, False)
 
