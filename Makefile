@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 RUN_STAMP := $(VENV)/.qkv-installed
 STAMP := $(VENV)/.qkv-test-installed
 
-.PHONY: install run test test-masked lint browser bench bench-peers clean
+.PHONY: install run test test-masked stress lint browser bench bench-peers clean
 
 # `make run` needs qkv and matplotlib only; `make test` adds the references and test tools.
 $(RUN_STAMP): pyproject.toml
@@ -67,6 +67,12 @@ test-masked: $(STAMP)
 	@echo "== fast paths with oneDNN capped at SSE4.1, ATEN_CPU_CAPABILITY=default"
 	ONEDNN_MAX_CPU_ISA=SSE41 ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_CACHE_DIR=$(VENV)/inductor-default \
 		$(BIN)/python -m pytest $(FAST_PATH_TESTS)
+
+# Training runs killed with SIGKILL at QKV_STRESS_KILLS (default 20) random moments while two
+# busy loops load the machine, resumed each time: the final weights must equal, bit for bit,
+# those of a run never killed (1 process, then FSDP and context parallelism on 2). Minutes long.
+stress: $(STAMP)
+	$(BIN)/python -m pytest -s -m stress tests/training/test_stress.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/attention.py

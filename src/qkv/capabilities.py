@@ -4,9 +4,15 @@ qkv's CPU speed-ups (oneDNN-packed linears, their bf16 copies under autocast, co
 steps) depend on things a machine may lack: oneDNN's bf16 kernels need AVX512-BW/VL/DQ or
 AVX-NE-CONVERT, an ARM build may have no packed-linear ops at all, and torch.compile's CPU
 backend needs a C++ compiler. Each question here is answered once per process, by asking
-PyTorch and, where PyTorch's own answer can be wrong (a CPU feature masked with
-`ONEDNN_MAX_CPU_ISA`), by running the operation once on a tiny input. A fast path that is not
-supported falls back to the plain PyTorch operation, with the same results.
+PyTorch and the CPU's feature flags and, where PyTorch's own answer can be wrong (a CPU feature
+masked with `ONEDNN_MAX_CPU_ISA`), by running the operation once on a tiny input. A fast path
+that is not supported falls back to the plain PyTorch operation, with the same results.
+
+Which kernel computes a result is decided from these facts alone, never from a timing taken in
+the process: a timing differs between two processes on a busy machine, the kernels round
+differently, and a training run resumed after a kill would no longer end on the weights of a
+run never killed. `kernel_choices` names the choices that change bits; a training checkpoint
+records them, and `kernels_as` pins them for the run resumed from it.
 
     print(qkv.capabilities.describe())   # the whole picture, in words
 
@@ -17,6 +23,7 @@ machine: `ONEDNN_MAX_CPU_ISA=AVX2` (oneDNN) and `ATEN_CPU_CAPABILITY=avx2` or `d
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -33,9 +40,15 @@ __all__ = [
     "bf16_products",
     "bf16_slowdown",
     "compiler",
+    "cpu_flags",
     "cpu_isa",
+    "cpu_vendor",
     "describe",
     "flex_attention_cpu",
+    "fp32_linear_speedup",
+    "kernel_choices",
+    "kernels_as",
+    "onednn_allows",
     "onednn_fp32_products",
     "onednn_linear",
     "warn_if_bf16_is_emulated",
@@ -101,64 +114,176 @@ def _packed_product_verdict(dtype: torch.dtype) -> Support:
     return Support(True, f"oneDNN packs {dtype} weights on this CPU")
 
 
-# oneDNN's float32 products must take at most this share of F.linear's time to be used by
-# default (qkv.layers.linear): a clear win, not a draw decided by noise.
-ONEDNN_FP32_SPEEDUP = 0.95
+# oneDNN's ISA names in oneDNN's own order (ONEDNN_MAX_CPU_ISA caps its kernels at one of them).
+ONEDNN_ISAS = (
+    "SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
+    "AVX512_CORE_BF16", "AVX10_1_512", "AVX512_CORE_FP16", "AVX10_1_512_AMX", "AVX512_CORE_AMX",
+    "AVX10_1_512_AMX_FP16", "AVX512_CORE_AMX_FP16",
+)  # fmt: skip
+# CPU vendors on which PyTorch's MKL runs its AVX2 code even where the CPU has AVX-512, which
+# oneDNN uses: its float32 products take 0.43x MKL's time on an AMD EPYC with AVX-512. Without
+# AVX-512 there is no such gap (on a Zen 3 EPYC with AVX2 only: 0.75-0.95x on large products,
+# 1.1-3x on a small model's), so oneDNN is chosen with AVX-512 only. `qkv check` measures the
+# ratio on the machine at hand.
+ONEDNN_FP32_VENDORS = ("AuthenticAMD", "HygonGenuine")
+
+
+def onednn_allows(isa: str) -> bool:
+    """Does ONEDNN_MAX_CPU_ISA (unset: no cap) let oneDNN use `isa`, one of ONEDNN_ISAS?"""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").strip().upper()
+    if cap not in ONEDNN_ISAS:  # ALL, DEFAULT, or a name oneDNN ignores
+        return True
+    return ONEDNN_ISAS.index(cap) >= ONEDNN_ISAS.index(isa)
 
 
 @functools.cache
+def cpu_vendor() -> str:
+    """The x86 vendor string ("AuthenticAMD", "GenuineIntel", ...) where the OS tells it, else
+    "" (another architecture, or no /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it does not exist)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+# Kernel choices pinned by `kernels_as` (a resumed training run takes its checkpoint's).
+_PINNED: dict[str, bool] = {}
+
+
 def onednn_fp32_products() -> Support:
-    """Are oneDNN's float32 products (on plain, unpacked weights) faster than F.linear's here?
-    Measured once per process: a (256, 512) x (512, 1024) product, each the best of five,
-    outside any autocast region; and checked against F.linear. qkv's `Linear` uses them where
-    they are (on an AMD EPYC: 0.43x MKL's time with AVX-512, 0.90x capped at AVX2)."""
+    """Do float32 linears run on oneDNN's kernels here (qkv.layers.Linear)? Decided from what
+    the CPU and the build are, never from a timing, so every process on a machine makes the
+    same choice and computes the same bits: oneDNN packs float32 (`onednn_linear`), the CPU's
+    vendor is one where MKL keeps to its AVX2 code (ONEDNN_FP32_VENDORS), and oneDNN may use
+    AVX-512. `kernels_as` can pin the answer."""
+    support = onednn_linear(torch.float32)
+    pinned = _PINNED.get("onednn_fp32_linears")
+    if pinned is not None:
+        if pinned and not support:
+            return support
+        return Support(pinned, "pinned by kernels_as (a resumed run keeps its kernels)")
+    return _onednn_fp32_products_here()
+
+
+@functools.cache
+def _onednn_fp32_products_here() -> Support:
     support = onednn_linear(torch.float32)
     if not support:
         return support
+    vendor = cpu_vendor() or "unknown"
+    if vendor not in ONEDNN_FP32_VENDORS:
+        return Support(False, f"F.linear (MKL) on this {vendor} CPU: oneDNN is used on AMD's")
+    if not (torch.cpu._is_avx512_supported() and onednn_allows("AVX512_CORE")):
+        return Support(False, "F.linear: oneDNN's float32 products are chosen with AVX-512 only")
+    return Support(True, f"oneDNN's float32 products on this {vendor} CPU with AVX-512")
+
+
+def bf16_products() -> Support:
+    """Are bf16 matrix products (several rows: a prefill, training under autocast) native on
+    this CPU, not emulated through fp32? Decided from the CPU's features and oneDNN's ISA cap
+    (AVX512-BF16, AMX or AVX-NE-CONVERT on x86-64; BF16 on Arm), never from a timing:
+    `bf16_slowdown` measures what the answer means. One row (a decoding step) is not asked
+    about: PyTorch's own kernel reads bf16 fast on any CPU. `kernels_as` can pin the answer."""
+    pinned = _PINNED.get("native_bf16_products")
+    if pinned is not None:
+        return Support(pinned, "pinned by kernels_as (a resumed run keeps its kernels)")
+    return _bf16_products_here()
+
+
+@functools.cache
+def _bf16_products_here() -> Support:
+    flags = cpu_flags()
+    native = [
+        name
+        for name, present, isa in (
+            ("AVX512-BF16", torch.cpu._is_avx512_bf16_supported(), "AVX512_CORE_BF16"),
+            ("AMX", torch.cpu._is_amx_tile_supported(), "AVX512_CORE_AMX"),
+            ("AVX-NE-CONVERT", "avx_ne_convert" in flags, "AVX2_VNNI_2"),
+        )
+        if present and onednn_allows(isa)
+    ]
+    if "bf16" in flags and not cpu_vendor():  # Arm's BFMMLA/BFDOT (Features: ... bf16)
+        native.append("Arm BF16")
+    if not native:
+        return Support(
+            False,
+            "bf16 matrix products are emulated through fp32 on this CPU "
+            "(no AVX512-BF16, AMX or AVX-NE-CONVERT that oneDNN may use)",
+        )
+    return Support(True, f"bf16 matrix products run natively here ({', '.join(native)})")
+
+
+def kernel_choices() -> dict[str, bool]:
+    """The choices above that decide a result's bits, by name: a training checkpoint records
+    them, and a run resumed from it computes with the same ones (`kernels_as`)."""
+    return {
+        "onednn_fp32_linears": bool(onednn_fp32_products()),
+        "native_bf16_products": bool(bf16_products()),
+    }
+
+
+@contextlib.contextmanager
+def kernels_as(choices: dict | None):
+    """Within the block, `onednn_fp32_products` and `bf16_products` answer as `choices` says
+    (a `kernel_choices()` dict; None or {} pins nothing), where this machine can compute so:
+    a run resumed on another machine keeps the kernels of the one that wrote its checkpoint.
+    A choice this machine cannot follow (oneDNN missing) is logged, and the run goes on."""
+    choices = {name: bool(value) for name, value in (choices or {}).items() if name in _KERNELS}
+    previous = dict(_PINNED)
+    _PINNED.update(choices)
+    try:
+        wanted, got = choices, {name: kernel_choices()[name] for name in choices}
+        if got != wanted:
+            logging.getLogger("qkv").warning(
+                "the kernels %s cannot be used on this machine (%s instead): results will differ "
+                "from the run that chose them in the last bits", wanted, got,
+            )  # fmt: skip
+        yield
+    finally:
+        _PINNED.clear()
+        _PINNED.update(previous)
+
+
+_KERNELS = ("onednn_fp32_linears", "native_bf16_products")
+
+
+def fp32_linear_speedup() -> float:
+    """oneDNN's time over F.linear's for a (256, 512) x (512, 1024) float32 product, each the
+    best of five: what `onednn_fp32_products` means here, for `describe` and benchmarks only
+    (a timing in a process never chooses a kernel)."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(256, 512, generator=generator)
     weight = torch.randn(1024, 512, generator=generator)  # (out, in)
     with torch.autocast("cpu", enabled=False), torch.no_grad():
-        ours = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-        if not torch.allclose(ours, F.linear(x, weight), rtol=1e-4, atol=1e-3):
-            return Support(False, "oneDNN's float32 product on a plain weight gave wrong results")
         onednn = _best_seconds(
             lambda: torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], ""), 5
         )
         plain = _best_seconds(lambda: F.linear(x, weight), 5)
-    share = onednn / plain
-    if share > ONEDNN_FP32_SPEEDUP:
-        return Support(False, f"oneDNN's float32 products take {share:.2f}x F.linear's time here")
-    return Support(True, f"oneDNN's float32 products take {share:.2f}x F.linear's time here")
+    return onednn / plain
 
 
-# bf16 products slower than fp32 ones by more than this count as emulated. Measured on an AMD
-# EPYC (2 threads): 0.5x with native bf16 (AVX512-BF16); 1.8x with oneDNN capped at AVX512_CORE
-# (bf16 converted in AVX-512 registers); 5.7x (F.linear) to 72x (matmul) capped at AVX2.
-BF16_SLOWDOWN_LIMIT = 1.5
-
-
-@functools.cache
-def bf16_products() -> Support:
-    """Are bf16 matrix products (several rows: a prefill, training under autocast) at least
-    about as fast as fp32 ones on this CPU? Measured, not looked up: `bf16_slowdown`. One row
-    (a decoding step) is not asked about: PyTorch's own kernel reads bf16 fast on any CPU."""
-    slowdown = bf16_slowdown()
-    if slowdown > BF16_SLOWDOWN_LIMIT:
-        return Support(
-            False,
-            f"bf16 matrix products take {slowdown:.1f}x the time of fp32 ones on this CPU "
-            f"(no native bf16: AVX512-BF16, AMX or AVX-NE-CONVERT)",
-        )
-    return Support(True, f"bf16 matrix products take {slowdown:.1f}x the time of fp32 ones")
-
-
-@functools.cache
 def bf16_slowdown() -> float:
     """bf16 time over fp32 time of a (256, 256) x (256, 256) product, the slower of F.linear
     (a model's linears) and matmul (attention's products, which can take another path), each
-    the best of ten (on a busy machine, three could all be preempted: a 0.3x answer read 1.5x
-    beside compilers running), outside any autocast region."""
+    the best of ten, outside any autocast region: what `bf16_products` means here, for
+    `describe` and benchmarks only."""
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(256, 256, generator=generator)
     b = torch.randn(256, 256, generator=generator)
@@ -170,8 +295,7 @@ def bf16_slowdown() -> float:
 
 
 def _best_seconds(product, repeats: int = 10, budget_s: float = 0.02) -> float:
-    """The fastest of `repeats` calls, or of 3 once they took `budget_s` (a product that slow,
-    emulated bf16 say, is not one a preemption could make look fast)."""
+    """The fastest of `repeats` calls, or of 3 once they took `budget_s`."""
     product()  # a first call may initialise the kernel
     best, spent = float("inf"), 0.0
     for done in range(repeats):
@@ -255,9 +379,11 @@ def describe() -> str:
         answer = onednn_linear(dtype)
         lines.append(f"packed {dtype} linears: {'yes' if answer else 'no'} ({answer.reason})")
     answer = onednn_fp32_products()
-    lines.append(f"oneDNN float32 linears: {'yes' if answer else 'no'} ({answer.reason})")
+    share = f"; measured now: {fp32_linear_speedup():.2f}x F.linear's time" if answer else ""
+    lines.append(f"oneDNN float32 linears: {'yes' if answer else 'no'} ({answer.reason}{share})")
     answer = bf16_products()
-    lines.append(f"fast bf16 products: {'yes' if answer else 'no'} ({answer.reason})")
+    slowdown = f"; measured now: {bf16_slowdown():.1f}x fp32's time"
+    lines.append(f"fast bf16 products: {'yes' if answer else 'no'} ({answer.reason}{slowdown})")
     answer = compiler()
     lines.append(f"compiled decoding: {'yes' if answer else 'no'} ({answer.reason})")
     answer = flex_attention_cpu()

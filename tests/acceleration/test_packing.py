@@ -364,9 +364,9 @@ def test_where_bf16_products_are_emulated_several_rows_compute_in_fp32(
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 answers")
 def test_bf16_products_are_slow_where_onednn_has_no_bf16_and_fast_where_the_cpu_has_it():
-    """The measured answer (a timing ratio, its limit far from either side) agrees with what
-    PyTorch knows on x86-64: oneDNN without bf16 (ONEDNN_MAX_CPU_ISA=AVX2, make test-masked)
-    means slow products; AVX512-BF16 or AMX, unmasked, means fast ones."""
+    """The answer (from the CPU's features, never a timing) agrees with what PyTorch knows on
+    x86-64: oneDNN without bf16 (ONEDNN_MAX_CPU_ISA=AVX2, make test-masked) means slow
+    products; AVX512-BF16 or AMX, unmasked, means fast ones."""
     answer = capabilities.bf16_products()
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         assert not answer, answer.reason

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from qkv import capabilities
 from qkv.training import LossNotFiniteError, TrainingConfig, train
 from qkv.training.checkpoint import CHECKPOINT_NAME
 from qkv.training.tasks import TranslateTask
@@ -83,6 +84,37 @@ def test_resuming_from_a_checkpoint_reaches_the_same_weights_bitwise(task, tmp_p
         for line in (tmp_path / "resumed/metrics.jsonl").open()
     ]
     assert len(records) == len(set(records))  # steps 3-4 were not logged twice
+
+
+def test_a_resumed_run_computes_with_the_kernels_its_checkpoint_records(task, tmp_path):
+    """A run made with the other float32 linear kernel than this machine chooses (oneDNN's or
+    F.linear's: they round differently) records it; resumed here with nothing pinned, it keeps
+    that kernel and ends on the straight run's weights, bit for bit."""
+    if not capabilities.onednn_linear(torch.float32):
+        pytest.skip("one float32 linear kernel only: oneDNN is missing here")
+    other = {"onednn_fp32_linears": not capabilities.kernel_choices()["onednn_fp32_linears"]}
+    config = TrainingConfig(steps=4, batch_size=8, warmup_steps=1, checkpoint_every=2, log_every=1)
+    with capabilities.kernels_as(other):
+        straight = train(task, config, out_dir=tmp_path / "straight")
+
+        def stop_at_three(record):
+            if record["step"] == 3:
+                raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            train(task, config, out_dir=tmp_path / "resumed", on_log=stop_at_three)
+    seen = []
+
+    def kernels_in_use(record):
+        seen.append(capabilities.kernel_choices()["onednn_fp32_linears"])
+
+    resumed = train(task, config, out_dir=tmp_path / "resumed", resume=True, on_log=kernels_in_use)
+    assert resumed.resumed_from == 2 and seen and set(seen) == set(other.values())
+    for (name, a), b in zip(
+        _weights(straight.model).items(), _weights(resumed.model).values(), strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    assert capabilities.kernel_choices()["onednn_fp32_linears"] is not other["onednn_fp32_linears"]
 
 
 def test_resume_with_other_options_is_refused(task, tmp_path):

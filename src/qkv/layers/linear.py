@@ -1,5 +1,5 @@
 """`Linear`, qkv's linear layer: nn.Linear whose CPU float32 products run on oneDNN where that
-is faster on this machine.
+is the faster kernel on this kind of CPU.
 
     y = x W^T + b        x (..., in_features), W (out_features, in_features) -> (..., out)
 
@@ -7,9 +7,11 @@ Every projection of a Transformer is this one product, and on the CPU it is most
 a forward pass (85% for the 50M Llama of benchmarks/models.py). PyTorch computes float32
 products with MKL's GEMM; on some CPUs oneDNN's kernels, which PyTorch also ships, are much
 faster on the very same plain weight: on an AMD EPYC with AVX-512 MKL stays on its AVX2 code
-and oneDNN takes 0.43x its time (a (4096, 512) x (512, 1536) product), 0.90x with oneDNN
-capped at AVX2, and 0.34x on the one-row products of decoding. Whether oneDNN pays is measured
-on this machine, once per process (`qkv.capabilities.onednn_fp32_products`), not looked up.
+and oneDNN takes 0.43x its time (a (4096, 512) x (512, 1536) product) and 0.34x on the one-row
+products of decoding; without AVX-512 there is no such gap, and F.linear is kept. Whether
+oneDNN is used is decided from what the CPU is (`qkv.capabilities.onednn_fp32_products`),
+never from a timing: the two kernels round differently, and every process on a machine must
+compute the same bits.
 
 The product is then `torch.ops.mkldnn._linear_pointwise` on the weight as it is stored (no
 packed copy: a copy would double the model's memory, and packing buys little more, see
@@ -19,7 +21,7 @@ floating-point sums (tested). Everything else is F.linear: other devices and dty
 products already run on oneDNN), CPU autocast (which gives F.linear its bf16 copies),
 torch.compile (inductor has its own linear kernels), functorch transforms and dispatch modes
 (FlopCounterMode counts F.linear), double backward (the backward then runs
-differentiable ops), and a machine where oneDNN is not faster.
+differentiable ops), and a CPU on which oneDNN is not chosen.
 
 A subclass of nn.Linear: the same parameters, state-dict keys, initialisation and repr.
 """
@@ -38,14 +40,14 @@ __all__ = ["Linear", "linear"]
 
 class Linear(nn.Linear):
     """nn.Linear computed by `linear` (see the module doc): oneDNN for CPU float32 products
-    where it is faster here, F.linear otherwise."""
+    where this CPU is one it is chosen for, F.linear otherwise."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """F.linear(x, weight, bias), through oneDNN where `_uses_onednn` says it pays."""
+    """F.linear(x, weight, bias), through oneDNN where `_uses_onednn` says so."""
     if not _uses_onednn(x, weight, bias):
         return F.linear(x, weight, bias)
     tensors = (x, weight) if bias is None else (x, weight, bias)
@@ -56,7 +58,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _uses_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """A float32 product on the CPU, outside autocast and torch.compile, of a non-empty x and a
-    contiguous weight, on a machine where oneDNN's fp32 products beat F.linear's."""
+    contiguous weight, on a CPU for which oneDNN's fp32 products are chosen."""
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
         return False  # first: the cheapest test, and the one a bf16 or GPU model stops at
     if torch.compiler.is_compiling():

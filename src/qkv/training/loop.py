@@ -21,7 +21,10 @@ before the optimizer touches the weights, rather than skipping the step (which w
 run silently differ from the one its options describe, and hide an overflow that comes back).
 Before an evaluation or a checkpoint the weights are checked finite too. Every
 `checkpoint_every` steps an atomic checkpoint (`qkv.training.checkpoint`), which `resume=True`
-continues from: the checkpoint on disk is always the last good state.
+continues from: the checkpoint on disk is always the last good state. It records the kernel
+choices that decide the run's bits (`qkv.capabilities.kernel_choices`), and the resumed run
+computes with the same ones (`kernels_as`), so that it ends on the weights of a run never
+stopped, even on another machine where these choices can be followed.
 
 One run per folder: `out_dir` is locked for the run (`qkv.training.runlock`; a second run is
 refused with the holder's pid), and the temporaries of checkpoints that killed runs were
@@ -169,7 +172,8 @@ def train(
     device = context.device(device)
     lock = _lock(out_dir, context, device)
     try:
-        return _train(task, config, out_dir, resume, on_log, context, device)
+        with capabilities.kernels_as(_recorded_kernels(out_dir) if resume else None):
+            return _train(task, config, out_dir, resume, on_log, context, device)
     finally:
         if lock is not None:
             lock.release()
@@ -245,7 +249,7 @@ def _train(
             records.append({"step": done, "kind": "eval", **metrics})
         save = None
         if checkpoint:
-            extra = {**run_info, "metrics": metrics}
+            extra = {**run_info, "kernels": capabilities.kernel_choices(), "metrics": metrics}
             save = functools.partial(
                 save_checkpoint, out_dir / CHECKPOINT_NAME, model=model, optimizer=optimizer,
                 scheduler=scheduler, step=done, extra=extra,
@@ -402,6 +406,21 @@ def _maybe_resume(out_dir, resume, model, optimizer, scheduler, run_info) -> tup
         )
     logger.info("resumed from %s at step %d", path, state.step)
     return state.step, state.extra.get("metrics", {})
+
+
+def _recorded_kernels(out_dir: Path) -> dict | None:
+    """The kernel choices (`capabilities.kernel_choices`) out_dir's checkpoint was computed
+    with, for the resumed run to keep; None where there is none to read (a damaged file is
+    reported by `load_checkpoint`, which checks it whole)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(out_dir / CHECKPOINT_NAME), framework="pt") as file:
+            document = json.loads((file.metadata() or {}).get("qkv", "{}"))
+        kernels = document["extra"]["kernels"]
+    except Exception:  # noqa: BLE001 - any unreadable file: load_checkpoint says why
+        return None
+    return kernels if isinstance(kernels, dict) else None
 
 
 def _due(done: int, every: int, total: int) -> bool:
