@@ -32,7 +32,7 @@ ROOT_PACKAGE = "qkv"
 # bottom to top; a module belongs to the layer of its longest matching prefix
 LAYERS = [
     ("foundation", ("qkv.validation", "qkv.capabilities", "qkv.version")),
-    ("attention", ("qkv.attention", "qkv.masks")),
+    ("attention", ("qkv.attention", "qkv.masks", "qkv.sparse")),
     ("positional", ("qkv.positional",)),
     ("layers", ("qkv.layers",)),
     ("models", ("qkv.models",)),

@@ -13,7 +13,7 @@
 `from qkv.attention import ...`, and the backend registry is `qkv.BACKENDS`.
 """
 
-from qkv import masks, positional
+from qkv import masks, positional, sparse
 from qkv.attention import (
     BACKENDS,
     attention,
@@ -21,7 +21,6 @@ from qkv.attention import (
     explain,
     flash_attention,
     register_backend,
-    sparse,
     triton_attention,
 )
 from qkv.generation import generate

@@ -7,6 +7,8 @@ FlexAttention with a BlockMask built by `create_block_mask` from the same defini
 """
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -400,3 +402,20 @@ def test_sdpa_runs_packed_self_attention_as_a_padded_batch(causal):
     for got, want in zip(torch.autograd.grad(output, (q, k, v), d_out),
                          torch.autograd.grad(expected, (q, k, v), d_out), strict=True):  # fmt: skip
         torch.testing.assert_close(got, want)
+
+
+def test_qkv_sparse_is_a_module_as_the_readme_shows_it():
+    """`import qkv.sparse` and `from qkv.sparse import bigbird`, in a fresh interpreter (in
+    this one, `import qkv` has already set the attribute), give the patterns of
+    qkv.attention.sparse."""
+    script = (
+        "import qkv.sparse\n"
+        "from qkv.sparse import Window, bigbird\n"
+        "from qkv.attention import sparse as inner\n"
+        "assert bigbird is inner.bigbird and Window is inner.Window\n"
+        "assert set(qkv.sparse.__all__) <= set(dir(qkv.sparse))\n"
+        "print(qkv.sparse.__name__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "qkv.sparse"

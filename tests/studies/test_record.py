@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import pytest
 
@@ -73,3 +74,15 @@ def test_cells_of_non_finite_values_stay_readable(tmp_path):
     result = _result()
     result.rows = [{"what": "c", "value": math.inf, "count": 1}]
     assert "| c | inf | 1 |" in markdown(result, figure=False)
+
+
+def test_the_command_names_only_the_files_it_wrote(capsys, tmp_path, monkeypatch):
+    """Without matplotlib no figure is drawn: the command says so, and names the JSON and the
+    page, never a PNG it did not write."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    assert main(["study", "softmax", "--size", "tiny", "--out", str(tmp_path)]) == 0
+    said = capsys.readouterr().out.splitlines()[-1]
+    assert said.startswith("wrote ") and "softmax.json" in said and "softmax.md" in said
+    assert ".png" not in said and not (tmp_path / "softmax.png").exists()
+    assert json.loads((tmp_path / "softmax.json").read_text())["name"] == "softmax"
+    assert "files" not in json.loads((tmp_path / "softmax.json").read_text())

@@ -25,7 +25,8 @@ def _study(args: argparse.Namespace) -> int:
         return 1
     for finding in result.findings:
         print(f"- {finding}")
-    print(f"wrote {args.out}/{result.name}.json, .md and .png ({result.seconds:.0f} s)")
+    written = ", ".join(str(path) for path in result.files.values())
+    print(f"wrote {written} ({result.seconds:.0f} s)")
     return 0
 
 

@@ -140,7 +140,7 @@ def run_study(
     result.settings, result.size, result.seed = settings, size, seed
     result.command, result.machine = command_line(), machine()
     if out is not None:
-        write_result(result, out, _figure(module, result))
+        result.files = write_result(result, out, _figure(module, result))
         write_index(out)
     return result
 

@@ -59,6 +59,7 @@ class StudyResult:
     command: str = ""
     machine: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
+    files: dict[str, Path] = field(default_factory=dict, compare=False, repr=False)
 
 
 def machine() -> dict[str, Any]:
@@ -87,7 +88,8 @@ def write_result(result: StudyResult, out: str | Path, figure=None) -> dict[str,
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / f"{result.name}.json", "md": out / f"{result.name}.md"}
-    payload = json.dumps(dataclasses.asdict(result), indent=2, default=_json_value) + "\n"
+    recorded = {key: value for key, value in dataclasses.asdict(result).items() if key != "files"}
+    payload = json.dumps(recorded, indent=2, default=_json_value) + "\n"
     _replace(paths["json"], payload.encode())
     if figure is not None:
         paths["png"] = out / f"{result.name}.png"
