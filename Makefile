@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 RUN_STAMP := $(VENV)/.qkv-installed
 STAMP := $(VENV)/.qkv-test-installed
 
-.PHONY: install run test test-masked stress lint browser bench bench-peers clean
+.PHONY: install run test test-masked stress gpu-check lint browser bench bench-peers clean
 
 # `make run` needs qkv and matplotlib only; `make test` adds the references and test tools.
 $(RUN_STAMP): pyproject.toml
@@ -73,6 +73,10 @@ test-masked: $(STAMP)
 # those of a run never killed (1 process, then FSDP and context parallelism on 2). Minutes long.
 stress: $(STAMP)
 	$(BIN)/python -m pytest -s -m stress tests/training/test_stress.py
+
+# On a machine with a CUDA GPU only: the Triton kernels' self-check, tests and benchmark.
+gpu-check:
+	PYTHON=$(or $(wildcard $(BIN)/python),python3) bash benchmarks/gpu_check.sh
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/attention.py

@@ -1,8 +1,10 @@
 """Backend `triton`: qkv's FlashAttention-2 Triton kernels serving `qkv.attention` calls.
 
 Layer 3 of 3. Knows when the kernels apply without importing Triton, so `import qkv` never
-needs it. `auto` picks it on CUDA tensors it can serve; on CPU it runs only when named and
-TRITON_INTERPRET=1 is set (the interpreter is for testing, far slower than any other backend).
+needs it. `auto` picks it on CUDA tensors it can serve once the kernels have passed their
+self-check on that device (`selfcheck`: a few small calls against SDPA, once per process);
+on CPU it runs only when named and TRITON_INTERPRET=1 is set (the interpreter is for testing,
+far slower than any other backend).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from qkv.attention.offset_bias import OffsetBias
 from qkv.attention.request import AttentionRequest
 from qkv.attention.triton.function import triton_attention, unsupported
+from qkv.attention.triton.selfcheck import self_check, verdicts
 
 name = "triton"
 summary = "qkv's FlashAttention-2 Triton kernels (GPU): fused, O(L) memory, hidden blocks skipped"
@@ -51,11 +54,16 @@ def why_not(request: AttentionRequest) -> str | None:
 def why_not_auto(request: AttentionRequest) -> str | None:
     if request.q.device.type != "cuda":
         return "CPU tensors: the Triton interpreter is for tests, far slower than SDPA"
+    failed = self_check(request.q.device)
+    if failed is not None:
+        return f"its self-check against SDPA on {request.q.device} did not pass: {failed}"
     return None
 
 
 def notes(request: AttentionRequest) -> list[str]:
     out = ["one program per (query block, head); K/V streamed through SRAM; exp2 online softmax"]
+    if verdicts().get(str(request.q.device), "") is None:
+        out.append(f"passed its self-check against SDPA on {request.q.device} (selfcheck.CASES)")
     if request.causal or request.window is not None:
         out.append("key blocks hidden by the causal/window structure are never loaded")
     if request.pattern is not None:
