@@ -4,9 +4,9 @@ Two CPU-bound processes keep the machine busy while a training run is killed wit
 random moments (while it starts, in the middle of a step, or of writing a checkpoint) and
 resumed each time; its final checkpoint must equal, bit for bit, the one of a run never
 killed, made first under the same load. The same holds for sharded (FSDP) and
-context-parallel training on 2 processes, whose whole process group is killed. The kill
-moments are drawn from a seeded generator over the uninterrupted run's own duration, so each
-attempt gets through a share of the run before its kill, and a summary line gives the counts.
+context-parallel training on 2 processes, whose whole process tree is killed. The kill
+moments are drawn from a seeded generator, in units of the uninterrupted run's own start-up
+and step times (`_kill_moment`), and a summary line gives the counts.
 
     make stress                      # QKV_STRESS_KILLS (default 20) kills per run
 """
@@ -39,7 +39,7 @@ TRANSLATE = [sys.executable, "-m", "qkv.cli", "train", "translate", *TINY_FLAGS,
              "--steps", "100", "--batch-size", "16", "--checkpoint-every", "2",
              "--log-every", "1"]  # fmt: skip
 # the gpt runs of tests/distributed, longer, with a checkpoint every other step
-GPT_LONGER = ["--steps", "60", "--checkpoint-every", "2"]
+GPT_LONGER = ["--steps", "100", "--checkpoint-every", "2"]
 
 
 @contextlib.contextmanager
@@ -61,21 +61,75 @@ def _checkpoint(out: Path) -> tuple[int, dict[str, torch.Tensor]]:
     return step, tensors
 
 
-def _step_times(run: Launch, steps: int) -> tuple[float, float]:
-    """Seconds from the run's start until it logged its first step (its start-up: imports,
-    data, model) and its step `steps` (the last)."""
-    started, first = time.monotonic(), None
-    metrics = run.out / "metrics.jsonl"
-    while True:
-        assert run.process.poll() is None, run.stderr.read_text()[-3000:]
-        assert time.monotonic() < run.deadline, f"step {steps} was not reached"
-        lines = metrics.read_text().splitlines() if metrics.exists() else []
-        done = [json.loads(line)["step"] for line in lines[:-1]]  # the last may be half written
-        if done and first is None:
-            first = time.monotonic() - started
-        if steps in done:
-            return first, time.monotonic() - started
-        time.sleep(0.01)
+def _logged_steps(out: Path) -> list[int]:
+    """The steps in out's metrics.jsonl so far (the last line may be half written: left out)."""
+    metrics = out / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    return [json.loads(line)["step"] for line in lines[:-1]]
+
+
+def _wait_for_step(run: Launch, after: int) -> bool:
+    """Wait until the run logs a step past `after`; False if it ended first."""
+    while not any(step > after for step in _logged_steps(run.out)):
+        if run.process.poll() is not None:
+            return False
+        assert time.monotonic() < run.deadline, f"no step after {after}"
+        time.sleep(0.005)
+    return True
+
+
+def _seconds_per_step(run: Launch, steps: int) -> tuple[float, float]:
+    """The run's start-up (seconds until its first step) and then its seconds per step."""
+    started = time.monotonic()
+    assert _wait_for_step(run, 0), run.stderr.read_text()[-3000:]
+    first = time.monotonic()
+    assert _wait_for_step(run, steps - 1), run.stderr.read_text()[-3000:]
+    return first - started, (time.monotonic() - first) / (steps - 1)
+
+
+def _kill_moment(run: Launch, at: int, startup: float, step: float, rng: random.Random) -> str:
+    """Sleep until a random moment of the run, SIGKILL its process tree; where it landed.
+    One kill in five lands in the start-up (imports, the checkpoint's load); the others
+    after the run's first new step, within the next 6 steps' time (checkpoints every 2)."""
+    if rng.random() < 0.2:
+        time.sleep(rng.uniform(0.1, 0.9) * startup)
+        where = "in start-up"
+    else:
+        if not _wait_for_step(run, at):
+            return "finished first"
+        time.sleep(rng.uniform(0, 6 * step))
+        where = "during the steps"
+    if run.process.poll() is not None:
+        return "finished first"
+    _kill_all(run)
+    return where
+
+
+def _kill_all(run: Launch) -> None:
+    """SIGKILL the run's process and every process under it (torchrun starts its workers in
+    sessions of their own, out of reach of its process group), and wait until all are gone."""
+    pids, found = [], [run.process.pid]
+    while found:  # the tree, parents first, read before any dies
+        pids += found
+        children = subprocess.run(["pgrep", "-P", ",".join(map(str, found))],
+                                  capture_output=True, text=True)  # fmt: skip
+        found = [int(pid) for pid in children.stdout.split()]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    run.process.wait()
+    for pid in pids[1:]:  # reaped by init once their parent is gone
+        while _alive(pid):
+            assert time.monotonic() < run.deadline, f"process {pid} outlived SIGKILL"
+            time.sleep(0.005)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def kill_and_resume(start: Callable[[Path, bool], Launch], steps: int, tmp_path: Path) -> dict:
@@ -84,34 +138,26 @@ def kill_and_resume(start: Callable[[Path, bool], Launch], steps: int, tmp_path:
     Returns the counts (where the kills landed, the checkpoint's step after each)."""
     rng = random.Random(0)
     straight = start(tmp_path / "straight", False)
-    startup, last_step = _step_times(straight, steps)
+    startup, step = _seconds_per_step(straight, steps)
     straight.wait()
     killed_out = tmp_path / "killed"
-    landed, steps = {"in start-up": 0, "after the first step": 0, "finished first": 0}, []
+    checkpoint = killed_out / "checkpoint.safetensors"
+    landed = {"in start-up": 0, "during the steps": 0, "finished first": 0}
+    reached = []
     for attempt in range(KILLS):
-        run = start(killed_out, attempt > 0)
-        # about its start-up, then a share of its steps: the kills get through ~3/4 of them
-        share = rng.uniform(0, 1.5 * (last_step - startup) / KILLS)
-        delay = startup * rng.uniform(0.8, 1.2) + share
-        try:
-            run.process.wait(timeout=delay)
-            landed["finished first"] += 1
-            break  # it finished before this kill: the run is done
-        except subprocess.TimeoutExpired:
-            os.killpg(run.process.pid, signal.SIGKILL)
-            run.process.wait()
-        metrics = killed_out / "metrics.jsonl"
-        logged = metrics.exists() and metrics.read_text().strip()
-        landed["after the first step" if logged else "in start-up"] += 1
-        checkpoint = killed_out / "checkpoint.safetensors"
-        steps.append(_checkpoint(killed_out)[0] if checkpoint.exists() else 0)
+        logged = max(_logged_steps(killed_out), default=0)  # a new step is one past these
+        where = _kill_moment(start(killed_out, attempt > 0), logged, startup, step, rng)
+        landed[where] += 1
+        if where == "finished first":
+            break
+        reached.append(_checkpoint(killed_out)[0] if checkpoint.exists() else 0)
     start(killed_out, True).wait()
-    (final_step, expected), (step, got) = _checkpoint(straight.out), _checkpoint(killed_out)
-    assert step == final_step
+    (final_step, expected), (last, got) = _checkpoint(straight.out), _checkpoint(killed_out)
+    assert last == final_step
     assert sorted(got) == sorted(expected)
     for name, tensor in expected.items():  # model, AdamW moments and the RNG state
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
-    return {"kills": len(steps), **landed, "checkpoint steps after each kill": steps}
+    return {"kills": len(reached), **landed, "checkpoint steps after each kill": reached}
 
 
 def _translate(out: Path, resume: bool) -> Launch:
@@ -141,5 +187,5 @@ def test_sharded_runs_killed_at_random_moments_under_load_end_bit_for_bit(
     tmp_path, tmp_path_factory, parallel
 ):
     with busy_machine():
-        counts = kill_and_resume(_gpt(tmp_path_factory, parallel), 60, tmp_path)
+        counts = kill_and_resume(_gpt(tmp_path_factory, parallel), 100, tmp_path)
     print(f"\nstress, gpt {' '.join(parallel)} on 2 processes: {counts}")
