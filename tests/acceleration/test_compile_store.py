@@ -1,14 +1,23 @@
 """The compile store (qkv.acceleration.compile_store): a graph compiled once serves later models
 of the same architecture, in this process and in a new one, with their own weights; anything
-its guards do not check changes the key; a damaged file is compiled again."""
+its guards do not check changes the key; a damaged file is compiled again, and a file someone
+else could have written is never loaded."""
 
 import logging
+import os
 
 import pytest
 import torch
 
 from qkv.acceleration import compiled, packed_linears
-from qkv.acceleration.compile_store import GraphStore, model_key, store_directory
+from qkv.acceleration.compile_store import (
+    GraphStore,
+    make_folder,
+    model_key,
+    replace_atomically,
+    store_directory,
+    untrusted,
+)
 from qkv.generation import generate
 from tests.acceleration.new_process import decodes_from_the_store
 from tests.generation.reference_models import qkv_model, redraw
@@ -96,3 +105,53 @@ def test_the_store_can_be_switched_off_and_says_where_it_is(monkeypatch, tmp_pat
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert store_directory() == tmp_path / "qkv" / "compiled"
     assert GraphStore(tmp_path / "none").load("key", {}) == []  # nothing stored: nothing loaded
+
+
+class _Planted:
+    """A pickle that, once loaded, would create `marker`: what another user could plant."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_graph_in_a_folder_others_can_write_is_refused_unread(tmp_path, caplog):
+    """A store folder that group or others can write (a shared /tmp folder, say): a planted
+    pickle is never unpickled, and the warning says why."""
+    import pickle
+
+    folder = tmp_path / "key"
+    folder.mkdir()
+    folder.chmod(0o777)
+    marker = tmp_path / "ran"
+    (folder / "planted.graph").write_bytes(pickle.dumps(_Planted(marker)))
+    with caplog.at_level(logging.WARNING, logger="qkv.acceleration.compile_store"):
+        assert GraphStore(tmp_path).load("key", {}) == []
+    assert not marker.exists()
+    assert "can be written by its group or others (mode 777)" in caplog.text
+
+
+def test_a_file_of_another_user_is_refused(tmp_path, monkeypatch):
+    """Files and folders that belong to someone else (as this process sees them: another uid)
+    are not loaded; this user's own, writable by no one else, are."""
+    folder = tmp_path / "key"
+    folder.mkdir()
+    graph = folder / "g.graph"
+    graph.write_bytes(b"graph")
+    graph.chmod(0o644)
+    assert untrusted(graph, tmp_path) is None
+    monkeypatch.setattr(os, "getuid", lambda: graph.stat().st_uid + 1)
+    assert "belongs to user id" in untrusted(graph, tmp_path)
+
+
+def test_folders_the_store_makes_are_the_users_alone_and_leave_no_temporary(tmp_path):
+    folder = make_folder(tmp_path / "a" / "b")
+    assert folder.stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "a").stat().st_mode & 0o022 == 0  # above it: the default, by umask
+    in_the_way = folder / "step.pt2"
+    in_the_way.mkdir()  # the library's path is a folder: the rename fails
+    with pytest.raises(OSError):
+        replace_atomically(in_the_way, lambda partial: partial.write_bytes(b"x"), suffix=".pt2")
+    assert sorted(p.name for p in folder.iterdir()) == ["step.pt2"]

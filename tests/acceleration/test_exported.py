@@ -177,6 +177,32 @@ def test_a_new_process_loads_the_library_from_the_store(llama, store):
     )
 
 
+def test_a_library_built_for_another_model_is_refused_before_it_runs(
+    llama, store, monkeypatch, caplog
+):
+    """The fixture's library copied under another key (synced, copied, tampered): the model it
+    was built for loads it; a model whose tensors have other shapes is refused by name (the
+    library would read out of bounds) and compiles its own (here: cannot, so it says so)."""
+    directory, _ = store
+    library = next(directory.rglob("exported-b1-int64-int64.pt2"))
+    copied = directory / "copied" / library.name
+    copied.parent.mkdir(mode=0o700)
+    copied.write_bytes(library.read_bytes())
+    key = ("copied", 1, torch.int64, torch.int64)
+
+    def no_compiler(*args):
+        raise RuntimeError("no compiler in this test")
+
+    monkeypatch.setattr(exported, "_compile", no_compiler)
+    assert isinstance(exported._load_or_compile(llama, key, {}, None, {}), exported._Runner)
+    wider = qkv_model("tiny-llama", vocab_size=llama.config.vocab_size + 8)
+    with caplog.at_level(logging.WARNING, logger="qkv.acceleration.exported"):
+        refused = exported._load_or_compile(wider, key, {}, None, {})
+    assert refused == "RuntimeError: no compiler in this test"
+    assert f"{copied} not loaded (compiling again): its constant" in caplog.text
+    assert "was built as [[" in caplog.text
+
+
 @pytest.fixture
 def elsewhere(monkeypatch):
     """compile=True's steps, standing in for themselves: they count their calls and run the

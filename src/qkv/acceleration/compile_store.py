@@ -22,9 +22,12 @@ the model (its class, its modules' names and types, config, and each parameter's
 name, shape, dtype and device). Weights are not part of it: they are inputs of the graph, not
 constants.
 
-A graph file is Python pickle data, read back with the rights of the user who wrote it; like
-torch's own caches, the directory is meant to be the user's own. A file that cannot be read
-(written by another torch, or damaged) is skipped with a warning, and its graph compiled again.
+A graph file is Python pickle data, and compile="aot"'s libraries are shared objects: loading
+either runs code with the rights of the user who loads it. So a file is loaded only where the
+store could not have been written by anyone else (`untrusted`): the file and every folder from
+the store down to it belong to this user, and neither group nor others may write them. Another
+file is refused with a warning, and its graph compiled again; so is a file that cannot be read
+(written by another torch, or damaged). Folders the store creates are the user's alone (0700).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LOAD_SECONDS", "GraphStore", "model_key", "store_directory"]
+__all__ = ["LOAD_SECONDS", "GraphStore", "model_key", "store_directory", "untrusted"]
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +125,28 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
+def untrusted(path: Path, store: Path) -> str | None:
+    """Why the store's file `path` must not be loaded, or None: the file and each folder from
+    `store` down to it must belong to this user and be writable by no one else (a file planted
+    by another user would run as this one). Links are judged as themselves, not followed.
+    Where the OS has no owners and modes (Windows: its ACLs), nothing is refused."""
+    if not hasattr(os, "getuid"):
+        return None
+    uid, path, store = os.getuid(), Path(path), Path(store)
+    try:
+        chain = [path, *[folder for folder in path.parents if folder.is_relative_to(store)]]
+        for item in chain:
+            status = item.lstat()
+            if status.st_uid != uid:
+                return f"{item} belongs to user id {status.st_uid}, not to this user ({uid})"
+            if status.st_mode & 0o022:
+                mode = f"{status.st_mode & 0o777:o}"
+                return f"{item} can be written by its group or others (mode {mode})"
+    except OSError as error:
+        return f"{path} cannot be checked: {error}"
+    return None
+
+
 class GraphStore:
     """The graphs compiled for each key, one file per graph, under `directory`."""
 
@@ -136,6 +161,10 @@ class GraphStore:
         started = time.perf_counter()
         graphs = []
         for path in sorted(self.directory.joinpath(key).glob("*.graph")):
+            refused = untrusted(path, self.directory)
+            if refused is not None:
+                logger.warning("compiled graph %s not loaded (compiling again): %s", path, refused)
+                continue
             try:
                 with _instruction_sets_known():
                     graph = AOTCompiledFunction.deserialize(path.read_bytes(), f_globals)
@@ -166,8 +195,7 @@ class GraphStore:
         cannot be serialized or written."""
         try:
             data = type(graph).serialize(graph).serialized_data
-            folder = self.directory / key
-            folder.mkdir(parents=True, exist_ok=True)
+            folder = make_folder(self.directory / key)
             path = folder / f"{hashlib.sha256(data).hexdigest()[:16]}.graph"
             _write_atomically(path, data)
             _write_atomically(folder / "compile_seconds", f"{compile_seconds:.3f}".encode())
@@ -186,7 +214,24 @@ def _instruction_sets_known():
     return torch._inductor.config.patch({"cpp.vec_isa_ok": True})
 
 
+def make_folder(folder: Path) -> Path:
+    """`folder`, readable and writable by this user alone (the store's files run code when
+    loaded: see `untrusted`), and the folders above it that do not exist yet (by the umask)."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return folder
+
+
+def replace_atomically(path: Path, write, suffix: str = "") -> None:
+    """`write(partial)` into a temporary beside `path` (its name, the pid, ".partial", then
+    `suffix`, for writers that need one), then rename it over `path`: a reader sees all of a
+    file or none of it, and a failure (`path` a folder, a full disk) leaves no temporary."""
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial{suffix}")
+    try:
+        write(partial)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
 def _write_atomically(path: Path, data: bytes) -> None:
-    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-    partial.write_bytes(data)
-    os.replace(partial, path)
+    replace_atomically(path, lambda partial: partial.write_bytes(data))

@@ -18,7 +18,9 @@ check and its choice (`ExportedSteps.greedy`; qkv.generation.loop) instead of re
 logits again in Python between two steps.
 It is compiled once per machine where the compile store is on (qkv.acceleration.compile_store:
 `<key>/exported-b<B>-<ids dtype>-<positions dtype>.pt2` beside the compiled graphs) and loaded
-by later processes.
+by later processes: only from a store no one else can write (`compile_store.untrusted`), and
+only where each constant the library reads has the shape and dtype recorded in its metadata
+when it was built (a library copied from another model would read out of bounds).
 
 What the library does not serve runs elsewhere: a call with a padding mask or another cache
 (`CompiledSteps`, as `compile=True`), and a step over a cache of fewer than 2 tokens (eagerly:
@@ -29,8 +31,8 @@ export treats sizes 0 and 1 as constants). A model whose step cannot be exported
 
 from __future__ import annotations
 
+import json
 import logging
-import os
 import tempfile
 import time
 import warnings
@@ -42,7 +44,14 @@ import torch
 from torch import nn
 
 from qkv.acceleration import compiled
-from qkv.acceleration.compile_store import LOAD_SECONDS, model_key, store_directory
+from qkv.acceleration.compile_store import (
+    LOAD_SECONDS,
+    make_folder,
+    model_key,
+    replace_atomically,
+    store_directory,
+    untrusted,
+)
 from qkv.acceleration.packing import PackedLinear
 from qkv.layers.kv_cache import StaticKVCache
 from qkv.models.outputs import CausalLMOutput
@@ -50,6 +59,9 @@ from qkv.models.outputs import CausalLMOutput
 __all__ = ["ExportedSteps", "compile_seconds", "exported_steps"]
 
 logger = logging.getLogger(__name__)
+
+# The library's metadata entry that records each constant's shape and dtype (`_Runner.refuses`).
+CONSTANTS_METADATA = "qkv_constants"
 
 # By model (weak: gone with it): the loaded libraries by (model key, batch size, dtypes of the
 # token ids and positions), or the reason the model's step could not be exported.
@@ -211,6 +223,23 @@ class _Runner:
         self.names = loader.get_constant_fqns()
         self.constants: dict[str, torch.Tensor] = {}
 
+    def refuses(self, model: nn.Module) -> str | None:
+        """Why this library cannot read `model`'s tensors, or None: each constant it reads must
+        have the shape and dtype recorded when it was built (a library copied from another
+        model would read out of bounds)."""
+        recorded = json.loads(self.loader.get_metadata().get(CONSTANTS_METADATA, "null"))
+        if not isinstance(recorded, dict):
+            return "it records no shapes for its constants"
+        tensors = _tensors(model)
+        for name in self.names:
+            tensor = tensors.get(name)
+            found = None if tensor is None else [list(tensor.shape), str(tensor.dtype)]
+            if recorded.get(name) != found:
+                return (
+                    f"its constant {name} was built as {recorded.get(name)}, the model has {found}"
+                )
+        return None
+
     def point_at(self, model: nn.Module) -> None:
         """Point the constants at the model's present tensors, where any of them changed (a
         parameter replaced rather than written in place)."""
@@ -241,11 +270,18 @@ def _load_or_compile(model, key: tuple, options: dict, input_ids, kwargs) -> _Ru
     directory = store_directory()
     name = "exported-b{}-{}-{}.pt2".format(*key[1:]).replace("torch.", "")
     path = None if directory is None else directory / key[0] / name
-    if path is not None and path.exists():
+    refused = None if path is None or not path.exists() else untrusted(path, directory)
+    if refused is not None:
+        logger.warning("exported step %s not loaded (compiling again): %s", path, refused)
+    elif path is not None and path.exists():
         try:
-            return _Runner(torch._inductor.aoti_load_package(str(path)).loader)
+            runner = _Runner(torch._inductor.aoti_load_package(str(path)).loader)
+            refused = runner.refuses(model)
         except Exception as error:  # another torch's file, or a damaged one
-            logger.warning("exported step %s not loaded (compiling again): %s", path, error)
+            refused = str(error)
+        if refused is None:
+            return runner
+        logger.warning("exported step %s not loaded (compiling again): %s", path, refused)
     try:
         return _Runner(_compile(model, options, input_ids, kwargs, path).loader)
     except Exception as error:
@@ -274,16 +310,19 @@ def _compile(model, options: dict, input_ids, kwargs: dict, path: Path | None):
     opaque = {str(n.target) for n in program.graph.nodes if str(n.target).startswith("qkv.")}
     if opaque:
         raise RuntimeError(f"the step calls {sorted(opaque)}, which have no C++ kernel")
-    configs = {**options, "aot_inductor.package_constants_in_so": False}
+    constants = {name: [list(t.shape), str(t.dtype)] for name, t in _tensors(model).items()}
+    configs = {
+        **options,
+        "aot_inductor.package_constants_in_so": False,
+        "aot_inductor.metadata": {CONSTANTS_METADATA: json.dumps(constants, sort_keys=True)},
+    }
     if path is None:  # no store: a file of this process, gone once loaded
         with tempfile.TemporaryDirectory(prefix="qkv-step-") as folder:
             target = Path(folder) / "step.pt2"
             _package(program, target, configs)
             return torch._inductor.aoti_load_package(str(target))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")  # written, then renamed
-    _package(program, partial, configs)
-    os.replace(partial, path)
+    make_folder(path.parent)
+    replace_atomically(path, lambda partial: _package(program, partial, configs), suffix=".pt2")
     seconds = time.perf_counter() - started
     (path.parent / _SECONDS_FILE).write_text(f"{seconds:.3f}")
     logger.info("compile='aot': step exported and compiled in %.1f s (%s)", seconds, path)

@@ -18,6 +18,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from qkv.attention.triton import function
+
 __all__ = ["CASES", "self_check", "verdicts"]
 
 logger = logging.getLogger(__name__)
@@ -57,14 +59,12 @@ def self_check(device: torch.device) -> str | None:
 
 
 def _run_cases(device: torch.device) -> str | None:
-    from qkv.attention.triton.function import triton_attention
-
     generator = torch.Generator().manual_seed(0)
     for dtype, options, shape in CASES:
         where = f"{str(dtype).removeprefix('torch.')} {options or 'plain'}"
         try:
             inputs = _inputs(shape, generator)
-            ours = _output_and_grads(triton_attention, inputs, dtype, device, options)
+            ours = _output_and_grads(function.triton_attention, inputs, dtype, device, options)
             theirs = _output_and_grads(_sdpa, inputs, dtype, device, options)
             exact = _output_and_grads(_sdpa, inputs, torch.float64, "cpu", options)
         except Exception as error:  # noqa: BLE001 - any failure means: not on this device
