@@ -179,11 +179,11 @@ def test_checkpoint_errors(tmp_path):
 
 
 def test_unsupported_config_options_are_refused(tmp_path):
-    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}
-    longrope["original_max_position_embeddings"] = 16
-    config = transformers.LlamaConfig(**SMALL, rope_scaling=longrope)
+    """RoPE on part of each head: transformers' Llama saves it, then fails in forward."""
+    partial = {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}
+    config = transformers.LlamaConfig(**SMALL, rope_scaling=partial)
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
-    with pytest.raises(CheckpointError, match="rope_scaling: rope_type 'longrope'"):
+    with pytest.raises(CheckpointError, match="rope_scaling: partial_rotary_factor"):
         GPT.from_pretrained(tmp_path)
 
 

@@ -24,6 +24,38 @@ def test_t5_buckets_equal_transformers(bidirectional, num_buckets, max_distance)
     assert torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_t5_bucket_counts_the_formula_cannot_divide_by_are_refused(bidirectional):
+    """transformers' bucket formula divides by num_buckets // 4 (bidirectional) or // 2, and by
+    ln(max_distance / that): below 4 (or 2) buckets it raises ZeroDivisionError, and with
+    max_distance at most that it gives negative buckets. qkv refuses both when built, naming the
+    argument, and equals transformers from the smallest valid values on."""
+    minimum = 4 if bidirectional else 2
+    offset = torch.arange(-300, 301)
+    for num_buckets in range(1, minimum):
+        with pytest.raises(ZeroDivisionError):
+            T5Attention._relative_position_bucket(
+                offset, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=128
+            )
+        with pytest.raises(ValueError, match=f"num_buckets: expected at least {minimum} "):
+            T5RelativeBias(2, bidirectional=bidirectional, num_buckets=num_buckets)
+    exact = 1  # num_buckets // minimum, for num_buckets = minimum
+    broken = T5Attention._relative_position_bucket(
+        offset, bidirectional=bidirectional, num_buckets=minimum, max_distance=exact
+    )
+    assert broken.min() < 0
+    with pytest.raises(ValueError, match="max_distance: expected more than .* = 1"):
+        T5RelativeBias(2, bidirectional=bidirectional, num_buckets=minimum, max_distance=exact)
+    for num_buckets, max_distance in ((minimum, 2), (minimum + 1, 3), (minimum, 128)):
+        module = T5RelativeBias(2, bidirectional=bidirectional, num_buckets=num_buckets,
+                                max_distance=max_distance)  # fmt: skip
+        theirs = T5Attention._relative_position_bucket(
+            offset, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance
+        )
+        assert torch.equal(module.buckets(offset), theirs)
+        assert module(5, 9).shape == (1, 2, 5, 9)
+
+
 @pytest.mark.parametrize("is_decoder", [False, True])
 def test_t5_bias_equals_transformers_compute_bias(is_decoder):
     config = transformers.T5Config(d_model=32, d_kv=8, num_heads=4, is_decoder=is_decoder,

@@ -17,6 +17,7 @@ from qkv.models.checkpoints import CheckpointError
 from qkv.models.gpt import GPT, GPTConfig
 from qkv.positional import RopeScaling, RotaryEmbedding, rope_cos_sin
 from qkv.positional.rope_scaling import scaled_inverse_frequencies
+from qkv.positional.rope_scaling_hf import scaling_from_hf
 
 # (name, rope_scaling, rope_theta, head_dim, max_position_embeddings)
 CASES = [
@@ -72,7 +73,7 @@ def test_inverse_frequencies_and_attention_factor_match_transformers(
 ):
     config = _hf_config(rope_scaling, theta, head_dim, max_positions)
     kind = config.rope_parameters["rope_type"]
-    scaling = RopeScaling.from_hf(config.rope_parameters, max_positions=max_positions)
+    scaling = scaling_from_hf(config.rope_parameters, max_positions=max_positions)
     for length in (max_positions // 2, max_positions, 3 * max_positions + 5):
         expected, attention_factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu", seq_len=length)
         positions = torch.arange(length)  # dynamic NTK's length: the largest position + 1
@@ -93,7 +94,7 @@ def test_cos_sin_match_llama_rotary_embedding(name, rope_scaling, theta, head_di
     positions = torch.arange(length).repeat(2, 1)  # (B, L)
     positions[1] += 3  # the second row's largest position sets dynamic NTK's length
     expected_cos, expected_sin = LlamaRotaryEmbedding(config)(torch.zeros(1), positions)
-    scaling = RopeScaling.from_hf(config.rope_parameters, max_positions=max_positions)
+    scaling = scaling_from_hf(config.rope_parameters, max_positions=max_positions)
     cos, sin = rope_cos_sin(positions, head_dim, base=theta, scaling=scaling)
     torch.testing.assert_close(cos, expected_cos, rtol=0, atol=2e-5)
     torch.testing.assert_close(sin, expected_sin, rtol=0, atol=2e-5)
@@ -127,6 +128,11 @@ TINY_SCALINGS = {
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
     "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 0.25,
                "high_freq_factor": 2.0, "original_max_position_embeddings": 16},
+    # L_orig 37: the decoding test below prefills 36 tokens on short factors, then crosses it
+    "longrope": {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 37,
+                 "short_factor": [1.0, 1.1, 1.3, 2.0] * 2,
+                 "long_factor": [1.0, 3.0, 8.0, 20.0] * 2},
+    "proportional": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "factor": 2.0},
 }  # fmt: skip
 
 
@@ -159,6 +165,7 @@ def test_llama_with_rope_scaling_loads_saves_and_matches_transformers(kind, tmp_
     written = json.loads((tmp_path / "qkv" / "config.json").read_text())
     assert written["rope_parameters"]["rope_type"] == kind
     assert written["rope_scaling"]["factor"] == TINY_SCALINGS[kind]["factor"]
+    assert written["rope_scaling"] == {**TINY_SCALINGS[kind], **written["rope_scaling"]}
     assert GPT.from_pretrained(tmp_path / "qkv").config.rope_scaling == model.config.rope_scaling
     reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "qkv").eval()
     with torch.no_grad():
@@ -170,24 +177,23 @@ def test_llama_with_rope_scaling_loads_saves_and_matches_transformers(kind, tmp_
 @pytest.mark.parametrize(
     ("rope_scaling", "message"),
     [
-        ({"rope_type": "longrope", "factor": 2.0}, "rope_type 'longrope' is not supported"),
-        ({"factor": 2.0}, "rope_type None is not supported"),
-        ({"rope_type": "linear"}, "takes 'factor'"),
-        ({"rope_type": "linear", "factor": 2.0, "beta_fast": 3}, r"got keys \['beta_fast'"),
+        ({"rope_type": "longrope", "factor": 2.0}, r"missing \['short_factor', 'long_factor'\]"),
+        ({"rope_type": "axial"}, "rope_type 'axial' is not supported"),
+        ({"factor": 2.0}, "rope_type 'default' is plain RoPE"),
+        ({"rope_type": "linear"}, r"requires \['factor'\]"),
+        ({"rope_type": "linear", "factor": None}, "factor: expected a number, got None"),
         ({"rope_type": "linear", "factor": -2.0}, "factor: expected a finite number > 0, got -2.0"),
         ({"rope_type": "yarn", "factor": 2.0}, "original_max_positions: expected an int, got None"),
-        (
-            {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
-             "original_max_position_embeddings": 64},
-            "expected high_freq_factor > low_freq_factor",
-        ),
+        ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": None},
+         "original_max_positions: expected an int, got None"),
         ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5},
          "partial_rotary_factor"),
     ],
 )  # fmt: skip
 def test_bad_rope_scaling_is_refused_naming_it(rope_scaling, message):
     with pytest.raises((ValueError, TypeError), match=f"rope_scaling: .*{message}"):
-        RopeScaling.from_hf(rope_scaling)
+        scaling_from_hf(rope_scaling)
 
 
 def test_bad_rope_scaling_in_a_checkpoint_is_refused(tmp_path):
@@ -211,10 +217,11 @@ def test_gpt_config_carries_rope_scaling():
         GPTConfig.from_name("tiny-llama", rope_scaling=2.0)
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "yarn"])
+@pytest.mark.parametrize("kind", ["dynamic", "yarn", "longrope"])
 def test_cached_decoding_past_the_training_context_matches_transformers(kind, tmp_path):
     """Prefill 36 tokens, then decode 4 one by one: dynamic NTK grows its base with every new
-    position, for the new token only (cached keys keep their rotation), as transformers does."""
+    position, and LongRoPE switches to its long factors at position 37 (L_orig 37), for the new
+    token only (cached keys keep their rotation), as transformers does."""
     from qkv.layers.kv_cache import StaticKVCache
 
     reference = _tiny_llama(TINY_SCALINGS[kind])

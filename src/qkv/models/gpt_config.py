@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from qkv.layers.attention import check_heads
 from qkv.positional import RopeScaling
+from qkv.positional.rope_scaling_hf import rope_scaling_from_hf
 from qkv.validation import check_choice, check_positive_int, check_probability, preset
 
 __all__ = ["FFN_KINDS", "GPTConfig", "NORM_KINDS", "POSITION_KINDS", "PRESETS"]
@@ -45,10 +46,10 @@ class GPTConfig:
     bias: `qkv.positional.T5RelativeBias`, causal), rope_base (theta of RoPE), rope_scaling
     (None, or a `qkv.positional.RopeScaling` rule for contexts past the training one, which
     `context_length` reports; a dict of its fields or a Hugging Face `rope_scaling` dict is
-    converted to one), norm_eps, bias (on every projection and LayerNorm), tie_embeddings
-    (lm_head shares the token embedding), sliding_window (None, or W: each query sees itself
-    and the W - 1 keys before it), dropout (embeddings and residual branches) and
-    attention_dropout (attention weights).
+    converted to one, rope_type "default" to None), norm_eps, bias (on every projection and
+    LayerNorm), tie_embeddings (lm_head shares the token embedding), sliding_window (None, or
+    W: each query sees itself and the W - 1 keys before it), dropout (embeddings and residual
+    branches) and attention_dropout (attention weights).
     """
 
     vocab_size: int
@@ -140,8 +141,9 @@ def _check_rope(config: GPTConfig) -> None:
     if isinstance(scaling, dict):  # frozen: resolve once
         if "kind" in scaling:  # RopeScaling's own fields (dataclasses.asdict)
             scaling = RopeScaling(**scaling)
-        else:  # Hugging Face's rope_scaling object
-            scaling = RopeScaling.from_hf(scaling, max_positions=config.max_positions)
+        else:  # Hugging Face's rope_scaling object; rope_type "default" is plain RoPE: None
+            _check_hf_theta(scaling, config.rope_base)
+            scaling = rope_scaling_from_hf(scaling, max_positions=config.max_positions)
         object.__setattr__(config, "rope_scaling", scaling)
     if scaling is not None and not isinstance(scaling, RopeScaling):
         raise TypeError(
@@ -157,6 +159,18 @@ def _check_rope(config: GPTConfig) -> None:
         raise ValueError(
             f"embed_dim: head_dim = {config.embed_dim} // {config.num_heads} = {config.head_dim} "
             f"is odd; RoPE rotates pairs of coordinates, expected an even head_dim"
+        )
+    if scaling is not None:
+        scaling.check_head_dim(config.head_dim)
+
+
+def _check_hf_theta(rope_scaling: dict, rope_base: float) -> None:
+    """The base is rope_base; a Hugging Face object's rope_theta must not say otherwise."""
+    theta = rope_scaling.get("rope_theta")
+    if theta is not None and theta != rope_base:
+        raise ValueError(
+            f"rope_scaling: rope_theta is {theta!r}, but rope_base={rope_base}; expected the "
+            f"same base in both (set rope_base), or no rope_theta"
         )
 
 

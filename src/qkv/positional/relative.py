@@ -40,7 +40,12 @@ def t5_relative_bucket(
     otherwise keys after the query (not seen under causal masking) share bucket 0. In each
     direction, distances below half of its buckets have one bucket each; the rest grow
     logarithmically up to max_distance, and farther ones share the last bucket.
+
+    The logarithmic part divides by the exact buckets of one direction, E = num_buckets // 4
+    (bidirectional) or // 2, and by ln(max_distance / E): num_buckets must be at least 4
+    (bidirectional) or 2, and max_distance more than E (ValueError otherwise).
     """
+    _check_t5_buckets(num_buckets, max_distance, bidirectional=bidirectional)
     buckets = torch.zeros_like(offset)
     if bidirectional:
         num_buckets //= 2
@@ -52,6 +57,31 @@ def t5_relative_bucket(
     spread = torch.log(distance.float() / exact) / math.log(max_distance / exact)
     far = (exact + (spread * (num_buckets - exact)).long()).clamp(max=num_buckets - 1)
     return buckets + torch.where(distance < exact, distance, far)
+
+
+def _check_t5_buckets(num_buckets: object, max_distance: object, *, bidirectional: object) -> None:
+    """Arguments the bucket formula can compute with (Raffel et al. 2020; transformers'
+    T5Attention._relative_position_bucket divides by zero, or gives negative buckets, without
+    them): E = num_buckets // 4 (bidirectional) or // 2 exact buckets, E >= 1 and max_distance > E.
+    """
+    check_positive_int("num_buckets", num_buckets)
+    check_positive_int("max_distance", max_distance)
+    if not isinstance(bidirectional, bool):
+        raise TypeError(f"bidirectional: expected a bool, got {bidirectional!r}")
+    per_exact = 4 if bidirectional else 2  # buckets per exact bucket of one direction
+    if num_buckets < per_exact:
+        raise ValueError(
+            f"num_buckets: expected at least {per_exact} with bidirectional={bidirectional} "
+            f"(the formula divides by the exact buckets of one direction, num_buckets // "
+            f"{per_exact}), got {num_buckets}"
+        )
+    exact = num_buckets // per_exact
+    if max_distance <= exact:
+        raise ValueError(
+            f"max_distance: expected more than the exact buckets of one direction "
+            f"(num_buckets // {per_exact} = {exact}; the formula divides by ln(max_distance / "
+            f"{exact})), got {max_distance}"
+        )
 
 
 def _offsets(L_q: int, L_k: int, device) -> torch.Tensor:
@@ -75,15 +105,8 @@ class T5RelativeBias(nn.Module):
     ) -> None:
         super().__init__()
         self.num_heads = check_positive_int("num_heads", num_heads)
-        self.num_buckets = check_positive_int("num_buckets", num_buckets)
-        self.max_distance = check_positive_int("max_distance", max_distance)
-        if not isinstance(bidirectional, bool):
-            raise TypeError(f"bidirectional: expected a bool, got {bidirectional!r}")
-        if max_distance <= num_buckets // (4 if bidirectional else 2):
-            raise ValueError(
-                f"max_distance: expected more than the exact buckets of one direction "
-                f"({num_buckets // (4 if bidirectional else 2)}), got {max_distance}"
-            )
+        _check_t5_buckets(num_buckets, max_distance, bidirectional=bidirectional)
+        self.num_buckets, self.max_distance = num_buckets, max_distance
         self.bidirectional = bidirectional
         self.relative_attention_bias = nn.Embedding(
             num_buckets, num_heads, device=device, dtype=dtype

@@ -62,8 +62,9 @@ def rope_cos_sin(
     positions: a tensor of any shape, usually (L,) or (B, L); integer, or float for
     interpolated positions. theta_i = base^(-2i / head_dim) for i < head_dim / 2 (RoFormer
     section 3.4.2). Angles are computed in float32 (float64 when `dtype` is float64), then
-    cast to `dtype`. scaling: a `RopeScaling` rule that changes theta_i (and, for YaRN, scales
-    cos and sin), or None for plain RoPE.
+    cast to `dtype`. scaling: a `RopeScaling` rule that changes theta_i (and, for YaRN and
+    LongRoPE, scales cos and sin; for dynamic NTK and LongRoPE, depends on max(positions) + 1),
+    or None for plain RoPE.
 
     Returns (cos, sin), each (*positions.shape, head_dim): frequency i sits at columns i and
     i + head_dim/2 for layout "half", at columns 2i and 2i + 1 for layout "interleaved".
@@ -126,7 +127,8 @@ class RotaryEmbedding(nn.Module):
     arange(L) and then q and k must have the same length. Returns (q_rotated, k_rotated).
 
     scaling: a `qkv.positional.RopeScaling` rule for contexts longer than the training one
-    (position interpolation, dynamic NTK, YaRN, Llama 3), or None for plain RoPE.
+    (position interpolation, dynamic NTK, YaRN, Llama 3, LongRoPE, proportional), or None for
+    plain RoPE.
     """
 
     def __init__(

@@ -20,20 +20,31 @@ of the causal mask (masking_utils.sliding_window_overlay), i.e. query i sees key
 i - W < j <= i: itself and the W - 1 keys before it. That is exactly qkv's `window=W`, so the
 number is carried over unchanged.
 
-RoPE scaling: config.json's `rope_parameters` (transformers 5) or `rope_scaling` (4.x) with a
-rope_type of "linear", "dynamic", "yarn" or "llama3" becomes `GPTConfig.rope_scaling` (see
+RoPE: config.json is read as transformers 5 reads it (configuration_utils.PreTrainedConfig
+.__post_init__ -> modeling_rope_utils.RotaryEmbeddingConfigMixin.convert_rope_params_to_dict and
+standardize_rope_params): a non-empty `rope_scaling` replaces `rope_parameters` whole; then
+rope_theta and partial_rotary_factor come from that object, else from the top level of
+config.json (rope_theta 10000.0 when absent everywhere); a top-level
+original_max_position_embeddings wins for "yarn", "llama3" and "longrope" (Phi-3 keeps it
+there), else the object's, else max_position_embeddings. A rope_type of "linear", "dynamic",
+"yarn", "llama3", "longrope" or "proportional" becomes `GPTConfig.rope_scaling` (see
 `qkv.positional.RopeScaling`) and is written back in both places; other types are refused.
 """
 
 from __future__ import annotations
+
+import logging
 
 from qkv.models.checkpoints import fields
 from qkv.models.checkpoints.core import CheckpointError, KeyMap
 from qkv.models.checkpoints.registry import Architecture, register
 from qkv.models.gpt import GPT, GPTConfig
 from qkv.positional import RopeScaling
+from qkv.positional.rope_scaling_hf import rope_scaling_from_hf, scaling_to_hf
 
 __all__ = ["gpt_config_from_llama", "llama_config", "llama_key_map", "mistral_config"]
+
+logger = logging.getLogger(__name__)
 
 _LAYER_NAMES = {  # checkpoint name inside model.layers.{i}. -> qkv name inside blocks.{i}.
     "input_layernorm.weight": "attn_norm.weight",
@@ -90,6 +101,7 @@ def gpt_config_from_llama(config: dict) -> GPTConfig:
     heads = fields.integer(config, "num_attention_heads")
     attention_bias = fields.boolean(config, "attention_bias", False)
     max_positions = fields.integer(config, "max_position_embeddings", 2048)
+    rope = _rope_parameters(config)
     return GPTConfig(
         vocab_size=fields.integer(config, "vocab_size"),
         embed_dim=fields.integer(config, "hidden_size"),
@@ -99,8 +111,8 @@ def gpt_config_from_llama(config: dict) -> GPTConfig:
         ffn_dim=fields.integer(config, "intermediate_size"),
         max_positions=max_positions,
         position="rope",
-        rope_base=fields.number(_rope_parameters(config), "rope_theta", 10000.0),
-        rope_scaling=_rope_scaling(config, max_positions),
+        rope_base=fields.number(rope, "rope_theta"),
+        rope_scaling=_rope_scaling(rope, max_positions),
         norm="rmsnorm",
         norm_eps=fields.number(config, "rms_norm_eps", 1e-6),
         ffn="swiglu",
@@ -112,26 +124,37 @@ def gpt_config_from_llama(config: dict) -> GPTConfig:
 
 
 def _rope_parameters(config: dict) -> dict:
-    """transformers 5 writes `rope_parameters`; 4.x wrote `rope_theta` and `rope_scaling`."""
-    parameters = dict(
-        fields.mapping(config, "rope_parameters") or fields.mapping(config, "rope_scaling")
-    )
-    if "rope_theta" in config:
-        parameters.setdefault("rope_theta", config["rope_theta"])
+    """The RoPE object of config.json, resolved as transformers 5 resolves it (see the module
+    docstring): `rope_scaling` when non-empty, else `rope_parameters`, with rope_theta,
+    partial_rotary_factor and original_max_position_embeddings filled in."""
+    scaling = fields.mapping(config, "rope_scaling")
+    parameters = dict(scaling or fields.mapping(config, "rope_parameters"))
+    parameters.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    if "partial_rotary_factor" in config:
+        parameters.setdefault("partial_rotary_factor", config["partial_rotary_factor"])
+    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    if kind in ("yarn", "llama3", "longrope") and "original_max_position_embeddings" in config:
+        parameters["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+    if scaling:
+        _warn_set_aside(fields.mapping(config, "rope_parameters"), parameters)
     return parameters
 
 
-def _rope_scaling(config: dict, max_positions: int) -> RopeScaling | None:
-    """The RoPE scaling rule of config.json, None for plain RoPE; CheckpointError otherwise."""
-    parameters = _rope_parameters(config)
-    if parameters.get("rope_type", parameters.get("type", "default")) == "default":
-        return None
-    kind = parameters.get("rope_type", parameters.get("type"))
-    if kind in ("yarn", "llama3") and "original_max_position_embeddings" in config:
-        # a top-level value (Phi-3's configs) wins over the one in rope_parameters
-        parameters["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+def _warn_set_aside(set_aside: dict, applied: dict) -> None:
+    """rope_parameters loses to a rope_scaling next to it; say so when it would differ."""
+    differing = {key: value for key, value in set_aside.items() if applied.get(key) != value}
+    if differing:
+        logger.warning(
+            "config.json: rope_scaling %s is applied and rope_parameters' %s ignored, as "
+            "transformers reads them", applied, differing,
+        )  # fmt: skip
+
+
+def _rope_scaling(parameters: dict, max_positions: int) -> RopeScaling | None:
+    """The RoPE scaling rule of the resolved object, None for plain RoPE; CheckpointError for
+    one qkv cannot compute."""
     try:
-        return RopeScaling.from_hf(parameters, max_positions=max_positions)
+        return rope_scaling_from_hf(parameters, max_positions=max_positions)
     except (TypeError, ValueError) as error:
         raise CheckpointError(f"config.json: unsupported {error}") from error
 
@@ -190,7 +213,7 @@ def _common_config(model: GPT) -> dict:
     rope = {"rope_theta": config.rope_base, "rope_type": "default"}
     scaling = {}
     if config.rope_scaling is not None:
-        scaling = {"rope_scaling": config.rope_scaling.to_hf()}
+        scaling = {"rope_scaling": scaling_to_hf(config.rope_scaling)}
         rope.update(scaling["rope_scaling"])
     return {
         "vocab_size": config.vocab_size,
