@@ -27,6 +27,35 @@ def test_train_then_translate_from_the_command_line(tmp_path, capsys):
     assert len(capsys.readouterr().out.splitlines()) == 2
 
 
+def test_a_run_folder_is_not_overwritten_without_being_asked(tmp_path, capsys, monkeypatch):
+    """A second `qkv train --out DIR` without --resume is refused before any data is prepared,
+    naming what the first left and the two ways on; --overwrite starts again from step 0."""
+    out = tmp_path / "run"
+    flags = ["train", "translate", *TINY_FLAGS, "--steps", "2", "--out", str(out)]
+    assert main(flags) == 0
+    first = (out / "checkpoint.safetensors").read_bytes()
+    capsys.readouterr()
+    assert main([*flags, "--learning-rate", "0.1"]) == 1
+    error = capsys.readouterr().err
+    assert (
+        "holds an earlier run (checkpoint.safetensors, metrics.jsonl, summary.json, model)" in error
+    )
+    assert "--resume" in error and "--overwrite" in error and "preparing data" not in error
+    assert (out / "checkpoint.safetensors").read_bytes() == first
+    assert main([*flags, "--learning-rate", "0.1", "--overwrite"]) == 0
+    assert (out / "checkpoint.safetensors").read_bytes() != first
+
+
+def test_under_torchrun_only_rank_0_writes_the_report(tmp_path, capsys, monkeypatch):
+    """The other ranks of a run end with their part of the training, and write nothing: rank 1
+    used to replace summary.json (metrics {}) and write model/ beside rank 0."""
+    monkeypatch.setenv("RANK", "1")
+    out = tmp_path / "run"
+    assert main(["train", "translate", *TINY_FLAGS, "--steps", "1", "--out", str(out)]) == 0
+    assert not (out / "summary.json").exists() and not (out / "model").exists()
+    assert "test exact match" not in capsys.readouterr().out
+
+
 def test_bad_options_and_missing_models_are_clear_errors(tmp_path, capsys):
     assert main(["train", "translate", "--steps", "0", "--out", str(tmp_path)]) == 1
     assert "steps: expected an int >= 1, got 0" in capsys.readouterr().err

@@ -9,6 +9,7 @@ import torch
 from qkv import capabilities
 from qkv.training import LossNotFiniteError, TrainingConfig, train
 from qkv.training.checkpoint import CHECKPOINT_NAME
+from qkv.training.runlock import RunFolderInUseError
 from qkv.training.tasks import TranslateTask
 
 from .tiny import TINY
@@ -115,6 +116,16 @@ def test_a_resumed_run_computes_with_the_kernels_its_checkpoint_records(task, tm
     ):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
     assert capabilities.kernel_choices()["onednn_fp32_linears"] is not other["onednn_fp32_linears"]
+
+
+def test_a_fresh_start_in_a_used_folder_is_refused_unless_overwrite(task, tmp_path):
+    config = TrainingConfig(steps=2, batch_size=4, warmup_steps=1)
+    train(task, config, out_dir=tmp_path)
+    before = (tmp_path / CHECKPOINT_NAME).read_bytes()
+    with pytest.raises(RunFolderInUseError, match=r"^out_dir: .* holds an earlier run"):
+        train(task, config, out_dir=tmp_path)
+    assert (tmp_path / CHECKPOINT_NAME).read_bytes() == before
+    assert train(task, config, out_dir=tmp_path, overwrite=True).resumed_from is None
 
 
 def test_resume_with_other_options_is_refused(task, tmp_path):

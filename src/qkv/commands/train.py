@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 import types
@@ -54,6 +55,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from qkv.training import LossNotFiniteError, TrainingConfig, train
     from qkv.training.distributed import OtherProcessFailedError
+    from qkv.training.runlock import check_fresh_start
     from qkv.validation import check_int
 
     task_class, options_class = _tasks()[args.task]
@@ -61,13 +63,15 @@ def _run(args: argparse.Namespace) -> int:
         check_int("threads", args.threads, minimum=1)
         torch.set_num_threads(args.threads)
         check_device(args.device)  # before the data: preparing it can take a minute
+        check_fresh_start(args.out, resume=args.resume, overwrite=args.overwrite)
         config = TrainingConfig(**_fields(args, TrainingConfig))
         options = options_class(**_fields(args, options_class))
         print(f"qkv train {args.task}: preparing data ...", file=sys.stderr, flush=True)
         started = time.perf_counter()
         task, result = _prepare_and_train(task_class, options, config, args, train)
         seconds = time.perf_counter() - started
-        _train_report.report(task, result, Path(args.out), seconds=seconds)
+        if os.environ.get("RANK", "0") == "0":  # torchrun's other ranks: rank 0 reports
+            _train_report.report(task, result, Path(args.out), seconds=seconds)
     except LossNotFiniteError as error:
         print(f"qkv train: stopped: {error}", file=sys.stderr)
         return 3
@@ -88,8 +92,8 @@ def _prepare_and_train(task_class: type, options, config, args: argparse.Namespa
         bar = _TrainProgress(config.steps, config.log_every)
         try:
             result = train(
-                task, config, out_dir=args.out, resume=args.resume, on_log=bar.update,
-                device=args.device,
+                task, config, out_dir=args.out, resume=args.resume, overwrite=args.overwrite,
+                on_log=bar.update, device=args.device,
             )  # fmt: skip
         finally:  # the bar's last line comes before any error message
             bar.close()
@@ -150,6 +154,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "--out", default=f"runs/{name}", help="run folder (default %(default)s)"
         )
         parser.add_argument("--resume", action="store_true", help="go on from --out's checkpoint")
+        parser.add_argument(
+            "--overwrite", action="store_true",
+            help="start again from step 0 in an --out an earlier run wrote to, replacing it",
+        )  # fmt: skip
         parser.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
         parser.add_argument(
             "--device", default="cpu", help="cpu, cuda, cuda:N or mps (default %(default)s)"

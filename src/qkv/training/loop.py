@@ -61,7 +61,7 @@ from qkv.training.distributed import (
 )
 from qkv.training.metrics import METRICS_NAME, RunLogger, Throughput
 from qkv.training.optim import build_optimizer
-from qkv.training.runlock import RunLock, remove_temporaries
+from qkv.training.runlock import RunLock, check_fresh_start, remove_temporaries
 from qkv.training.schedule import build_scheduler
 
 __all__ = [
@@ -152,6 +152,7 @@ def train(
     *,
     out_dir: str | os.PathLike,
     resume: bool = False,
+    overwrite: bool = False,
     on_log: Callable[[dict], None] | None = None,
     device: str | torch.device = "cpu",
 ) -> TrainingResult:
@@ -160,7 +161,8 @@ def train(
     out_dir receives checkpoint.safetensors and metrics.jsonl (one JSON record a line: training
     logs every `log_every` steps, evaluations). on_log(record) sees the same records as they
     come (the CLI draws its progress bar from them). resume: continue from out_dir's checkpoint
-    when there is one (the config must be the one it was written with).
+    when there is one (the config must be the one it was written with). A folder an earlier run
+    wrote to is refused without resume (RunFolderInUseError, a ValueError) unless `overwrite`.
 
     Raises LossNotFiniteError (GradientNotFiniteError) when training diverges,
     RunFolderBusyError when another run holds out_dir, CheckpointError or MetricsFileError (both
@@ -168,6 +170,7 @@ def train(
     file when one cannot be written (a full disk).
     """
     out_dir = Path(out_dir)
+    check_fresh_start(out_dir, resume=resume, overwrite=overwrite)
     context = setup_distributed(device)
     device = context.device(device)
     lock = _lock(out_dir, context, device)

@@ -32,7 +32,14 @@ try:
 except ImportError:  # Windows: no flock
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["LOCK_NAME", "RunFolderBusyError", "RunLock", "remove_temporaries"]
+__all__ = [
+    "LOCK_NAME",
+    "RunFolderBusyError",
+    "RunFolderInUseError",
+    "RunLock",
+    "check_fresh_start",
+    "remove_temporaries",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +53,29 @@ _MODEL_TEMPORARY = re.compile(r"\.(model\.safetensors|config\.json)\.[0-9a-f]{32
 
 class RunFolderBusyError(OSError):
     """Another live process holds the run folder's lock (an OSError, as the folder is busy)."""
+
+
+class RunFolderInUseError(ValueError):
+    """A run starting from step 0 would overwrite what an earlier run left in its folder."""
+
+
+# What a run leaves in its folder: a fresh start over any of them would destroy that run.
+_RUN_FILES = ("checkpoint.safetensors", "metrics.jsonl", "summary.json", MODEL_FOLDER)
+
+
+def check_fresh_start(folder: str | os.PathLike, *, resume: bool, overwrite: bool) -> None:
+    """Refuse to start a run from step 0 in a folder an earlier run wrote to (its checkpoint,
+    metrics, summary or model would be silently replaced), unless `resume` (go on from it) or
+    `overwrite` (replace it, as asked)."""
+    folder = Path(folder)
+    if resume or overwrite:
+        return
+    found = [name for name in _RUN_FILES if (folder / name).exists()]
+    if found:
+        raise RunFolderInUseError(
+            f"out_dir: {folder} holds an earlier run ({', '.join(found)}); resume it (--resume), "
+            f"replace it (--overwrite), or choose another folder"
+        )
 
 
 class RunLock:
