@@ -3,6 +3,7 @@ model folder the sampler reads, a PNG of the requested grid, the same samples fo
 seed, and clear errors."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -62,11 +63,60 @@ def test_the_same_seed_draws_the_same_samples(model_dir):
 def test_errors_name_the_argument(model_dir, tmp_path, capsys):
     model = str(model_dir / "model")
     assert main(["sample", "a three", "--model", model, "--guidance", "-1"]) == 1
-    assert "--guidance: expected a number >= 0, got -1" in capsys.readouterr().err
+    assert "--guidance: expected a finite number >= 0, got -1" in capsys.readouterr().err
     assert main(["sample", "a three", "--model", model, "--out", str(tmp_path / "x.jpg")]) == 1
     assert "--out: expected a .png or .svg file name" in capsys.readouterr().err
     assert main(["sample", "a three", "--model", str(tmp_path / "missing")]) == 1
     assert "qkv sample: error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--guidance", "inf"], "--guidance: expected a finite number >= 0, got inf"),
+        (["--guidance", "nan"], "--guidance: expected a finite number >= 0, got nan"),
+        (["--num", "100000000"], "--num 100000000 (--columns 8): the grid's image would take ~"),
+        (["--num", "4", "--columns", "1000000"], "--columns: expected an int >= 1 and <= 4"),
+        (["--steps", "0"], "--steps: expected an int >= 1, got 0"),
+        (["--seed", str(2**70)], "--seed: expected an int >= 0 and <= 9223372036854775807"),
+    ],
+)
+def test_what_cannot_be_drawn_is_refused_before_any_sampling(
+    model_dir, capsys, monkeypatch, flags, said
+):
+    """No sampling starts for a grid that could not be drawn (a 536 GiB canvas, after minutes of
+    sampling) or a guidance that can only give NaN images."""
+    from qkv.training.tasks import diffusion
+
+    monkeypatch.setattr(diffusion, "sample_digits", lambda *a, **k: pytest.fail("sampled"))
+    assert main(["sample", "a three", "--model", str(model_dir / "model"), *flags]) == 1
+    assert said in capsys.readouterr().err
+
+
+def test_missing_matplotlib_is_found_before_any_sampling(model_dir, capsys, monkeypatch):
+    import sys
+
+    from qkv.training.tasks import diffusion
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setattr(diffusion, "sample_digits", lambda *a, **k: pytest.fail("sampled"))
+    assert main(["sample", "a three", "--model", str(model_dir / "model")]) == 1
+    assert "qkv sample: error:" in capsys.readouterr().err
+
+
+def test_samples_that_come_out_nan_are_an_error_not_an_image(model_dir, tmp_path, capsys,
+                                                             monkeypatch):  # fmt: skip
+    from qkv.training.tasks import diffusion
+
+    monkeypatch.setattr(
+        diffusion, "sample_digits", lambda *a, **k: torch.full((2, 1, 8, 8), math.nan)
+    )
+    out = tmp_path / "grid.png"
+    args = ["sample", "a three", "--model", str(model_dir / "model"), "--guidance", "1e300",
+            "--num", "2", "--out", str(out)]  # fmt: skip
+    assert main(args) == 1
+    assert "the samples came out NaN or infinite" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_the_grid_tiles_images_row_major_with_gaps():

@@ -26,13 +26,17 @@ __all__ = [
 ]
 
 
-def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
-    """`value` must be an int (not a bool), at least `minimum` when one is given. A symbolic
-    size (torch.SymInt, what a length is while torch.export traces) counts as an int."""
-    expected = "an int" if minimum is None else f"an int >= {minimum}"
+def check_int(
+    name: str, value: object, *, minimum: int | None = None, maximum: int | None = None
+) -> int:
+    """`value` must be an int (not a bool), at least `minimum` and at most `maximum` when they
+    are given. A symbolic size (torch.SymInt, what a length is while torch.export traces)
+    counts as an int."""
+    bounds = [f">= {minimum}"] * (minimum is not None) + [f"<= {maximum}"] * (maximum is not None)
+    expected = " and ".join(["an int", *bounds]).replace("int and", "int", 1)
     if isinstance(value, bool) or not isinstance(value, int | torch.SymInt):
         raise TypeError(f"{name}: expected {expected}, got {type(value).__name__} {value!r}")
-    if minimum is not None and value < minimum:
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         raise ValueError(f"{name}: expected {expected}, got {value}")
     return value
 

@@ -9,6 +9,7 @@ model, larger values follow the prompt harder at the cost of variety).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from qkv.commands._device import check_device
@@ -23,21 +24,23 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         (prompt,) = check_arguments("PROMPT", [args.prompt])
-        check_int("--num", args.num, minimum=1)
-        check_int("--seed", args.seed, minimum=0)
-        check_int("--threads", args.threads, minimum=1)
-        if args.guidance < 0:
-            raise ValueError(f"--guidance: expected a number >= 0, got {args.guidance}")
-        if not args.out.lower().endswith((".png", ".svg")):
-            raise ValueError(f"--out: expected a .png or .svg file name, got {args.out!r}")
+        _check_options(args, check_int)
+        import matplotlib  # noqa: F401 - the grid needs it: known before the sampling
+
         torch.set_num_threads(args.threads)
         check_device(args.device)
         model, tokenizer = load_sampler(args.model)
+        _check_grid_fits(args.num, args.columns or min(args.num, 8), model.config.image_size)
         model = model.to(args.device)
         images = sample_digits(
             model, tokenizer, [prompt] * args.num, guidance=args.guidance, seed=args.seed,
             sampler=args.sampler, steps=args.steps,
         )  # fmt: skip
+        if not torch.isfinite(images).all():
+            raise ValueError(
+                f"--guidance {args.guidance:g}: the samples came out NaN or infinite; expected "
+                f"a smaller guidance scale"
+            )
         path = _write(images, args, prompt)
     except (ValueError, TypeError, OSError, ImportError) as error:
         print(f"qkv sample: error: {error}", file=sys.stderr)
@@ -46,6 +49,37 @@ def _run(args: argparse.Namespace) -> int:
     print(f"wrote {path}: {args.num} samples of {prompt!r} (guidance {args.guidance:g}, "
           f"{args.sampler}, {steps} steps, seed {args.seed})")  # fmt: skip
     return 0
+
+
+# The grid's canvas at save_figure's 150 dpi: 0.06 inch per image pixel (sample_grid), 4 bytes
+# per canvas pixel; a grid whose canvas would take more is refused before any sampling.
+GRID_CANVAS_LIMIT_BYTES = 2**30
+
+
+def _check_options(args: argparse.Namespace, check_int) -> None:
+    check_int("--num", args.num, minimum=1)
+    check_int("--seed", args.seed, minimum=0, maximum=2**63 - 1)
+    check_int("--threads", args.threads, minimum=1)
+    check_int("--steps", args.steps, minimum=1)
+    if args.columns is not None:
+        check_int("--columns", args.columns, minimum=1, maximum=args.num)
+    if not math.isfinite(args.guidance) or args.guidance < 0:
+        raise ValueError(f"--guidance: expected a finite number >= 0, got {args.guidance}")
+    if not args.out.lower().endswith((".png", ".svg")):
+        raise ValueError(f"--out: expected a .png or .svg file name, got {args.out!r}")
+
+
+def _check_grid_fits(num: int, columns: int, image_size: int) -> None:
+    """Refuse a grid whose canvas would take more than GRID_CANVAS_LIMIT_BYTES."""
+    rows = -(-num // columns)
+    inches = [max(2.0, (count * (image_size + 1)) * 0.06 + 0.5) for count in (rows, columns)]
+    canvas = int(inches[0] * 150) * int(inches[1] * 150) * 4
+    if canvas > GRID_CANVAS_LIMIT_BYTES:
+        raise ValueError(
+            f"--num {num} (--columns {columns}): the grid's image would take "
+            f"~{canvas / 2**30:,.1f} GiB, more than {GRID_CANVAS_LIMIT_BYTES / 2**30:g} GiB; "
+            f"expected fewer images, or more columns"
+        )
 
 
 def _write(images, args: argparse.Namespace, prompt: str):
