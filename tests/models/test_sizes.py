@@ -5,6 +5,7 @@ and the options that change shapes; and a model past the memory given is refused
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -71,3 +72,38 @@ def test_a_classifier_counts_its_labels_before_allocating_them():
     check_model_fits(BERT_BASE, extra=(classifier,), memory=10**9)
     with pytest.raises(ValueError, match=r"^num_labels=1000000000000 classifier"):
         BertForSequenceClassification(BERT_BASE, num_labels=10**12)
+
+
+@pytest.mark.parametrize("conditioning", ["adaln_zero", "add"])
+@pytest.mark.parametrize(("embed_dim", "ffn_dim", "text_layers"), [(64, 256, 0), (16, 32, 2)])
+def test_the_diffusion_bound_holds_the_built_model_and_at_most_doubles_it(
+    conditioning, embed_dim, ffn_dim, text_layers
+):
+    """The diffusion model is bounded, not counted (its blocks differ by conditioning): at
+    least the built model's parameters, at most twice them."""
+    from qkv.models import DiffusionTransformer
+    from qkv.models.diffusion_config import DiffusionConfig
+
+    config = DiffusionConfig.from_name(
+        "diffusion-digits", conditioning=conditioning, embed_dim=embed_dim, ffn_dim=ffn_dim,
+        text_layers=text_layers,
+    )  # fmt: skip
+    built = sum(p.numel() for p in DiffusionTransformer(config).parameters())
+    assert built <= parameter_count(config) <= 2 * built
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("num_timesteps", 10**9, "num_timesteps=1000000000 schedule and time table"),
+        ("text_layers", 10**9, "text_layers=1000000000 prompt blocks"),
+        ("embed_dim", 2**20, "num_layers=1 blocks (embed_dim=1048576"),
+    ],
+)
+def test_a_diffusion_model_past_the_memory_is_refused_before_allocating(field, value, named):
+    from qkv.models import DiffusionTransformer
+    from qkv.models.diffusion_config import DiffusionConfig
+
+    config = DiffusionConfig.from_name("diffusion-tiny", **{field: value})
+    with pytest.raises(ValueError, match=rf"^{re.escape(named)}.*: the model would need ~"):
+        DiffusionTransformer(config)

@@ -56,6 +56,25 @@ def test_under_torchrun_only_rank_0_writes_the_report(tmp_path, capsys, monkeypa
     assert "test exact match" not in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    ("task", "flags", "said"),
+    [
+        ("translate", ["--vocab-size", "1000000000"], "vocab_size: expected an int >= 9 and <= "),
+        ("gpt", ["--vocab-size", "1000000000"], "vocab_size: expected an int >= 257 and <= "),
+        ("translate", ["--batch-size", "100000000"], "batch_size: 100000000 is more than the"),
+    ],
+)
+def test_sizes_past_what_the_task_can_use_are_refused_by_name(tmp_path, capsys, task, flags,
+                                                              said):  # fmt: skip
+    """A vocabulary of 10^9 aborted the process inside the tokenizer trainer (SIGABRT); a batch
+    of 10^8 grew memory for minutes. Both are one line naming the flag, before any training."""
+    small = TINY_FLAGS if task == "translate" else ["--threads", "1"]
+    assert main(["train", task, *small, *flags, "--out", str(tmp_path / "run")]) == 1
+    error = capsys.readouterr().err
+    assert f"qkv train: error: {said}" in error
+    assert not (tmp_path / "run" / "checkpoint.safetensors").exists()
+
+
 def test_bad_options_and_missing_models_are_clear_errors(tmp_path, capsys):
     assert main(["train", "translate", "--steps", "0", "--out", str(tmp_path)]) == 1
     assert "steps: expected an int >= 1, got 0" in capsys.readouterr().err

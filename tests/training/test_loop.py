@@ -128,6 +128,21 @@ def test_a_fresh_start_in_a_used_folder_is_refused_unless_overwrite(task, tmp_pa
     assert train(task, config, out_dir=tmp_path, overwrite=True).resumed_from is None
 
 
+def test_a_batch_the_task_cannot_fill_is_refused_before_anything_is_built(task, tmp_path):
+    from types import SimpleNamespace
+
+    from qkv.training.loop import _check_batch
+
+    huge = TrainingConfig(steps=1, batch_size=10**8, warmup_steps=0)
+    with pytest.raises(ValueError, match=r"^batch_size: 100000000 is more than the task's 400"):
+        train(task, huge, out_dir=tmp_path)
+    assert not (tmp_path / CHECKPOINT_NAME).exists()
+    four_processes = SimpleNamespace(world_size=4)
+    with pytest.raises(ValueError, match=r"^batch_size: 2 is smaller than the 4 processes"):
+        _check_batch(task, TrainingConfig(steps=1, batch_size=2), four_processes)
+    _check_batch(task, TrainingConfig(steps=1, batch_size=4), four_processes)
+
+
 def test_resume_with_other_options_is_refused(task, tmp_path):
     train(task, TrainingConfig(steps=2, batch_size=4, warmup_steps=1), out_dir=tmp_path)
     with pytest.raises(ValueError, match="resume"):

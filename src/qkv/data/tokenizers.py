@@ -27,7 +27,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from tokenizers import trainers as tokenizer_trainers
 
 from qkv.models.checkpoints.bundled import default_model_path
-from qkv.validation import check_positive_int
+from qkv.validation import check_int, check_positive_int
 
 __all__ = [
     "BERT_SPECIAL_TOKENS",
@@ -102,7 +102,7 @@ def train_wordpiece(
     min_frequency times are added); lowercase: an uncased model (accents stripped too).
     """
     _check_texts(texts)
-    check_positive_int("vocab_size", vocab_size)
+    check_vocab_size(vocab_size, minimum=1)
     check_positive_int("min_frequency", min_frequency)
     tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tokenizer.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
@@ -126,6 +126,17 @@ def train_wordpiece(
     return tokenizer
 
 
+# The largest vocabulary a tokenizer is trained for: 4x the largest of today's models (262,144,
+# Gemma 3's); the trainers of `tokenizers` abort the whole process (SIGABRT) on a vocab_size of
+# 10^9, which this check turns into an error naming it.
+MAX_VOCAB_SIZE = 2**20
+
+
+def check_vocab_size(vocab_size: object, *, minimum: int) -> int:
+    """`vocab_size` must be an int in [minimum, MAX_VOCAB_SIZE]."""
+    return check_int("vocab_size", vocab_size, minimum=minimum, maximum=MAX_VOCAB_SIZE)
+
+
 def train_bpe(texts: Sequence[str], *, vocab_size: int = 8000, min_frequency: int = 2) -> Tokenizer:
     """Train a GPT-2 style byte-level BPE tokenizer on `texts`; <|endoftext|> gets id 0.
 
@@ -136,13 +147,7 @@ def train_bpe(texts: Sequence[str], *, vocab_size: int = 8000, min_frequency: in
     _check_texts(texts)
     check_positive_int("min_frequency", min_frequency)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
-        raise TypeError(f"vocab_size: expected an int, got {type(vocab_size).__name__}")
-    if vocab_size < len(alphabet) + 1:
-        raise ValueError(
-            f"vocab_size: expected at least {len(alphabet) + 1} (256 bytes and {END_OF_TEXT}), "
-            f"got {vocab_size}"
-        )
+    check_vocab_size(vocab_size, minimum=len(alphabet) + 1)  # 256 bytes and END_OF_TEXT
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

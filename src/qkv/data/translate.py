@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from qkv.data.tokenizers import check_vocab_size
+
 __all__ = [
     "SPECIAL_TOKENS",
     "TranslationDataset",
@@ -128,8 +130,7 @@ def train_translation_tokenizer(pairs: list[Pair], *, vocab_size: int = 200):
     [PAD] = 0, [BOS] = 1, [EOS] = 2, [UNK] = 3. Deterministic for the same pairs."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 8:
-        raise ValueError(f"vocab_size: expected an int > 8, got {vocab_size!r}")
+    check_vocab_size(vocab_size, minimum=9)
     tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
     tokenizer.decoder = decoders.Metaspace()

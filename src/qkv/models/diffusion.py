@@ -40,6 +40,7 @@ from qkv.layers.linear import Linear
 from qkv.models.ddpm import NoiseSchedule
 from qkv.models.diffusion_config import DiffusionConfig
 from qkv.models.serialization import register_model_class
+from qkv.models.sizes import check_model_fits
 from qkv.positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from qkv.validation import describe
 
@@ -67,6 +68,7 @@ class DiffusionTransformer(nn.Module):
         super().__init__()
         if not isinstance(config, DiffusionConfig):
             raise TypeError(f"config: expected a DiffusionConfig, got {type(config).__name__}")
+        check_model_fits(config)  # before anything is allocated
         self.config = config
         E = config.embed_dim
         self.schedule = NoiseSchedule.linear(

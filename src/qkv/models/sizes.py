@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from qkv.models.bert_config import BertConfig
+from qkv.models.diffusion_config import DiffusionConfig
 from qkv.models.encoder_decoder_config import TransformerConfig
 from qkv.models.gpt_config import GPTConfig
 from qkv.models.t5_config import T5Config, t5_parameter_count
@@ -71,13 +72,13 @@ class SizePart:
 
 
 def size_parts(config: object) -> list[SizePart]:
-    """The parts of the model a `GPTConfig`, `BertConfig`, `TransformerConfig`, `T5Config` or
-    `ViTConfig` builds."""
+    """The parts of the model a `GPTConfig`, `BertConfig`, `TransformerConfig`, `T5Config`,
+    `ViTConfig` or `DiffusionConfig` builds."""
     parts = _parts_function(config)
     if parts is None:
         raise TypeError(
-            f"config: expected a GPTConfig, BertConfig, TransformerConfig, T5Config or "
-            f"ViTConfig, got {type(config).__name__}"
+            f"config: expected a GPTConfig, BertConfig, TransformerConfig, T5Config, "
+            f"ViTConfig or DiffusionConfig, got {type(config).__name__}"
         )
     return parts(config)
 
@@ -94,6 +95,7 @@ def _parts_function(config: object):
         (TransformerConfig, _transformer_parts),
         (T5Config, _t5_parts),
         (ViTConfig, _vit_parts),
+        (DiffusionConfig, _diffusion_parts),
     ):
         if isinstance(config, config_class):
             return parts
@@ -194,6 +196,34 @@ def _gpt_parts(config) -> list[SizePart]:
             N * (attention + ffn + 2 * norm) + norm,
             N * BLOCK_OBJECT_BYTES,
         ),
+    ]
+
+
+def _diffusion_parts(config) -> list[SizePart]:
+    """qkv.models.DiffusionTransformer, from above (a bound, up to 2x, not a count: each
+    block as adaLN-Zero's, whose attention, cross-attention, FFN and modulation take at most
+    17 E^2 + 2 E F + 32 E + F): the prompt's tables and encoder blocks, the denoiser blocks,
+    the time MLP, final modulation and head, and the T-step schedule and time table."""
+    E, F, T = config.embed_dim, config.ffn_dim, config.num_timesteps
+    block = 17 * E * E + 2 * E * F + 32 * E + F
+    text_block = 4 * E * E + 2 * E * F + 9 * E + F
+    patches = config.num_patches * E + config.channels * config.patch_size**2 * (E + 1)
+    return [
+        SizePart(
+            f"vocab_size={config.vocab_size} prompt table (embed_dim={E})",
+            (config.vocab_size + config.max_prompt_length) * E + patches + 5 * E * E + 8 * E,
+        ),
+        SizePart(
+            f"text_layers={config.text_layers} prompt blocks (embed_dim={E}, ffn_dim={F})",
+            config.text_layers * text_block,
+            config.text_layers * BLOCK_OBJECT_BYTES,
+        ),  # fmt: skip
+        SizePart(
+            f"num_layers={config.num_layers} blocks (embed_dim={E}, ffn_dim={F})",
+            config.num_layers * block,
+            config.num_layers * BLOCK_OBJECT_BYTES,
+        ),  # fmt: skip
+        SizePart(f"num_timesteps={T} schedule and time table", 0, 8 * T * (E + 16)),
     ]
 
 

@@ -189,6 +189,22 @@ def _build(task: Task, config: TrainingConfig, device: torch.device) -> tuple:
     return (model, *_optimizer_for(model, config))
 
 
+def _check_batch(task: Task, config: TrainingConfig, context: Distributed) -> None:
+    """A global batch the task's examples can fill, of at least one example per process where
+    the processes share it by example: refused before anything is allocated for it (a batch
+    of 10^8 indices grew memory for minutes; fewer examples than processes left rank 1 none)."""
+    if config.batch_size > len(task):
+        raise ValueError(
+            f"batch_size: {config.batch_size} is more than the task's {len(task)} training "
+            f"examples; expected at most {len(task)}"
+        )
+    if getattr(task, "share", None) is None and config.batch_size < context.world_size:
+        raise ValueError(
+            f"batch_size: {config.batch_size} is smaller than the {context.world_size} "
+            f"processes; expected at least one example per process"
+        )
+
+
 def _optimizer_for(model: nn.Module, config: TrainingConfig) -> tuple:
     """AdamW and its schedule, for a model (sharded or not)."""
     optimizer = build_optimizer(
@@ -211,6 +227,7 @@ def _train(
     context: Distributed,
     device: torch.device,
 ) -> TrainingResult:
+    _check_batch(task, config, context)
     if config.bf16 and device.type == "cpu":
         capabilities.warn_if_bf16_is_emulated("training with bf16 autocast (bf16=True)")
     model, optimizer, scheduler = _build(task, config, device)
