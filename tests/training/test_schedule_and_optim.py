@@ -1,6 +1,9 @@
 """Warm-up then decay against transformers' schedules; AdamW's groups leave norms and biases be
 (the grouping against BERT's names and nanoGPT's dim >= 2 rule)."""
 
+import math
+import re
+
 import pytest
 import torch
 from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
@@ -168,3 +171,20 @@ def test_warmup_defaults_to_a_share_of_the_steps():
     for bad in (-0.1, 1.5, True):
         with pytest.raises(ValueError, match="warmup_fraction: expected a number in"):
             TrainingConfig(warmup_fraction=bad)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("learning_rate", math.inf, "learning_rate: expected a finite number > 0, got inf"),
+        ("learning_rate", math.nan, "learning_rate: expected a finite number > 0, got nan"),
+        ("clip_norm", math.inf, "clip_norm: expected None or a finite number > 0, got inf"),
+        ("weight_decay", math.inf, "weight_decay: expected a finite number >= 0, got inf"),
+        ("seed", 2**70, "seed: expected an int >= 0 and <= 9223372036854775807"),
+    ],
+)
+def test_values_no_run_can_use_are_refused_by_name(field, value, message):
+    """An infinite learning rate gave NaN weights after a step; a seed past int64 failed deep
+    inside torch with "Overflow when unpacking long long"."""
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        TrainingConfig(**{field: value})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from qkv.training.schedule import SCHEDULES
@@ -55,8 +56,9 @@ class TrainingConfig:
             object.__setattr__(self, "warmup_steps", derived)
         for name in ("steps", "batch_size", "accumulation_steps"):
             check_int(name, getattr(self, name), minimum=1)
-        for name in ("warmup_steps", "eval_every", "checkpoint_every", "log_every", "seed"):
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "log_every"):
             check_int(name, getattr(self, name), minimum=0)
+        check_int("seed", self.seed, minimum=0, maximum=2**63 - 1)  # torch's seeds are int64
         if self.warmup_steps > self.steps:
             raise ValueError(
                 f"warmup_steps: {self.warmup_steps} is more than steps={self.steps}; expected "
@@ -69,10 +71,18 @@ class TrainingConfig:
             )
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule: expected one of {SCHEDULES}, got {self.schedule!r}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate: expected a number > 0, got {self.learning_rate!r}")
-        if self.clip_norm is not None and not self.clip_norm > 0:
-            raise ValueError(f"clip_norm: expected None or a number > 0, got {self.clip_norm!r}")
+        if not 0 < self.learning_rate < math.inf:
+            raise ValueError(
+                f"learning_rate: expected a finite number > 0, got {self.learning_rate!r}"
+            )
+        if self.clip_norm is not None and not 0 < self.clip_norm < math.inf:
+            raise ValueError(
+                f"clip_norm: expected None or a finite number > 0, got {self.clip_norm!r}"
+            )
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(
+                f"weight_decay: expected a finite number >= 0, got {self.weight_decay!r}"
+            )
 
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "betas": list(self.betas)}
