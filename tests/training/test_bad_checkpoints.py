@@ -116,6 +116,14 @@ def _reshape(key: str):
     return lambda tensors: tensors.update({key: torch.zeros(tensors[key].shape[0] + 1)})
 
 
+def _poison(key: str, value: float):
+    def edit(tensors: dict) -> None:
+        tensors[key] = tensors[key].clone()
+        tensors[key].view(-1)[3] = value
+
+    return edit
+
+
 def _drop_tensor(key: str):
     def edit(tensors: dict) -> None:
         del tensors[key]
@@ -162,6 +170,10 @@ CATALOGUE = [
      CheckpointError, r"mis-typed.*source_embedding.weight: file torch.int32, model torch.float32"),
     ("a model tensor of another shape", _rewrite(edit_tensors=_reshape(MODEL_KEY)),
      CheckpointError, r"mis-shaped.*source_embedding.weight"),
+    ("a NaN weight", _rewrite(edit_tensors=_poison(MODEL_KEY, float("nan"))), CheckpointError,
+     r"holds values that are not finite \(model/source_embedding.weight\); it is no state"),
+    ("an infinite moment", _rewrite(edit_tensors=_poison(MOMENT_KEY, float("inf"))),
+     CheckpointError, r"not finite \(optimizer/0/exp_avg\)"),
     ("a model tensor missing", _rewrite(edit_tensors=_drop_tensor(MODEL_KEY)), CheckpointError,
      r"missing.*source_embedding.weight"),
     ("an optimizer moment of another shape", _rewrite(edit_tensors=_reshape(MOMENT_KEY)),

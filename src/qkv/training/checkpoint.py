@@ -113,11 +113,13 @@ def load_checkpoint(
 ) -> TrainingState:
     """Restore what `save_checkpoint` wrote into freshly built objects, and the RNG state.
 
-    The hash, then every key, shape and dtype (model, optimizer state, RNG state) and the
-    scheduler's state are checked first: anything wrong raises one `CheckpointError` naming the
-    file and leaves every object untouched."""
+    The hash, then every value (finite: a NaN state is no state to go on from), key, shape and
+    dtype (model, optimizer state, RNG state) and the scheduler's state are checked first:
+    anything wrong raises one `CheckpointError` naming the file and leaves every object
+    untouched."""
     path = Path(path)
     tensors, document = _read(path)
+    checks.finite(path, tensors)
     model_state = checks.model_state(path, model, tensors, document["tied_weights"])
     optimizer_state = checks.optimizer_state(path, optimizer, document["optimizer"], tensors)
     checks.check_scheduler(path, scheduler, document["scheduler"])

@@ -75,6 +75,25 @@ def check_document(path: Path, document: dict) -> None:
             )
 
 
+def finite(path: Path, tensors: dict) -> None:
+    """Every floating-point tensor of the model and the optimizer must be finite: training
+    never writes a NaN or inf state (qkv.training.loop checks the weights first), so such a
+    file is no "last good state" to resume from."""
+    bad = [
+        name
+        for name, tensor in sorted(tensors.items())
+        if name.startswith(("model/", "optimizer/"))
+        and tensor.is_floating_point()
+        and not torch.isfinite(tensor).all()
+    ]
+    if bad:
+        raise CheckpointError(
+            f"path: {path} holds values that are not finite ({', '.join(bad[:5])}); it is no "
+            f"state a run can go on from. Resume from a copy made before, or start again "
+            f"(--overwrite)"
+        )
+
+
 def model_state(path: Path, model: nn.Module, tensors: dict, tied: dict) -> dict:
     """The model's state dict from the file's "model/" tensors, once names, ties, shapes and
     dtypes all fit."""
