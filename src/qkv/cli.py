@@ -52,7 +52,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()  # a reader gone away shows here, not at exit, where it can't be caught
     except BrokenPipeError:
         return _reader_gone()
+    except KeyboardInterrupt:
+        return _interrupted(args)
     return status
+
+
+def _interrupted(args: argparse.Namespace) -> int:
+    """Ctrl-C: one line instead of a traceback, and the status of a process ended by SIGINT
+    (128 + 2). Nothing is lost: a training run goes on from its last checkpoint."""
+    name = " ".join(part for part in ("qkv", args.command, getattr(args, "task", None)) if part)
+    resume = ""
+    if args.command == "train" and getattr(args, "out", None):
+        resume = f"; resume from the last checkpoint in {args.out} with --resume"
+    print(f"{name}: interrupted{resume}", file=sys.stderr)
+    return 130
 
 
 def version() -> str:

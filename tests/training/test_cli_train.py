@@ -3,6 +3,10 @@ translate` uses, the cross-attention heat map; bad options are clear errors."""
 
 import dataclasses
 import json
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -99,3 +103,24 @@ def test_every_flag_of_every_task_has_its_own_words(task, capsys):
         assert "source and target" not in text and "encoder and in the decoder" not in text
     for words in getattr(options, "FLAG_HELP", {}).values():
         assert " ".join(words.split()) in text
+
+
+def test_ctrl_c_ends_a_run_with_one_line_and_it_resumes(tmp_path):
+    """SIGINT in the middle of training: no traceback, one line that says how to go on, the
+    status of a process ended by SIGINT (130); --resume then finishes the run."""
+    out = tmp_path / "run"
+    flags = [*TINY_FLAGS, "--steps", "400", "--checkpoint-every", "5", "--out", str(out)]
+    command = [sys.executable, "-m", "qkv.cli", "train", "translate", *flags]
+    run = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not (out / "checkpoint.safetensors").exists():
+        assert run.poll() is None and time.monotonic() < deadline, "no checkpoint"
+        time.sleep(0.01)
+    run.send_signal(signal.SIGINT)
+    _, stderr = run.communicate(timeout=120)
+    assert run.returncode == 130, stderr[-2000:]
+    assert "Traceback" not in stderr
+    assert stderr.rstrip().splitlines()[-1] == (
+        f"qkv train translate: interrupted; resume from the last checkpoint in {out} with --resume"
+    )
+    assert main(["train", "translate", *flags, "--resume"]) == 0
