@@ -195,3 +195,12 @@ def test_greedy_picks_what_torch_argmax_picks(layout):
     assert torch.equal(chosen, expected)
     if layout != "no rows":
         assert chosen.tolist()[:3] == [4, 7, 11]
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-30])
+def test_the_smallest_temperatures_draw_the_largest_logit(temperature):
+    """logits / 1e-45 overflowed to inf, and softmax gave NaN ("probability tensor contains
+    inf"); shifted by the row's maximum first, the draw is the argmax."""
+    logits = _logits(seed=4)
+    draws = next_token(logits, temperature=temperature, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(draws, logits.argmax(dim=-1))

@@ -51,11 +51,14 @@ def next_token(
     """The next token of each row, (B, V) logits -> (B,) int64.
 
     temperature 0 is greedy (argmax); otherwise logits / temperature, then top-k, then top-p,
-    then one draw from the softmax.
+    then one draw from the softmax. The logits are shifted by their row's maximum before the
+    division (softmax does not change): a temperature as small as 1e-45 then gives the largest
+    logit 0 and the others -inf, a one-hot draw, where dividing first overflows to inf - inf.
     """
     if temperature == 0.0:
         return greedy(logits)
-    scaled = logits.float() / temperature
+    logits = logits.float()
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None:
         scaled = filter_top_k(scaled, top_k)
     if top_p is not None:
