@@ -27,6 +27,7 @@ from torch import nn
 import qkv.models as models
 from qkv.analysis.inspection.attention_maps import AttentionMap, record_attention
 from qkv.applications.embed import SentenceEncoder
+from qkv.data.tokenizers import load_tokenizer
 
 __all__ = [
     "attention_view_html",
@@ -161,8 +162,6 @@ def load_model_and_tokenizers(path: str | Path | None = None) -> tuple[nn.Module
     `qkv.models.from_pretrained`) and tokenizer.json, or source_tokenizer.json and
     target_tokenizer.json for a translation model with two vocabularies.
     """
-    from tokenizers import Tokenizer
-
     if path is None:
         encoder = SentenceEncoder.from_pretrained()
         return encoder.model.eval(), encoder.tokenizer, None
@@ -178,7 +177,7 @@ def load_model_and_tokenizers(path: str | Path | None = None) -> tuple[nn.Module
             f"tokenizer (tokenizer.json, or source_ and target_tokenizer.json)"
         )
     loader = models.load if _is_qkv_checkpoint(folder) else models.from_pretrained
-    tokenizers = [Tokenizer.from_file(str(folder / name)) for name in names]
+    tokenizers = [load_tokenizer(folder / name) for name in names]
     return loader(folder).eval(), tokenizers[0], (tokenizers[1:] or [None])[0]
 
 

@@ -23,6 +23,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from qkv.data.tokenizers import load_tokenizer
 from qkv.data.translate import (
     PAD_ID,
     TranslationDataset,
@@ -189,8 +190,6 @@ def translate(
 
 def load_translator(path: str | os.PathLike):
     """(model, tokenizer) saved by `TranslateTask.save`."""
-    from tokenizers import Tokenizer
-
     path = Path(path)
     if not (path / TOKENIZER_FILE).is_file():
         raise ValueError(
@@ -200,7 +199,7 @@ def load_translator(path: str | os.PathLike):
     model = load(path)
     if not isinstance(model, Transformer):
         raise ValueError(f"model: {path} holds a {type(model).__name__}, not a Transformer")
-    return model.eval(), Tokenizer.from_file(str(path / TOKENIZER_FILE))
+    return model.eval(), load_tokenizer(path / TOKENIZER_FILE)
 
 
 def _pairs(options: TranslateOptions) -> TranslationPairs:
