@@ -3,8 +3,10 @@ the command's errors. (Each study's own run is tested in its file, at its tiny s
 
 from __future__ import annotations
 
+import ast
 import json
 import math
+import re
 import sys
 
 import pytest
@@ -86,3 +88,31 @@ def test_the_command_names_only_the_files_it_wrote(capsys, tmp_path, monkeypatch
     assert ".png" not in said and not (tmp_path / "softmax.png").exists()
     assert json.loads((tmp_path / "softmax.json").read_text())["name"] == "softmax"
     assert "files" not in json.loads((tmp_path / "softmax.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("setting", "error", "message"),
+    [
+        ("train_steps=0", ValueError, "train_steps: expected an int in [1, 60000]"),
+        ("batch_size=-4", ValueError, "batch_size: expected an int in [1, 1600]"),
+        ("vocab_size=1000000000", ValueError, "vocab_size: expected an int in [1, 102400]"),
+        ("kv_heads=[4, -1]", ValueError, "kv_heads: expected an int in [1, 800]"),
+        (
+            "learning_rate=1e999",
+            ValueError,
+            "learning_rate: expected a finite number >= 0, got inf",
+        ),
+        ("train_steps=2.5", TypeError, "train_steps: expected an int like 3, got 2.5"),
+        ("head_counts=4", TypeError, "head_counts: expected a non-empty list like [1, 4]"),
+    ],
+)
+def test_study_settings_are_checked_before_the_study_runs(capsys, tmp_path, setting, error,
+                                                           message):  # fmt: skip
+    """Negative counts, zero steps and sizes of 10^9 gave tracebacks (or ran for ever); each
+    is one line naming the setting, from the command and from run_study alike."""
+    assert main(["study", "heads", "--size", "tiny", "--set", setting, "--out", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.startswith(f"qkv study: error: {message}")
+    key, _, text = setting.partition("=")
+    with pytest.raises(error, match=re.escape(message)):
+        run_study("heads", size="tiny", out=None, **{key: ast.literal_eval(text)})
+    assert not list(tmp_path.iterdir())

@@ -32,7 +32,9 @@ def test_train_then_translate_from_the_command_line(tmp_path, capsys):
     (out / "model" / "tokenizer.json").write_text('{"version": "1.0", "model": {')  # cut short
     assert main(["translate", "eins", "--model", str(out / "model")]) == 1
     error = capsys.readouterr().err
-    assert error.startswith("qkv translate: error: path: ") and "not a valid tokenizer.json" in error
+    assert (
+        error.startswith("qkv translate: error: path: ") and "not a valid tokenizer.json" in error
+    )
 
 
 def test_a_run_folder_is_not_overwritten_without_being_asked(tmp_path, capsys, monkeypatch):

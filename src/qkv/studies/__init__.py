@@ -55,6 +55,7 @@ from __future__ import annotations
 import html
 import importlib
 import logging
+import math
 import time
 from pathlib import Path
 from types import ModuleType
@@ -132,6 +133,8 @@ def run_study(
     if unknown:
         raise ValueError(f"overrides: {unknown} are not settings of {name}; expected some of "
                          f"{sorted(settings)}")  # fmt: skip
+    for key, value in overrides.items():
+        check_setting(key, value, [sizes[key] for sizes in module.SIZES.values()])
     settings.update(overrides)
     started = time.perf_counter()
     logger.info("study %s (size %s, seed %d)", name, size, seed)
@@ -143,6 +146,46 @@ def run_study(
         result.files = write_result(result, out, _figure(module, result))
         write_index(out)
     return result
+
+
+# An int override (a count, a size) may reach this multiple of the largest preset value of its
+# setting, no more: a study sized past that would run for days or not fit in memory.
+MAX_SCALE = 100
+
+
+def check_setting(name: str, value: Any, presets: list[Any]) -> None:
+    """An override of setting `name` must look like its preset values (one per size): the same
+    type (an int for an int, a number for a float, a list of such for a list), finite, >= 0;
+    an int (a count, a size, steps) >= 1 where every preset is (warm-ups may be 0) and at most
+    MAX_SCALE times the largest preset. ValueError or TypeError naming it otherwise."""
+    if isinstance(presets[0], list):
+        if not isinstance(value, list) or not value:
+            raise TypeError(f"{name}: expected a non-empty list like {presets[0]}, got {value!r}")
+        elements = [item for preset in presets for item in preset]
+        for item in value:
+            check_setting(name, item, elements)
+        return
+    if isinstance(presets[0], bool) or not isinstance(presets[0], int | float):
+        if type(value) is not type(presets[0]):
+            raise TypeError(f"{name}: expected a {type(presets[0]).__name__} like {presets[0]!r}, "
+                            f"got {value!r}")  # fmt: skip
+        return
+    whole = all(isinstance(preset, int) for preset in presets)
+    kind = int if whole else int | float
+    if isinstance(value, bool) or not isinstance(value, kind) or value != value:
+        raise TypeError(f"{name}: expected {'an int' if whole else 'a number'} like "
+                        f"{presets[0]}, got {value!r}")  # fmt: skip
+    if not whole:  # a rate, a scale: any finite number >= 0
+        if not 0 <= value < math.inf:
+            raise ValueError(f"{name}: expected a finite number >= 0, got {value}")
+        return
+    least = 1 if min(presets) >= 1 and "warmup" not in name else 0
+    most = MAX_SCALE * max(max(presets), 1)
+    if not least <= value <= most:
+        raise ValueError(
+            f"{name}: expected an int in [{least}, {most}] ({MAX_SCALE}x the largest preset, "
+            f"{max(presets)}), got {value}"
+        )
 
 
 def write_index(out: str | Path) -> Path:
