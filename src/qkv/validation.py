@@ -8,7 +8,9 @@ A bool is never taken for a number: True is an int in Python, but not a size or 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -93,3 +95,21 @@ def preset(presets: Mapping[str, Config], name: str, overrides: Mapping[str, obj
     if unknown:
         raise TypeError(f"overrides: unknown fields {unknown}; expected some of {sorted(fields)}")
     return dataclasses.replace(chosen, **overrides)
+
+
+def check_readable_file(name: str, path: str | os.PathLike) -> Path:
+    """`path` must be a file this process can read; the error says which of "does not exist",
+    "is a folder" and "cannot be read (Permission denied, ...)" it is, naming `name` (a file
+    in a folder one may not enter is not "missing": `Path.is_file` says False for both)."""
+    file = Path(path)
+    try:
+        with open(file, "rb"):
+            pass
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{name}: {str(path)!r} does not exist") from None
+    except IsADirectoryError:
+        raise IsADirectoryError(f"{name}: {str(path)!r} is a folder; expected a file") from None
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise type(error)(f"{name}: {str(path)!r} cannot be read ({reason})") from None
+    return file

@@ -105,7 +105,7 @@ def test_cli_errors(tmp_path, capsys):
     assert main(["embed"]) == 2
     assert "give TEXT arguments or --file" in capsys.readouterr().err
     assert main(["embed", "--file", str(tmp_path / "absent.txt")]) == 1
-    assert "absent.txt does not exist" in capsys.readouterr().err
+    assert "absent.txt' does not exist" in capsys.readouterr().err
     assert main(["embed", "a", "--out", str(tmp_path / "x.csv")]) == 1
     assert "out: expected a path ending in .npy or .jsonl" in capsys.readouterr().err
 

@@ -1,8 +1,12 @@
 """The corpora: pydoc's topics as documents of sentences (checked against the text CPython ships,
 character for character), a user's text file, and the seeded train/validation split."""
 
+import os
 import random
 import re
+import subprocess
+import sys
+from pathlib import Path
 from pydoc_data.topics import topics
 
 import pytest
@@ -90,7 +94,7 @@ def test_text_file_documents(tmp_path):
 def test_text_file_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.txt"):
         text_file_documents(tmp_path / "missing.txt")
-    with pytest.raises(FileNotFoundError, match="not a file"):
+    with pytest.raises(IsADirectoryError, match="is a folder; expected a file"):
         text_file_documents(tmp_path)
     empty = tmp_path / "empty.txt"
     empty.write_text("\n \n\n")
@@ -128,3 +132,31 @@ def test_train_validation_split_edges():
         train_validation_split(["a"], validation_fraction=1.0)
     with pytest.raises(TypeError, match="seed"):
         train_validation_split(["a"], seed="0")
+
+
+def test_a_file_that_cannot_be_read_is_not_called_missing(tmp_path):
+    """A file in a folder this user may not enter exists: the error says it cannot be read
+    (it said "does not exist"). Run as an unprivileged user where the tests run as root."""
+    folder = tmp_path / "private"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("One. Two.")
+    folder.chmod(0o700)
+    script = (
+        "import os, sys\n"
+        "from qkv.data.corpus import text_file_texts\n"  # imported while the files are open
+        "if os.getuid() == 0:\n"
+        "    os.setgid(65534); os.setuid(65534)\n"
+        "else:\n"
+        "    os.chmod(sys.argv[2], 0o000)\n"
+        "try:\n"
+        "    text_file_texts(sys.argv[1])\n"
+        "except OSError as error:\n"
+        "    print(type(error).__name__, error)\n"
+    )
+    source = str(Path(__file__).resolve().parents[2] / "src")
+    environment = {**os.environ, "PYTHONPATH": source}
+    done = subprocess.run([sys.executable, "-c", script, str(folder / "notes.txt"), str(folder)],
+                          capture_output=True, text=True, env=environment, cwd="/")  # fmt: skip
+    folder.chmod(0o700)
+    assert done.stdout.strip().endswith("cannot be read (Permission denied)"), done.stderr[-2000:]
+    assert done.stdout.startswith("PermissionError path: ")

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from qkv.models.bert import BertModel, mean_pool
 from qkv.models.checkpoints.bundled import default_model_path
 from qkv.models.checkpoints.core import read_tokenizer
+from qkv.validation import check_readable_file
 
 __all__ = [
     "SentenceEncoder",
@@ -141,10 +142,7 @@ def read_lines(path: str | Path) -> list[str]:
 
     if str(path) == "-":
         return sys.stdin.read().splitlines()
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"file: {path} does not exist or is not a file")
-    return file.read_text(encoding="utf-8").splitlines()
+    return check_readable_file("file", path).read_text(encoding="utf-8").splitlines()
 
 
 def jsonl_lines(texts: Sequence[str], embeddings: torch.Tensor) -> Iterator[str]:

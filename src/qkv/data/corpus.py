@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from qkv.validation import check_readable_file
+
 __all__ = [
     "documentation_sentences",
     "pydoc_documents",
@@ -85,9 +87,7 @@ def pydoc_documents() -> list[list[str]]:
 def text_file_texts(path: str | Path) -> list[str]:
     """The documents of a UTF-8 text file: blank lines separate documents; each is returned as
     written (its own line breaks kept), without the blank lines around it."""
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"path: {str(path)!r} does not exist or is not a file")
+    file = check_readable_file("path", path)
     try:
         text = file.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
