@@ -182,6 +182,28 @@ def test_a_backend_over_the_memory_budget_is_skipped_and_says_so():
     assert list(figure.axes[0].get_lines()[0].get_xdata()) == [32]
 
 
+def test_a_length_whose_inputs_exceed_the_budget_is_skipped_before_allocating(monkeypatch):
+    """--max-memory counts the inputs too: (B, H, L, D) q, k, v and the output gradient are 4
+    tensors; a length whose inputs alone exceed the budget allocates nothing."""
+    allocated = []
+    real = torch.randn
+
+    def counted(*shape, **kwargs):
+        allocated.append(shape)
+        return real(*shape, **kwargs)
+
+    monkeypatch.setattr(torch, "randn", counted)
+    inputs_64 = 4 * 2 * 64 * 8 * 4  # bytes of the four (1, 2, 64, 8) fp32 inputs
+    result = measure_complexity(
+        lengths=(32, 64), backends=("naive", "sdpa"), heads=2, head_dim=8, repeats=1,
+        max_memory=inputs_64 - 1,
+    )  # fmt: skip
+    for backend in ("naive", "sdpa"):
+        _, long = result.rows(backend)
+        assert long.skipped.startswith("skipped: the inputs alone take")
+    assert all(shape[2] == 32 for shape in allocated)  # nothing of L = 64 was allocated
+
+
 @pytest.mark.parametrize(
     "kwargs, error",
     [

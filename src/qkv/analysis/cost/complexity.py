@@ -217,6 +217,13 @@ def _measure_length(
     """(seconds, peak bytes) or a skip reason for each backend at one length."""
     B, H, D, backward = settings.batch, settings.heads, settings.head_dim, settings.backward
     device, dtype = torch.device(settings.device), getattr(torch, settings.dtype)
+    inputs_bytes = 4 * B * H * length * D * dtype.itemsize  # q, k, v and grad_out
+    if inputs_bytes > settings.max_memory:  # refused before they are allocated
+        reason = (
+            f"skipped: the inputs alone take {inputs_bytes / 1e6:.0f} MB > budget "
+            f"{settings.max_memory / 1e6:.0f} MB (--max-memory)"
+        )
+        return dict.fromkeys(backends, reason)
     generator = torch.Generator(device=device).manual_seed(length)
     inputs = {
         name: torch.randn(B, H, length, D, generator=generator, device=device, dtype=dtype)
@@ -229,10 +236,10 @@ def _measure_length(
         predicted = predicted_peak(
             backend, batch=B, heads=H, length=length, head_dim=D, dtype=dtype, backward=backward
         )
-        if predicted is not None and predicted > settings.max_memory:
+        if predicted is not None and predicted + inputs_bytes > settings.max_memory:
             found[backend] = (
-                f"skipped: predicted peak {predicted / 1e6:.0f} MB > budget "
-                f"{settings.max_memory / 1e6:.0f} MB (--max-memory)"
+                f"skipped: predicted peak {(predicted + inputs_bytes) / 1e6:.0f} MB (inputs "
+                f"included) > budget {settings.max_memory / 1e6:.0f} MB (--max-memory)"
             )
             continue
         fn = backend_function(backend, causal=settings.causal)
@@ -316,8 +323,9 @@ def measure_complexity(
 
     Self-attention on random (B, H, L, D) inputs at each L; per backend and L, the median of
     `repeats` timed samples (after a warm-up) and the peak bytes allocated beyond the inputs.
-    A backend whose predicted peak (`predicted_peak`) exceeds `max_memory` bytes is skipped at
-    that L, and the point says so. `fit_from`: fit exponents over L >= fit_from only (default:
+    A backend whose predicted peak (`predicted_peak`, plus the inputs) exceeds `max_memory`
+    bytes is skipped at that L, and the point says so; so is every backend at an L whose
+    inputs alone exceed it, before they are allocated. `fit_from`: fit exponents over L >= fit_from only (default:
     the median length and above, since small L is dominated by fixed overhead).
     `progress(message)` is called after each length.
     """
