@@ -43,6 +43,16 @@ def check_int(
     return value
 
 
+# torch's generators take 64-bit seeds: a larger int fails inside torch ("Overflow when
+# unpacking long long") rather than naming the argument.
+MAX_SEED = 2**63 - 1
+
+
+def check_seed(name: str, value: object) -> int:
+    """`value` must be a seed torch's generators take: an int in [0, MAX_SEED]."""
+    return check_int(name, value, minimum=0, maximum=MAX_SEED)
+
+
 def check_positive_int(name: str, value: object) -> int:
     """`value` must be an int >= 1: a size, a count of layers or heads."""
     if isinstance(value, bool) or not isinstance(value, int):

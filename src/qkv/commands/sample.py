@@ -20,11 +20,10 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     from qkv.training.tasks.diffusion import load_sampler, sample_digits
-    from qkv.validation import check_int
 
     try:
         (prompt,) = check_arguments("PROMPT", [args.prompt])
-        _check_options(args, check_int)
+        _check_options(args)
         import matplotlib  # noqa: F401 - the grid needs it: known before the sampling
 
         torch.set_num_threads(args.threads)
@@ -56,9 +55,11 @@ def _run(args: argparse.Namespace) -> int:
 GRID_CANVAS_LIMIT_BYTES = 2**30
 
 
-def _check_options(args: argparse.Namespace, check_int) -> None:
+def _check_options(args: argparse.Namespace) -> None:
+    from qkv.validation import check_int, check_seed
+
     check_int("--num", args.num, minimum=1)
-    check_int("--seed", args.seed, minimum=0, maximum=2**63 - 1)
+    check_seed("--seed", args.seed)
     check_int("--threads", args.threads, minimum=1)
     check_int("--steps", args.steps, minimum=1)
     if args.columns is not None:

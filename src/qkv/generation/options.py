@@ -15,7 +15,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from qkv.validation import check_int
+from qkv.validation import check_int, check_seed
 
 __all__ = ["COMPILE_MODES", "DecodeOptions", "decode_options"]
 
@@ -58,7 +58,7 @@ class DecodeOptions:
         if self.eos_token_id is not None and not _is_int(self.eos_token_id):
             raise TypeError(f"eos_token_id: expected an int or None, got {self.eos_token_id!r}")
         if self.seed is not None:
-            check_int("seed", self.seed)
+            check_seed("seed", self.seed)
         if self.sinks is not None:
             _check_sinks(self.sinks)
             object.__setattr__(self, "sinks", tuple(self.sinks))

@@ -70,7 +70,7 @@ from qkv.studies.record import (
     read_result,
     write_result,
 )
-from qkv.validation import check_choice
+from qkv.validation import check_choice, check_seed
 
 __all__ = [
     "SIZES",
@@ -126,8 +126,9 @@ def run_study(
     """
     module = study_module(name)
     check_choice("size", size, SIZES)
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+    if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed: expected an int >= 0, got {seed!r}")
+    check_seed("seed", seed)
     settings = dict(module.SIZES[size])
     unknown = sorted(set(overrides) - set(settings))
     if unknown:

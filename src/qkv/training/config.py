@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from qkv.training.schedule import SCHEDULES
-from qkv.validation import check_int
+from qkv.validation import check_int, check_seed
 
 __all__ = ["TrainingConfig"]
 
@@ -58,7 +58,7 @@ class TrainingConfig:
             check_int(name, getattr(self, name), minimum=1)
         for name in ("warmup_steps", "eval_every", "checkpoint_every", "log_every"):
             check_int(name, getattr(self, name), minimum=0)
-        check_int("seed", self.seed, minimum=0, maximum=2**63 - 1)  # torch's seeds are int64
+        check_seed("seed", self.seed)
         if self.warmup_steps > self.steps:
             raise ValueError(
                 f"warmup_steps: {self.warmup_steps} is more than steps={self.steps}; expected "

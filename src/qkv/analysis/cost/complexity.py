@@ -325,8 +325,9 @@ def measure_complexity(
     `repeats` timed samples (after a warm-up) and the peak bytes allocated beyond the inputs.
     A backend whose predicted peak (`predicted_peak`, plus the inputs) exceeds `max_memory`
     bytes is skipped at that L, and the point says so; so is every backend at an L whose
-    inputs alone exceed it, before they are allocated. `fit_from`: fit exponents over L >= fit_from only (default:
-    the median length and above, since small L is dominated by fixed overhead).
+    inputs alone exceed it, before they are allocated. `fit_from`: fit exponents over
+    L >= fit_from only (default: the median length and above, since small L is dominated by
+    fixed overhead).
     `progress(message)` is called after each length.
     """
     _check_arguments(lengths, backends, batch, heads, head_dim, repeats, dtype)
