@@ -106,8 +106,8 @@ def _kill_moment(run: Launch, at: int, startup: float, step: float, rng: random.
 
 
 def _kill_all(run: Launch) -> None:
-    """SIGKILL the run's process and every process under it (torchrun starts its workers in
-    sessions of their own, out of reach of its process group), and wait until all are gone."""
+    """SIGKILL the run's process and every process under it (torchrun's workers are out of
+    reach of its process group: they call setsid), and wait until all are gone."""
     pids, found = [], [run.process.pid]
     while found:  # the tree, parents first, read before any dies
         pids += found
