@@ -85,7 +85,7 @@ def test_score_modifiers_match_float64_eager_attention(case):
         theirs["bias"] = theirs.get("bias", 0) + torch.zeros(mask.shape).masked_fill(
             ~mask, -torch.inf
         )
-    if case == "everything":
+    if case == "everything" and q.device.type != "cpu":  # the CPU's is not flex's: see below
         ours["bias"], theirs["bias"] = bias, theirs["bias"] + bias.double()
     if case in ("alibi", "score_mod"):
         ours["causal"] = theirs["causal"] = True  # with a BlockMask, too
@@ -145,19 +145,39 @@ def _whole_blocks(block_mask) -> torch.Tensor:
     )
 
 
-def test_rows_without_a_visible_key_are_zero_and_nan_in_a_bias_reaches_the_output():
-    q, k, v = (torch.randn(2, 2, 200, 16) for _ in range(3))
-    mask = torch.ones(2, 1, 200, 200, dtype=torch.bool)
+def test_rows_without_a_visible_key_are_zero_and_a_nan_bias_is_left_to_other_backends():
+    """Rows without a visible key give 0. A dense bias is not flex's on the CPU: its kernel
+    turned a NaN score into an empty row (output 0) at L = 192, against the NaN rule that
+    `auto`'s backends keep."""
+    q, k, v = (torch.randn(2, 2, 192, 16) for _ in range(3))
+    mask = torch.ones(2, 1, 192, 192, dtype=torch.bool)
     mask[0, :, 5] = False
-    bias = torch.zeros(200, 200)
+    bias = torch.zeros(192, 192)
     bias[7, 3] = torch.nan
     with torch.no_grad():
         empty = qkv.attention(q, k, v, mask=mask, backend="flex")
         late = qkv.attention(q, k[:, :, :50], v[:, :, :50], causal=True, backend="flex")
-        poisoned = qkv.attention(q, k, v, bias=bias, backend="flex")
+        with pytest.raises(ValueError, match="turns a NaN score into an empty row"):
+            qkv.attention(q, k, v, bias=bias, backend="flex")
+        poisoned = qkv.attention(q, k, v, bias=bias)
     assert (empty[0, :, 5] == 0).all() and empty.isfinite().all()
-    assert (late[:, :, :150] == 0).all()  # L_q > L_k: the first 150 queries see no key
+    assert (late[:, :, :142] == 0).all()  # L_q > L_k: the first 142 queries see no key
     assert poisoned[:, :, 7].isnan().all() and not poisoned[:, :, 6].isnan().any()
+
+
+@pytest.mark.parametrize("length", [72, 200])
+def test_lengths_where_torchs_cpu_kernel_errs_go_to_another_backend(length):
+    """torch 2.13's CPU kernel, with a score_mod, gave wrong rows at L = 8 mod 16 (0.1-0.3 off
+    in the last batch and head, in most random draws): flex refuses such calls by name, and
+    auto computes them elsewhere, equal to float64 attention."""
+    q, k, v = (torch.randn(2, 2, length, 16, generator=torch.Generator().manual_seed(1))
+               for _ in range(3))  # fmt: skip
+    with pytest.raises(ValueError, match="length of 8 more than a multiple of 16"):
+        qkv.attention(q, k, v, softcap=5.0, backend="flex")
+    assert not qkv.explain(q, k, v, softcap=5.0).startswith("backend 'flex'")
+    got = qkv.attention(q, k, v, softcap=5.0)
+    expected = qkv.attention(*float64(q, k, v), softcap=5.0, backend="reference")
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_what_flex_cannot_serve_is_refused_with_the_reason():
