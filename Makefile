@@ -23,9 +23,10 @@ $(STAMP): $(RUN_STAMP)
 install: $(STAMP)
 
 # The main job: train the translate preset (German -> English number words) on 2 CPU cores, print
-# the test exact match and a few translations, save the model and a cross-attention heat map.
+# the test exact match and a few translations, save the model and a cross-attention heat map
+# (again on each `make run`: --overwrite replaces the folder's earlier run).
 run: $(RUN_STAMP)
-	$(BIN)/qkv train translate --out runs/translate
+	$(BIN)/qkv train translate --out runs/translate --overwrite
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
