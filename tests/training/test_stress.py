@@ -4,9 +4,10 @@ Two CPU-bound processes keep the machine busy while a training run is killed wit
 random moments (while it starts, in the middle of a step, or of writing a checkpoint) and
 resumed each time; its final checkpoint must equal, bit for bit, the one of a run never
 killed, made first under the same load. The same holds for sharded (FSDP) and
-context-parallel training on 2 processes, whose whole process tree is killed. The kill
-moments are drawn from a seeded generator, in units of the uninterrupted run's own start-up
-and step times (`_kill_moment`), and a summary line gives the counts.
+context-parallel training on 2 processes, whose whole process tree is killed. Every fifth
+kill lands in the start-up, the others during the steps; the moments are drawn from a seeded
+generator, in units of the uninterrupted run's own start-up and step times (`_kill_moment`),
+and a summary line gives the counts.
 
     make stress                      # QKV_STRESS_KILLS (default 20) kills per run
 """
@@ -87,11 +88,13 @@ def _seconds_per_step(run: Launch, steps: int) -> tuple[float, float]:
     return first - started, (time.monotonic() - first) / (steps - 1)
 
 
-def _kill_moment(run: Launch, at: int, startup: float, step: float, rng: random.Random) -> str:
+def _kill_moment(
+    run: Launch, at: int, startup: float, step: float, rng: random.Random, *, early: bool
+) -> str:
     """Sleep until a random moment of the run, SIGKILL its process tree; where it landed.
-    One kill in five lands in the start-up (imports, the checkpoint's load); the others
-    after the run's first new step, within the next 6 steps' time (checkpoints every 2)."""
-    if rng.random() < 0.2:
+    `early`: in the start-up (imports, the checkpoint's load); else after the run's first new
+    step, within the next 6 steps' time (checkpoints every 2)."""
+    if early:
         time.sleep(rng.uniform(0.1, 0.9) * startup)
         where = "in start-up"
     else:
@@ -146,7 +149,8 @@ def kill_and_resume(start: Callable[[Path, bool], Launch], steps: int, tmp_path:
     reached = []
     for attempt in range(KILLS):
         logged = max(_logged_steps(killed_out), default=0)  # a new step is one past these
-        where = _kill_moment(start(killed_out, attempt > 0), logged, startup, step, rng)
+        run = start(killed_out, attempt > 0)
+        where = _kill_moment(run, logged, startup, step, rng, early=attempt % 5 == 4)
         landed[where] += 1
         if where == "finished first":
             break
