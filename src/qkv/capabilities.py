@@ -192,6 +192,12 @@ def _onednn_fp32_products_here() -> Support:
         return Support(False, f"F.linear (MKL) on this {vendor} CPU: oneDNN is used on AMD's")
     if not (torch.cpu._is_avx512_supported() and onednn_allows("AVX512_CORE")):
         return Support(False, "F.linear: oneDNN's float32 products are chosen with AVX-512 only")
+    generator = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(8, 64, generator=generator), torch.randn(24, 64, generator=generator)
+    with torch.autocast("cpu", enabled=False), torch.no_grad():  # on a plain (unpacked) weight
+        ours = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+        if not torch.allclose(ours, F.linear(x, weight), rtol=1e-4, atol=1e-4):
+            return Support(False, "oneDNN's float32 product on a plain weight gave wrong results")
     return Support(True, f"oneDNN's float32 products on this {vendor} CPU with AVX-512")
 
 
