@@ -117,7 +117,10 @@ def test_ctrl_c_ends_a_run_with_one_line_and_it_resumes(tmp_path):
     out = tmp_path / "run"
     flags = [*TINY_FLAGS, "--steps", "400", "--checkpoint-every", "5", "--out", str(out)]
     command = [sys.executable, "-m", "qkv.cli", "train", "translate", *flags]
-    run = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    run = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_default_sigint,  # a background job's children start with SIGINT ignored
+    )  # fmt: skip
     deadline = time.monotonic() + 180
     while not (out / "checkpoint.safetensors").exists():
         assert run.poll() is None and time.monotonic() < deadline, "no checkpoint"
@@ -130,3 +133,9 @@ def test_ctrl_c_ends_a_run_with_one_line_and_it_resumes(tmp_path):
         f"qkv train translate: interrupted; resume from the last checkpoint in {out} with --resume"
     )
     assert main(["train", "translate", *flags, "--resume"]) == 0
+
+
+def _default_sigint() -> None:
+    """In the child before it starts: SIGINT's default action, so that Python turns it into
+    KeyboardInterrupt (it leaves an ignored SIGINT ignored, as a shell's `&` sets it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
