@@ -34,6 +34,14 @@ def _cpu(monkeypatch, *, vendor="AuthenticAMD", avx512=True, bf16=False, amx=Fal
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
 
 
+def _cap(monkeypatch, cap: str | None) -> None:
+    """oneDNN capped at `cap` (ONEDNN_MAX_CPU_ISA), or not capped."""
+    if cap is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+
+
 @pytest.mark.parametrize(
     ("vendor", "avx512", "cap", "chosen"),
     [
@@ -47,10 +55,7 @@ def _cpu(monkeypatch, *, vendor="AuthenticAMD", avx512=True, bf16=False, amx=Fal
 )
 def test_onednn_fp32_linears_follow_the_cpu(fresh_answers, vendor, avx512, cap, chosen):
     _cpu(fresh_answers, vendor=vendor, avx512=avx512)
-    if cap is None:
-        fresh_answers.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    else:
-        fresh_answers.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    _cap(fresh_answers, cap)
     answer = capabilities.onednn_fp32_products()
     assert bool(answer) is chosen, answer.reason
 
@@ -69,10 +74,7 @@ def test_onednn_fp32_linears_follow_the_cpu(fresh_answers, vendor, avx512, cap, 
 )
 def test_bf16_products_follow_the_cpu(fresh_answers, facts, cap, native):
     _cpu(fresh_answers, **facts)
-    if cap is None:
-        fresh_answers.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    else:
-        fresh_answers.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    _cap(fresh_answers, cap)
     answer = capabilities.bf16_products()
     assert bool(answer) is native, answer.reason
 

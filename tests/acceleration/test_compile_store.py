@@ -14,11 +14,11 @@ from qkv.acceleration.compile_store import (
     GraphStore,
     make_folder,
     model_key,
-    replace_atomically,
     store_directory,
     untrusted,
 )
 from qkv.generation import generate
+from qkv.models.safetensors_io import write_atomically
 from tests.acceleration.new_process import decodes_from_the_store
 from tests.generation.reference_models import qkv_model, redraw
 
@@ -153,5 +153,5 @@ def test_folders_the_store_makes_are_the_users_alone_and_leave_no_temporary(tmp_
     in_the_way = folder / "step.pt2"
     in_the_way.mkdir()  # the library's path is a folder: the rename fails
     with pytest.raises(OSError):
-        replace_atomically(in_the_way, lambda partial: partial.write_bytes(b"x"), suffix=".pt2")
+        write_atomically(in_the_way, lambda partial: partial.write_bytes(b"x"), suffix=".pt2")
     assert sorted(p.name for p in folder.iterdir()) == ["step.pt2"]

@@ -46,7 +46,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LOAD_SECONDS", "GraphStore", "model_key", "store_directory", "untrusted"]
+from qkv.models.safetensors_io import write_atomically
+
+__all__ = ["LOAD_SECONDS", "GraphStore", "make_folder", "model_key", "store_directory", "untrusted"]
 
 logger = logging.getLogger(__name__)
 
@@ -221,17 +223,5 @@ def make_folder(folder: Path) -> Path:
     return folder
 
 
-def replace_atomically(path: Path, write, suffix: str = "") -> None:
-    """`write(partial)` into a temporary beside `path` (its name, the pid, ".partial", then
-    `suffix`, for writers that need one), then rename it over `path`: a reader sees all of a
-    file or none of it, and a failure (`path` a folder, a full disk) leaves no temporary."""
-    partial = path.with_name(f"{path.name}.{os.getpid()}.partial{suffix}")
-    try:
-        write(partial)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
-
-
 def _write_atomically(path: Path, data: bytes) -> None:
-    replace_atomically(path, lambda partial: partial.write_bytes(data))
+    write_atomically(path, lambda temporary: temporary.write_bytes(data))

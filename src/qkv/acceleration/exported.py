@@ -48,13 +48,13 @@ from qkv.acceleration.compile_store import (
     LOAD_SECONDS,
     make_folder,
     model_key,
-    replace_atomically,
     store_directory,
     untrusted,
 )
 from qkv.acceleration.packing import PackedLinear
 from qkv.layers.kv_cache import StaticKVCache
 from qkv.models.outputs import CausalLMOutput
+from qkv.models.safetensors_io import write_atomically
 
 __all__ = ["ExportedSteps", "compile_seconds", "exported_steps"]
 
@@ -322,7 +322,7 @@ def _compile(model, options: dict, input_ids, kwargs: dict, path: Path | None):
             _package(program, target, configs)
             return torch._inductor.aoti_load_package(str(target))
     make_folder(path.parent)
-    replace_atomically(path, lambda partial: _package(program, partial, configs), suffix=".pt2")
+    write_atomically(path, lambda partial: _package(program, partial, configs), suffix=".pt2")
     seconds = time.perf_counter() - started
     (path.parent / _SECONDS_FILE).write_text(f"{seconds:.3f}")
     logger.info("compile='aot': step exported and compiled in %.1f s (%s)", seconds, path)

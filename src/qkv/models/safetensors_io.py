@@ -55,10 +55,12 @@ def unique_tensors(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tens
     return tensors, tied
 
 
-def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
-    """write(temporary path) in path's folder, flush it to disk, then rename it over `path`."""
+def write_atomically(path: Path, write: Callable[[Path], object], suffix: str = "") -> None:
+    """write(temporary path) in path's folder, flush it to disk, then rename it over `path`;
+    the temporary is gone whatever happens. `suffix` ends the temporary's name, for writers
+    that insist on one (AOTInductor's packages end in .pt2)."""
     # A fresh name rather than tempfile.mkstemp, whose 0600 mode would stay on the checkpoint.
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp{suffix}")
     try:
         write(temporary)
         with open(temporary, "rb+") as file:
