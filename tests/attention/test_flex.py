@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask
 
 import qkv
-from qkv.attention import core, flex
-from qkv.attention.request import make_request
+from qkv.attention import AttentionRequest, flex
 from tests.attention.reference_math import eager_reference, visible_with_sinks
 
 TOLERANCE = {"atol": 2e-5, "rtol": 2e-5}
@@ -109,19 +108,7 @@ def test_block_layout_from_the_tile_rule_equals_pytorchs_from_the_full_mask(L_q,
     """qkv builds the BlockMask from block bounds alone; PyTorch's create_block_mask evaluates
     the mask at every (query, key). Same hidden / whole / partial blocks."""
     q, k, v = torch.randn(1, 1, L_q, 8), torch.randn(1, 1, L_k, 8), torch.randn(1, 1, L_k, 8)
-    request = make_request(
-        q,
-        k,
-        v,
-        mask=None,
-        scale=None,
-        bias=None,
-        dropout_p=0.0,
-        return_weights=False,
-        causal=options.get("causal", False),
-        window=options.get("window"),
-        sinks=options.get("sinks", 0),
-    )
+    request = AttentionRequest(q, k, v, **options)
     ours = flex._block_mask(request)
     visible = visible_with_sinks(L_q, L_k, **options)[0, 0]
     theirs = create_block_mask(lambda b, h, i, j: visible[i, j], None, None, L_q, L_k)
@@ -216,11 +203,20 @@ def test_tensors_that_require_grad_are_served_under_no_grad():
     torch.testing.assert_close(output.double(), expected, **TOLERANCE)
 
 
-def test_on_a_cpu_flex_cannot_compile_for_auto_falls_back_and_says_why(monkeypatch):
+@pytest.fixture
+def fresh_cpu_support():
+    """flex asks capabilities once per process: again in the test, and after it."""
+    flex._cpu_support.cache_clear()
+    yield
+    flex._cpu_support.cache_clear()
+
+
+def test_on_a_cpu_flex_cannot_compile_for_auto_falls_back_and_says_why(
+    monkeypatch, fresh_cpu_support
+):
     """ATEN_CPU_CAPABILITY=default (the portable baseline, as on a CPU without AVX2): inductor
     cannot build FlexAttention's CPU kernel, so auto must not pick it."""
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
-    core._AUTO_CHOICES.clear()  # choices made before the variable was set
     q, k, v = (torch.randn(1, 2, 1024, 16) for _ in range(3))
     with torch.no_grad():
         text = qkv.explain(q, k, v, causal=True, window=128)
@@ -228,4 +224,3 @@ def test_on_a_cpu_flex_cannot_compile_for_auto_falls_back_and_says_why(monkeypat
     assert "passed over 'flex': ATEN_CPU_CAPABILITY=default" in text
     expected, _ = eager_reference(*float64(q, k, v), causal=True, window=128)
     torch.testing.assert_close(output.double(), expected, **TOLERANCE)
-    core._AUTO_CHOICES.clear()

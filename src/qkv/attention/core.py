@@ -6,27 +6,18 @@ A backend is a module (or any object) with:
     why_not_auto(request) (optional)   why `auto` should pass it over although it could serve,
     notes(request) -> list[str]        how it will serve it, for `explain`,
     run(request) -> (output, weights or None).
-`auto` takes the first backend in `BACKENDS` (ordered fastest first) that can serve the request,
-and remembers its choice per call signature (`request.request_key`: shapes, dtypes, devices and
-options, never tensor values). So why_not and why_not_auto must depend on nothing else, and
-`BACKENDS` changes through `register_backend`, which forgets the remembered choices.
+`auto` takes the first backend in `BACKENDS` (ordered fastest first) that can serve the request;
+`BACKENDS` changes through `register_backend`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from types import ModuleType
 
 import torch
 
 from qkv.attention import reference, sdpa
-from qkv.attention.request import (
-    AttentionRequest,
-    check_row_lengths,
-    make_request,
-    request_key,
-)
-from qkv.attention.sparse import SparsePattern
+from qkv.attention.request import AttentionRequest, takes_options
 
 # Fastest first: `auto` walks this order. Later backends (tiled, triton) register themselves.
 BACKENDS: dict[str, ModuleType] = {sdpa.name: sdpa, reference.name: reference}
@@ -39,31 +30,15 @@ def register_backend(backend, *, before: str | None = None) -> None:
     items.insert(index, (backend.name, backend))
     BACKENDS.clear()
     BACKENDS.update(items)
-    _AUTO_CHOICES.clear()
 
 
+@takes_options
 def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    mask: torch.Tensor | None = None,
-    causal: bool = False,
-    scale: float | None = None,
-    bias: torch.Tensor | None = None,
-    window: int | tuple[int, int] | None = None,
-    sinks: int = 0,
-    alibi_slopes: torch.Tensor | None = None,
-    softcap: float | None = None,
-    score_mod: Callable | None = None,
-    pattern: SparsePattern | None = None,
-    lengths: torch.Tensor | None = None,
-    query_lengths: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    return_weights: bool = False,
-    backend: str = "auto",
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str = "auto", **options
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention, softmax(Q K^T * scale + bias) V (Vaswani et al. 2017, s3.2.1).
+
+    The options (mask to return_weights) make one `AttentionRequest`, which checks them once.
 
     Args:
         q: (B, H, L_q, D). k: (B, H_kv, L_k, D). v: (B, H_kv, L_k, D_v). H % H_kv == 0: H_kv < H
@@ -110,75 +85,21 @@ def attention(
         TypeError/ValueError naming the argument: wrong types, shapes or dtypes, a head dim
         of 0, a mask or bias on another device than q.
     """
-    options = {
-        "mask": mask,
-        "causal": causal,
-        "scale": scale,
-        "bias": bias,
-        "window": window,
-        "dropout_p": dropout_p,
-        "return_weights": return_weights,
-        "sinks": sinks,
-        "alibi_slopes": alibi_slopes,
-        "softcap": softcap,
-        "score_mod": score_mod,
-        "pattern": pattern,
-        "lengths": lengths,
-        "query_lengths": query_lengths,
-    }
-    if isinstance(backend, str) and backend == "auto":
-        request, chosen = _auto_request(q, k, v, options)
-    else:
-        request = make_request(q, k, v, **options)
-        chosen = _choose(request, backend)
+    request = AttentionRequest(q, k, v, **options)
+    chosen = _choose(request, backend)
     if request.key_len == 0:  # nothing to attend to: every row is empty
         output, weights = _empty_keys(request)
     else:
         output, weights = chosen.run(request)
-    return (output, weights) if return_weights else output
+    return (output, weights) if request.return_weights else output
 
 
+@takes_options
 def explain(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    mask: torch.Tensor | None = None,
-    causal: bool = False,
-    scale: float | None = None,
-    bias: torch.Tensor | None = None,
-    window: int | tuple[int, int] | None = None,
-    sinks: int = 0,
-    alibi_slopes: torch.Tensor | None = None,
-    softcap: float | None = None,
-    score_mod: Callable | None = None,
-    pattern: SparsePattern | None = None,
-    lengths: torch.Tensor | None = None,
-    query_lengths: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    return_weights: bool = False,
-    backend: str = "auto",
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str = "auto", **options
 ) -> str:
     """Which backend `attention` would run for these arguments, and why, in words."""
-    request = make_request(
-        q,
-        k,
-        v,
-        mask=mask,
-        causal=causal,
-        scale=scale,
-        bias=bias,
-        window=window,
-        dropout_p=dropout_p,
-        return_weights=return_weights,
-        sinks=sinks,
-        alibi_slopes=alibi_slopes,
-        softcap=softcap,
-        score_mod=score_mod,
-        pattern=pattern,
-        lengths=lengths,
-        query_lengths=query_lengths,
-    )
+    request = AttentionRequest(q, k, v, **options)
     chosen = _choose(request, backend)
     how = "named explicitly" if backend != "auto" else "the fastest backend that serves this call"
     lines = [
@@ -196,28 +117,11 @@ def explain(
     return "\n".join(lines)
 
 
+@takes_options
 def serving_backends(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> list[str]:
     """Names of the backends that can serve `attention(q, k, v, **options)`, fastest first."""
-    request = make_request(q, k, v, **{**_DEFAULT_OPTIONS, **options})
+    request = AttentionRequest(q, k, v, **options)
     return [name for name, backend in BACKENDS.items() if backend.why_not(request) is None]
-
-
-_DEFAULT_OPTIONS = {
-    "mask": None,
-    "causal": False,
-    "scale": None,
-    "bias": None,
-    "window": None,
-    "dropout_p": 0.0,
-    "return_weights": False,
-    "sinks": 0,
-    "alibi_slopes": None,
-    "softcap": None,
-    "score_mod": None,
-    "pattern": None,
-    "lengths": None,
-    "query_lengths": None,
-}
 
 
 def _choose(request: AttentionRequest, backend: str):
@@ -240,42 +144,6 @@ def _choose(request: AttentionRequest, backend: str):
             f"or one that can (see qkv.explain)"
         )
     return chosen
-
-
-# `auto`'s choice per call signature (`request_key`). A model makes the same call, shapes and
-# flags alike, in every layer and at every decoding step: checking it and walking the backends
-# again would only repeat the answer, at the cost of a small kernel. A decoding
-# run adds one signature per step (the key length grows), hence the bound; `register_backend`
-# empties it, since a new backend may change the choice.
-_AUTO_CHOICES: dict[tuple, tuple[ModuleType, dict]] = {}
-_AUTO_CHOICES_MAX = 1024
-
-
-def _auto_request(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict
-) -> tuple[AttentionRequest, ModuleType]:
-    """The request and the backend `auto` runs it on: remembered for a known signature."""
-    # Under torch.compile the choice is made while tracing, once per graph: a memo keyed by
-    # the shapes would make every decoding step's key length a guard (a recompile per step).
-    key = None if torch.compiler.is_compiling() else request_key(q, k, v, **options)
-    known = _AUTO_CHOICES.get(key) if key is not None else None
-    if known is not None:
-        chosen, checked = known  # scale, window, ... as make_request normalised them
-        slopes = options["alibi_slopes"]
-        slopes = {"alibi_slopes": None if slopes is None else slopes.detach()}
-        rows = check_row_lengths(options["lengths"], options["query_lengths"], q, k, None)
-        request = AttentionRequest(q=q, k=k, v=v, **{**options, **checked, **slopes, **rows})
-        return request, chosen
-    request = make_request(q, k, v, **options)
-    chosen = _choose(request, "auto")
-    if key is not None:
-        if len(_AUTO_CHOICES) >= _AUTO_CHOICES_MAX:
-            _AUTO_CHOICES.clear()
-        checked = {
-            name: getattr(request, name) for name in ("scale", "window", "dropout_p", "softcap")
-        }
-        _AUTO_CHOICES[key] = (chosen, checked)
-    return request, chosen
 
 
 def _why_not_auto(backend, request: AttentionRequest) -> str | None:

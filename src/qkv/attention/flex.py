@@ -26,7 +26,6 @@ import functools
 import torch
 
 from qkv import capabilities
-from qkv.attention import masks
 from qkv.attention.request import AttentionRequest
 from qkv.attention.tiles import TilePlan
 
@@ -67,17 +66,24 @@ def why_not(request: AttentionRequest) -> str | None:
             f"wrong rows when a score_mod (soft-cap, dense mask or bias, ALiBi, yours) meets a "
             f"length of 8 more than a multiple of 16"
         )
-    if _dense_additive(request) is not None and (_has_structure(request) or device == "cpu"):
+    if _has_dense_additive(request) and (_has_structure(request) or device == "cpu"):
         return (
             "a dense bias or float mask (on the CPU, or next to causal/window): FlexAttention's "
             "kernel turns a NaN score into an empty row (output 0) there, against qkv's NaN "
             "rule (qkv.attention.masks); SDPA reads such tensors as fast"
         )
-    if device == "cpu" and not torch.compiler.is_compiling():  # (the check is not traceable)
-        support = capabilities.flex_attention_cpu()
+    if device == "cpu" and not torch.compiler.is_compiling():  # it reads env and CPU: untraceable
+        support = _cpu_support()
         if not support:
             return support.reason
     return None
+
+
+@functools.cache
+def _cpu_support() -> capabilities.Support:
+    """`capabilities.flex_attention_cpu()`, asked once per process: what it reads (the CPU, the
+    compiler, ATEN_CPU_CAPABILITY) is set before a process starts attending."""
+    return capabilities.flex_attention_cpu()
 
 
 # torch 2.13's CPU FlexAttention kernel, with a score_mod, gives wrong values in a few rows of
@@ -89,13 +95,20 @@ def _hits_the_cpu_tail_bug(size: int) -> bool:
 
 
 def _score_mod_parts(request: AttentionRequest) -> bool:
-    """Whether the call needs a score_mod (see `_score_mod`)."""
+    """Whether the call needs a score_mod (see `_score_mod`): a soft-cap, a mask or bias of
+    either kind, ALiBi or a score_mod of its own."""
     return (
         request.softcap is not None
-        or _dense_additive(request) is not None
-        or request.score_mod_with_alibi() is not None
-        or request.has_bool_mask
+        or request.mask is not None
+        or request.bias is not None
+        or request.alibi_slopes is not None
+        or request.score_mod is not None
     )
+
+
+def _has_dense_additive(request: AttentionRequest) -> bool:
+    """Whether `request.dense_additive()` has a term (without summing them)."""
+    return request.bias is not None or request.has_additive_mask
 
 
 def _clear_of_the_cpu_tail_bug(request: AttentionRequest) -> bool:
@@ -104,7 +117,7 @@ def _clear_of_the_cpu_tail_bug(request: AttentionRequest) -> bool:
 
 def why_not_auto(request: AttentionRequest) -> str | None:
     """Why `auto` passes over a call flex could serve: another backend is faster there."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # its BlockMask cache and compiled kernel are eager-only
         return "inside a compiled graph auto keeps to SDPA and tiled (no BlockMask cache there)"
     scores = request.query_len * request.key_len
     if scores < MIN_SCORES:
@@ -124,7 +137,7 @@ def why_not_auto(request: AttentionRequest) -> str | None:
 
 
 def needs_grad(request: AttentionRequest) -> bool:
-    """Whether autograd will ask this call for a backward (what `request_key` records)."""
+    """Whether autograd will ask this call for a backward."""
     tensors = (request.q, request.k, request.v, request.bias, request.mask)
     return torch.is_grad_enabled() and any(
         t is not None and t.is_floating_point() and t.requires_grad for t in tensors
@@ -145,7 +158,7 @@ def notes(request: AttentionRequest) -> list[str]:
         label
         for label, present in (
             ("soft-cap", request.softcap is not None),
-            ("dense bias/float mask", _dense_additive(request) is not None),
+            ("dense bias/float mask", _has_dense_additive(request)),
             ("ALiBi from the slopes", request.alibi_slopes is not None),
             ("your score_mod", request.score_mod is not None),
             ("the bool mask as -inf", request.has_bool_mask),
@@ -180,7 +193,7 @@ def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:
         "scale": request.scale,
         "enable_gqa": request.group_size > 1,
     }
-    if torch.compiler.is_compiling():  # traced into the caller's graph
+    if torch.compiler.is_compiling():  # already in a graph: traced into it, not compiled apart
         output = _flex_attention()(*arguments, **options)
     else:
         # a tensor the mask_mod reads (a dense mask, a pattern's lookup table) fails to
@@ -223,9 +236,11 @@ _FLEX_ATTENTION = _NOT_LOOKED_UP
 @functools.cache
 def _compiled(dynamic: bool):
     # A recompile per kind of pattern and dtype: more than torch.compile's default of 8 per
-    # function would silently run flex_attention unfused (many times slower).
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    return torch.compile(_flex_attention(), dynamic=dynamic)
+    # function would silently run flex_attention unfused (many times slower). Isolated, these
+    # recompiles count against this compiled function's limit alone, not other callers'.
+    return torch.compile(
+        _flex_attention(), dynamic=dynamic, recompile_limit=64, isolate_recompiles=True
+    )
 
 
 def _has_structure(request: AttentionRequest) -> bool:
@@ -331,7 +346,7 @@ def _score_mod(request: AttentionRequest):
     cap = request.softcap
     number = functools.partial(torch.tensor, dtype=torch.float32, device=request.q.device)
     cap, inverse = (None, None) if cap is None else (number(cap), number(1.0 / cap))
-    dense = _dense_additive(request)
+    dense = request.dense_additive()
     dense = None if dense is None else _expanded(request, dense.to(torch.float32))
     after = request.score_mod_with_alibi()
     allowed = _expanded(request, request.mask) if request.has_bool_mask else None
@@ -351,10 +366,6 @@ def _score_mod(request: AttentionRequest):
         return score
 
     return score_mod
-
-
-def _dense_additive(request: AttentionRequest) -> torch.Tensor | None:
-    return masks.combine(request.bias, request.mask if request.has_additive_mask else None)
 
 
 def _expanded(request: AttentionRequest, tensor: torch.Tensor) -> torch.Tensor:

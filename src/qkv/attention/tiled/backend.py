@@ -17,7 +17,8 @@ from qkv.attention.tiled.function import (
     DEFAULT_BLOCK_K,
     DEFAULT_BLOCK_Q,
     PATTERN_BLOCK,
-    flash_backend_call,
+    refusal,
+    tiled_attention,
 )
 from qkv.attention.tiles import TilePlan
 
@@ -40,18 +41,12 @@ MIN_SCORES_MODIFIED = 512 * 512
 
 
 def why_not(request: AttentionRequest) -> str | None:
-    if request.return_weights:
-        return (
-            "it returns no weights (recompute them exactly with qkv.attention_weights from the "
-            "log-sum-exp of qkv.flash_attention(..., return_lse=True))"
-        )
-    return None
+    return refusal(request)
 
 
 def why_not_auto(request: AttentionRequest) -> str | None:
     """Why `auto` passes over a request this backend could serve: another is faster there."""
-    if torch.compiler.is_compiling():  # comparing symbolic lengths would specialise the graph
-        # on their values: a recompilation at every decoding step
+    if torch.compiler.is_compiling():  # its tile loops would specialise a graph on the lengths
         return "inside a compiled graph SDPA or the reference math is traced and fused instead"
     scores = request.query_len * request.key_len
     if request.modifies_scores:  # SDPA cannot serve it: tiled or the reference math
@@ -136,4 +131,8 @@ def notes(request: AttentionRequest) -> list[str]:
 
 
 def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:
-    return flash_backend_call(request), None
+    block = PATTERN_BLOCK if request.pattern is not None else None
+    output = tiled_attention(
+        request, block_q=block or DEFAULT_BLOCK_Q, block_k=block or DEFAULT_BLOCK_K
+    )
+    return output, None

@@ -1,8 +1,9 @@
 """`qkv.flash_attention`: exact attention in O(L) memory, forward and backward, any mask or bias.
 
-The loops live in `kernels.py`; the masking of each tile in `tiles.py`. This file checks the
-arguments, converts to the row layout, and wires both loops into a `torch.autograd.Function`
-that saves only the inputs, the output and the log-sum-exp (FlashAttention-2, section 3.1).
+The loops live in `kernels.py`; the masking of each tile in `tiles.py`. This file takes a
+checked `AttentionRequest`, converts to the row layout, and wires both loops into a
+`torch.autograd.Function` that saves only the inputs, the output and the log-sum-exp
+(FlashAttention-2, section 3.1).
 """
 
 from __future__ import annotations
@@ -13,13 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from qkv.attention.request import (
-    AttentionRequest,
-    check_callable,
-    check_softcap,
-    make_request,
-)
-from qkv.attention.sparse import SparsePattern
+from qkv.attention.checks import check_callable
+from qkv.attention.request import AttentionRequest, takes_options
 from qkv.attention.tiled import kernels
 from qkv.attention.tiles import TilePlan
 from qkv.validation import check_int
@@ -45,27 +41,17 @@ class Settings:
     trace: Callable[[kernels.TraceStep], None] | None
 
 
+@takes_options
 def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    causal: bool = False,
-    window: int | tuple[int, int] | None = None,
-    sinks: int = 0,
-    bias: torch.Tensor | None = None,
-    score_mod: kernels.ScoreMod | None = None,
-    lengths: torch.Tensor | None = None,
-    query_lengths: torch.Tensor | None = None,
-    mask: torch.Tensor | None = None,
-    pattern: SparsePattern | None = None,
-    scale: float | None = None,
-    softcap: float | None = None,
-    dropout_p: float = 0.0,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
     return_lse: bool = False,
     trace: Callable[[kernels.TraceStep], None] | None = None,
+    **options,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention (Dao et al. 2022; FlashAttention-2, Dao 2023) as tiled PyTorch.
 
@@ -73,10 +59,14 @@ def flash_attention(
     max and sum (online softmax), and the backward recomputes each tile from the saved
     log-sum-exp. Tiles that no query can see are skipped.
 
+    The options are those of `qkv.attention`, made into one `AttentionRequest`: every one is
+    served but return_weights (`qkv.attention_weights` recomputes them from the lse).
+
     Args:
         q: (B, H, L_q, D); k: (B, H_kv, L_k, D); v: (B, H_kv, L_k, D_v); H % H_kv == 0 (GQA/MQA
             served without repeating K/V).
-        causal, window, scale, dropout_p: as in `qkv.attention` (bottom-right alignment).
+        causal, window, scale, dropout_p, alibi_slopes: as in `qkv.attention` (bottom-right
+            alignment).
         sinks: the first `sinks` keys stay visible to every query that may see them causally
             (attention sinks: StreamingLLM, Xiao et al. 2024), on top of the window.
         bias: additive scores, 2-D or 4-D broadcastable to (B, H, L_q, L_k); gets a gradient.
@@ -101,60 +91,50 @@ def flash_attention(
     Returns:
         output (B, H, L_q, D_v), or (output, lse) if return_lse. Rows with no visible key: 0.
     """
-    request = make_request(
-        q,
-        k,
-        v,
-        mask=mask,
-        causal=causal,
-        scale=scale,
-        bias=bias,
-        window=window,
-        dropout_p=dropout_p,
-        return_weights=False,
-        pattern=pattern,
-        lengths=lengths,
-        query_lengths=query_lengths,
+    request = AttentionRequest(q, k, v, **options)
+    reason = refusal(request)
+    if reason is not None:
+        raise ValueError(reason)
+    return tiled_attention(
+        request, block_q=block_q, block_k=block_k, return_lse=return_lse, trace=trace
     )
-    bias = request.additive()  # a float mask is one more additive term
-    mask = request.mask if request.has_bool_mask else None
+
+
+def refusal(request: AttentionRequest) -> str | None:
+    """Why the tiled loops cannot serve a request (naming the option), or None."""
+    if request.return_weights:
+        return (
+            "return_weights: the tiled loops return no weights (recompute them exactly with "
+            "qkv.attention_weights from the log-sum-exp of qkv.flash_attention(..., "
+            "return_lse=True))"
+        )
+    return None
+
+
+def tiled_attention(
+    request: AttentionRequest,
+    *,
+    block_q: int,
+    block_k: int,
+    return_lse: bool = False,
+    trace: Callable[[kernels.TraceStep], None] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Serve a checked request in tiles: what `flash_attention` and backend `tiled` run."""
+    check_callable("trace", trace)
     settings = Settings(
-        plan=_plan(request, sinks, block_q, block_k),
+        plan=_plan(request, block_q, block_k),
         scale=request.scale,
-        softcap=check_softcap(softcap),
-        score_mod=check_callable("score_mod", score_mod),
+        softcap=request.softcap,
+        score_mod=request.score_mod_with_alibi(),  # ALiBi per score, never a dense bias
         dropout_p=request.dropout_p,
         seed=int(torch.randint(0, 2**62, (1,)).item()) if request.dropout_p > 0 else 0,
-        mask=mask,
-        trace=check_callable("trace", trace),
+        mask=request.mask if request.has_bool_mask else None,
+        trace=trace,
     )
+    bias = request.dense_additive()  # a float mask is one more additive term
     captured = kernels.captured_tensors(settings.score_mod) if torch.is_grad_enabled() else ()
-    output, lse = _FlashAttention.apply(q, k, v, bias, settings, *captured)
+    output, lse = _FlashAttention.apply(request.q, request.k, request.v, bias, settings, *captured)
     return (output, lse) if return_lse else output
-
-
-def flash_backend_call(request: AttentionRequest) -> torch.Tensor:
-    """Serve a `qkv.attention` request (the `tiled` backend) with the default tiles."""
-    block = PATTERN_BLOCK if request.pattern is not None else None
-    return flash_attention(
-        request.q,
-        request.k,
-        request.v,
-        causal=request.causal,
-        window=request.window,
-        bias=request.bias,
-        mask=request.mask,
-        pattern=request.pattern,
-        lengths=request.lengths,
-        query_lengths=request.query_lengths,
-        scale=request.scale,
-        dropout_p=request.dropout_p,
-        sinks=request.sinks,
-        softcap=request.softcap,
-        score_mod=request.score_mod_with_alibi(),
-        block_q=block or DEFAULT_BLOCK_Q,
-        block_k=block or DEFAULT_BLOCK_K,
-    )
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -213,7 +193,7 @@ def _grouped(t: torch.Tensor, H: int, H_kv: int) -> torch.Tensor:
     return t.view(t.shape[0], H_kv, H // H_kv, *t.shape[2:])
 
 
-def _plan(request: AttentionRequest, sinks, block_q, block_k) -> TilePlan:
+def _plan(request: AttentionRequest, block_q, block_k) -> TilePlan:
     return TilePlan(
         query_len=request.query_len,
         key_len=request.key_len,
@@ -221,7 +201,7 @@ def _plan(request: AttentionRequest, sinks, block_q, block_k) -> TilePlan:
         block_k=check_int("block_k", block_k, minimum=1),
         causal=request.causal,
         window=request.window,
-        sinks=check_int("sinks", sinks, minimum=0),
+        sinks=request.sinks,
         lengths=request.lengths,
         query_lengths=request.query_lengths,
         has_dense_mask=request.has_bool_mask,  # a float mask was folded into the bias

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from qkv.attention.request import make_request
-from qkv.attention.sparse import SparsePattern
+from qkv.attention.request import AttentionRequest, takes_options
 from qkv.attention.tiles import TilePlan
 
 
+@takes_options
 def attention_weights(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -21,36 +21,16 @@ def attention_weights(
     *,
     heads: list[int] | torch.Tensor | None = None,
     rows: list[int] | torch.Tensor | None = None,
-    causal: bool = False,
-    window: int | tuple[int, int] | None = None,
-    sinks: int = 0,
-    bias: torch.Tensor | None = None,
-    score_mod=None,
-    lengths: torch.Tensor | None = None,
-    mask: torch.Tensor | None = None,
-    scale: float | None = None,
-    softcap: float | None = None,
-    pattern: SparsePattern | None = None,
+    **options,
 ) -> torch.Tensor:
     """Probabilities (B, len(heads), len(rows), L_k) of the selected heads and query rows.
 
     q: (B, H, L_q, D), k: (B, H_kv, L_k, D), lse: (B, H, L_q) from
-    `qkv.flash_attention(..., return_lse=True)` called with the same masking arguments.
-    heads/rows default to all. Dropout is not reapplied: these are the pre-dropout weights.
+    `qkv.flash_attention(..., return_lse=True)` called with the same options (those of
+    `qkv.attention`). heads/rows default to all. Dropout is not reapplied: these are the
+    pre-dropout weights.
     """
-    request = make_request(
-        q,
-        k,
-        k,
-        mask=mask,
-        causal=causal,
-        scale=scale,
-        bias=bias,
-        window=window,
-        dropout_p=0.0,
-        return_weights=False,
-        pattern=pattern,
-    )
+    request = AttentionRequest(q, k, k, **options)  # k stands in for v, which is not needed
     B, H, L_q, _ = q.shape
     if lse.shape != (B, H, L_q):
         raise ValueError(f"lse: expected shape (B, H, L_q) = {(B, H, L_q)}, got {tuple(lse.shape)}")
@@ -60,18 +40,19 @@ def attention_weights(
     dtype = torch.promote_types(q.dtype, torch.float32)
     q_sel = q.to(dtype)[:, head_index][:, :, row_index] * request.scale  # (B, h, r, D)
     scores = q_sel @ k.to(dtype)[:, kv_index].transpose(-1, -2)  # (B, h, r, L_k)
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    additive = request.additive()
+    if request.softcap is not None:
+        scores = request.softcap * torch.tanh(scores / request.softcap)
+    additive = request.dense_additive()
     if additive is not None:
         scores = scores + _select(additive, head_index, row_index).to(dtype)
+    score_mod = request.score_mod_with_alibi()
     if score_mod is not None:
         batch = torch.arange(B, device=q.device).view(-1, 1, 1, 1)
         key_index = torch.arange(k.shape[2], device=q.device).view(1, 1, 1, -1)
         scores = score_mod(
             scores, batch, head_index.view(1, -1, 1, 1), row_index.view(1, 1, -1, 1), key_index
         )
-    visible = _visible(request, sinks, lengths, row_index, k.shape[2])
+    visible = _visible(request, row_index)
     if request.has_bool_mask:
         visible = visible & _select(request.mask, head_index, row_index)
     scores = scores.masked_fill(~visible, float("-inf"))
@@ -80,20 +61,22 @@ def attention_weights(
     return torch.exp(scores - lse_sel).to(q.dtype)
 
 
-def _visible(request, sinks: int, lengths, row_index: torch.Tensor, key_len: int):
+def _visible(request: AttentionRequest, row_index: torch.Tensor) -> torch.Tensor:
+    """Bool (B|1, 1, r, L_k): which keys the tiled rule leaves visible to the selected rows."""
     plan = TilePlan(
         query_len=request.query_len,
-        key_len=key_len,
+        key_len=request.key_len,
         block_q=1,
         block_k=1,
         causal=request.causal,
         window=request.window,
-        sinks=sinks,
-        lengths=None if lengths is None else tuple(int(n) for n in lengths.tolist()),
+        sinks=request.sinks,
+        lengths=request.lengths,
         has_dense_mask=False,
         pattern=request.pattern,
+        query_lengths=request.query_lengths,
     )
-    return plan.visible(row_index, torch.arange(key_len, device=row_index.device))
+    return plan.visible(row_index, torch.arange(request.key_len, device=row_index.device))
 
 
 def _select(t: torch.Tensor, head_index: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:

@@ -16,39 +16,24 @@ import torch
 
 from qkv.attention.offset_bias import OffsetBias
 from qkv.attention.request import AttentionRequest
-from qkv.attention.triton.function import triton_attention, unsupported
+from qkv.attention.triton.function import kernel_attention, refusal
 from qkv.attention.triton.selfcheck import self_check, verdicts
 
 name = "triton"
 summary = "qkv's FlashAttention-2 Triton kernels (GPU): fused, O(L) memory, hidden blocks skipped"
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+# TRITON_INTERPRET=1 runs the kernels in Triton's interpreter; read once, as Triton reads it
+# once, when it is imported.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def why_not(request: AttentionRequest) -> str | None:
-    if request.q.device.type != "cuda" and not _interpreting():
+    if request.q.device.type != "cuda" and not _INTERPRETING:
         return "it needs CUDA tensors (or TRITON_INTERPRET=1, for tests)"
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
-    if request.return_weights:
-        return "it returns no weights"
-    if request.mask is not None or request.bias is not None:
-        return (
-            "it takes no dense mask or bias (qkv.triton_attention takes lengths= for padding "
-            "and alibi_slopes= for ALiBi instead)"
-        )
-    if request.dropout_p > 0:
-        return "it has no dropout"
-    if request.softcap is not None:
-        return "it has no soft-cap"
-    if request.score_mod is not None and not isinstance(request.score_mod, OffsetBias):
-        return (
-            "it takes a score_mod only as a qkv.attention.OffsetBias (T5's bias, Shaw et "
-            "al.'s relative keys), which it reads per tile"
-        )
-    return unsupported(request.q, request.v)
+    return refusal(request)
 
 
 def why_not_auto(request: AttentionRequest) -> str | None:
@@ -76,18 +61,4 @@ def notes(request: AttentionRequest) -> list[str]:
 
 
 def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:
-    output = triton_attention(
-        request.q,
-        request.k,
-        request.v,
-        causal=request.causal,
-        window=request.window,
-        sinks=request.sinks,
-        alibi_slopes=request.alibi_slopes,
-        pattern=request.pattern,
-        offset_bias=request.score_mod,
-        lengths=request.lengths,
-        query_lengths=request.query_lengths,
-        scale=request.scale,
-    )
-    return output, None
+    return kernel_attention(request), None

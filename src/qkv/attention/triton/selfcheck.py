@@ -47,7 +47,7 @@ def self_check(device: torch.device) -> str | None:
     a device not yet checked counts as failed for that trace."""
     key = str(device)
     if key not in _VERDICTS:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():  # no kernel may be launched while a graph is traced
             return "not self-checked on this device yet (no check runs under torch.compile)"
         _VERDICTS[key] = _run_cases(torch.device(device))
         if _VERDICTS[key] is None:
