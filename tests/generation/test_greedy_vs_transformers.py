@@ -22,7 +22,7 @@ from tests.generation.reference_models import HF_BUILDERS, VOCAB, hf_model, left
 
 NEW_TOKENS = 16
 # absolute and relative, on logits of magnitude ~10 in fp32, whose products qkv may sum in
-# another order than transformers (qkv.layers.Linear on oneDNN, MKL there)
+# another order than transformers (oneDNN under qkv.acceleration.speed_up, MKL there)
 TOLERANCE = 5e-5
 
 

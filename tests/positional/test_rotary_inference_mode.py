@@ -1,4 +1,4 @@
-"""RotaryEmbedding keeps its last cos/sin tables for reuse; tables built under
+"""RotaryEmbedding after a call in inference mode: tables built under
 torch.inference_mode() are inference tensors, which autograd refuses to save for backward.
 A call with gradients after one in inference mode must work and give the same rotation."""
 
@@ -20,7 +20,7 @@ def test_a_call_with_gradients_after_one_in_inference_mode_without_positions():
     with torch.inference_mode():
         expected_q, expected_k = rope(q, k)
     q.requires_grad_(True)
-    rotated_q, rotated_k = rope(q, k)  # the same length: the last tables would be reused
+    rotated_q, rotated_k = rope(q, k)  # the same length as the call in inference mode
     (rotated_q.square().sum() + rotated_k.sum()).backward()
     torch.testing.assert_close(rotated_q.detach(), expected_q, rtol=0, atol=0)
     torch.testing.assert_close(rotated_k, expected_k, rtol=0, atol=0)
@@ -29,8 +29,8 @@ def test_a_call_with_gradients_after_one_in_inference_mode_without_positions():
 
 
 def test_positions_made_in_inference_mode_are_used_and_never_reused_stale():
-    """Inference tensors carry no version counter: their tables are computed at every call,
-    so a change in place (allowed inside inference mode) is seen."""
+    """Positions changed in place inside inference mode (where tensors carry no version
+    counter) are seen at the next call."""
     rope = RotaryEmbedding(8)
     q, k = _inputs()
     with torch.inference_mode():

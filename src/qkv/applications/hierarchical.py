@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import Linear
 
 from qkv.applications.long_text import _run_windows
 from qkv.applications.windows import Windows
-from qkv.layers import EncoderBlock, LayerNorm, Linear
+from qkv.layers import EncoderBlock, LayerNorm
 from qkv.layers._dropout import make_dropout
 from qkv.models.bert import BertModel, init_bert_weights, mean_pool
 from qkv.positional import LearnedPositionalEmbedding

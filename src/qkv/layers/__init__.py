@@ -3,8 +3,7 @@
 - `MultiHeadAttention`: MHA, GQA and MQA; self- and cross-attention; optional RoPE or ALiBi.
 - `DifferentialAttention`: the difference of two softmax maps per head (Ye et al. 2024).
 - `FeedForward` (ReLU/GELU) and `SwiGLU`: the position-wise sub-layer.
-- `Linear`: nn.Linear with CPU float32 products on oneDNN where that is faster here.
-- `LayerNorm` and `RMSNorm`; `Dropout` (nn.Dropout with a cheaper CPU mask).
+- `LayerNorm` and `RMSNorm`.
 - `BatchNorm`: per-channel statistics over the batch's tokens, padding excluded on request.
 - `EncoderBlock` and `DecoderBlock`: sub-layers in "Add & Norm", post-norm or pre-norm.
 - `GRU` and `GRUCell` (Cho et al. 2014), and the attention of recurrent encoder-decoders:
@@ -19,10 +18,10 @@
   then across frames, or jointly (Bertasius et al. 2021; Arnab et al. 2021).
 
 `MultiHeadAttention` and the blocks have `from_torch` (and `MultiHeadAttention.to_torch`) to
-cross over to PyTorch's own modules.
+cross over to PyTorch's own modules. Projections are plain `nn.Linear` and dropout `nn.Dropout`;
+CPU speed-ups swap modules in from outside (`qkv.acceleration.speed_up`).
 """
 
-from qkv.layers._dropout import Dropout
 from qkv.layers.adaln import AdaLNModulation, AdaLNZeroBlock
 from qkv.layers.attention import MultiHeadAttention
 from qkv.layers.batch_norm import BatchNorm
@@ -32,7 +31,6 @@ from qkv.layers.factorized_attention import FactorizedBlock, SpaceTimeBlock
 from qkv.layers.feedforward import FeedForward, SwiGLU
 from qkv.layers.kv_cache import CrossAttentionCache, LayerCache, SinkKVCache, StaticKVCache
 from qkv.layers.latent_pooling import LatentPooling
-from qkv.layers.linear import Linear
 from qkv.layers.norms import LayerNorm, RMSNorm
 from qkv.layers.patch_embedding import PatchEmbedding
 from qkv.layers.recurrent import GRU, GRUCell
@@ -47,7 +45,6 @@ __all__ = [
     "DecoderBlock",
     "DifferentialAttention",
     "DotAttention",
-    "Dropout",
     "EncoderBlock",
     "FactorizedBlock",
     "FeedForward",
@@ -57,7 +54,6 @@ __all__ = [
     "LatentPooling",
     "LayerCache",
     "LayerNorm",
-    "Linear",
     "MultiHeadAttention",
     "PatchEmbedding",
     "RMSNorm",

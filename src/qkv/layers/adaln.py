@@ -25,7 +25,6 @@ from torch import nn
 from qkv.layers._dropout import make_dropout
 from qkv.layers.attention import MultiHeadAttention
 from qkv.layers.feedforward import FeedForward
-from qkv.layers.linear import Linear
 from qkv.validation import check_positive_float, check_positive_int
 
 __all__ = ["AdaLNModulation", "AdaLNZeroBlock", "layer_norm_without_affine", "modulate"]
@@ -61,7 +60,7 @@ class AdaLNModulation(nn.Module):
         check_positive_int("cond_dim", cond_dim)
         self.embed_dim = check_positive_int("embed_dim", embed_dim)
         self.num_chunks = check_positive_int("num_chunks", num_chunks)
-        self.proj = Linear(cond_dim, num_chunks * embed_dim, device=device, dtype=dtype)
+        self.proj = nn.Linear(cond_dim, num_chunks * embed_dim, device=device, dtype=dtype)
         nn.init.zeros_(self.proj.weight)
         nn.init.zeros_(self.proj.bias)
 
@@ -79,7 +78,7 @@ class AdaLNZeroBlock(nn.Module):
         x = x + g2 * CrossAttn(modulate(LN(x), b2, s2), context)
         x = x + g3 * FFN(modulate(LN(x), b3, s3))
 
-    where (b1, s1, g1, b2, s2, g2, b3, s3, g3) = Linear(SiLU(c)), zero at initialisation, so
+    where (b1, s1, g1, b2, s2, g2, b3, s3, g3) = nn.Linear(SiLU(c)), zero at initialisation, so
     the block starts as the identity (Peebles & Xie 2023, s3.2).
 
     Args:

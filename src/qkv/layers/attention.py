@@ -26,7 +26,6 @@ from qkv.attention import attention
 from qkv.attention.sparse import SparsePattern
 from qkv.layers import torch_interop
 from qkv.layers.kv_cache import CrossAttentionCache, LayerCache
-from qkv.layers.linear import Linear
 from qkv.positional import RotaryEmbedding, alibi_bias
 from qkv.validation import check_positive_int, check_probability
 
@@ -95,10 +94,10 @@ class MultiHeadAttention(nn.Module):
         self.attention = attention  # an nn.Module is registered as a submodule
         factory = {"bias": bias, "device": device, "dtype": dtype}
         kv_in = embed_dim if context_dim is None else context_dim
-        self.q_proj = Linear(embed_dim, num_heads * self.head_dim, **factory)
-        self.k_proj = Linear(kv_in, num_kv_heads * self.head_dim, **factory)
-        self.v_proj = Linear(kv_in, num_kv_heads * self.head_dim, **factory)
-        self.out_proj = Linear(num_heads * self.head_dim, embed_dim, **factory)
+        self.q_proj = nn.Linear(embed_dim, num_heads * self.head_dim, **factory)
+        self.k_proj = nn.Linear(kv_in, num_kv_heads * self.head_dim, **factory)
+        self.v_proj = nn.Linear(kv_in, num_kv_heads * self.head_dim, **factory)
+        self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, **factory)
         # register_attention_hook's hooks, by handle id (an OrderedDict: the handle holds a
         # weak reference to it, as nn.Module's own hooks do); empty: one truth test per call
         self._attention_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()

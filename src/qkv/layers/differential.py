@@ -34,7 +34,6 @@ from torch import nn
 
 from qkv.attention import attention
 from qkv.layers.attention import check_heads, check_rope
-from qkv.layers.linear import Linear
 from qkv.layers.norms import RMSNorm
 from qkv.positional import RotaryEmbedding
 from qkv.validation import check_positive_int, describe
@@ -99,10 +98,10 @@ class DifferentialAttention(nn.Module):
         self.backend = backend
         factory = {"device": device, "dtype": dtype}
         width, kv_width = num_heads * 2 * self.head_dim, num_kv_heads * 2 * self.head_dim
-        self.q_proj = Linear(embed_dim, width, bias=bias, **factory)
-        self.k_proj = Linear(embed_dim, kv_width, bias=bias, **factory)
-        self.v_proj = Linear(embed_dim, kv_width, bias=bias, **factory)
-        self.out_proj = Linear(width, embed_dim, bias=bias, **factory)
+        self.q_proj = nn.Linear(embed_dim, width, bias=bias, **factory)
+        self.k_proj = nn.Linear(embed_dim, kv_width, bias=bias, **factory)
+        self.v_proj = nn.Linear(embed_dim, kv_width, bias=bias, **factory)
+        self.out_proj = nn.Linear(width, embed_dim, bias=bias, **factory)
         self.lambda_q1 = nn.Parameter(torch.empty(self.head_dim, **factory))
         self.lambda_k1 = nn.Parameter(torch.empty(self.head_dim, **factory))
         self.lambda_q2 = nn.Parameter(torch.empty(self.head_dim, **factory))

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkv.layers._dropout import make_dropout
-from qkv.layers.linear import Linear
 from qkv.validation import check_positive_int, check_probability
 
 __all__ = ["ACTIVATIONS", "FeedForward", "SwiGLU"]
@@ -57,9 +56,9 @@ class FeedForward(nn.Module):
             )
         self.activation = activation
         factory = {"device": device, "dtype": dtype}
-        self.up_proj = Linear(embed_dim, hidden_dim, bias=bias, **factory)
+        self.up_proj = nn.Linear(embed_dim, hidden_dim, bias=bias, **factory)
         self.dropout = make_dropout(check_probability("dropout", dropout))
-        self.down_proj = Linear(hidden_dim, embed_dim, bias=bias, **factory)
+        self.down_proj = nn.Linear(hidden_dim, embed_dim, bias=bias, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = ACTIVATIONS[self.activation](self.up_proj(x))  # (..., hidden_dim)
@@ -91,9 +90,9 @@ class SwiGLU(nn.Module):
         check_positive_int("embed_dim", embed_dim)
         check_positive_int("hidden_dim", hidden_dim)
         factory = {"device": device, "dtype": dtype}
-        self.gate_proj = Linear(embed_dim, hidden_dim, bias=bias, **factory)
-        self.up_proj = Linear(embed_dim, hidden_dim, bias=bias, **factory)
-        self.down_proj = Linear(hidden_dim, embed_dim, bias=bias, **factory)
+        self.gate_proj = nn.Linear(embed_dim, hidden_dim, bias=bias, **factory)
+        self.up_proj = nn.Linear(embed_dim, hidden_dim, bias=bias, **factory)
+        self.down_proj = nn.Linear(hidden_dim, embed_dim, bias=bias, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)  # each (..., hidden_dim)

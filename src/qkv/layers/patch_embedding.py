@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkv.layers.linear import Linear
 from qkv.validation import check_positive_int
 
 __all__ = ["PatchEmbedding"]
@@ -63,7 +62,7 @@ class PatchEmbedding(nn.Module):
         self.grid = (height // patch_size, width // patch_size)
         self.num_patches = self.grid[0] * self.grid[1]
         patch_dim = channels * patch_size * patch_size
-        self.proj = Linear(patch_dim, embed_dim, bias=bias, device=device, dtype=dtype)
+        self.proj = nn.Linear(patch_dim, embed_dim, bias=bias, device=device, dtype=dtype)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """images (B, C, H, W) -> (B, N, E)."""

@@ -30,7 +30,6 @@ import torch
 from torch import nn
 
 from qkv.attention import attention
-from qkv.layers.linear import Linear
 from qkv.validation import check_positive_int, describe
 
 __all__ = ["AdditiveAttention", "DotAttention", "GeneralAttention", "masked_softmax"]
@@ -110,9 +109,9 @@ class AdditiveAttention(nn.Module):
         self.query_dim = check_positive_int("query_dim", query_dim)
         self.memory_dim = check_positive_int("memory_dim", memory_dim)
         check_positive_int("attention_dim", attention_dim)
-        self.query_proj = Linear(query_dim, attention_dim, bias=False, **factory)
-        self.memory_proj = Linear(memory_dim, attention_dim, bias=False, **factory)
-        self.score_proj = Linear(attention_dim, 1, bias=False, **factory)
+        self.query_proj = nn.Linear(query_dim, attention_dim, bias=False, **factory)
+        self.memory_proj = nn.Linear(memory_dim, attention_dim, bias=False, **factory)
+        self.score_proj = nn.Linear(attention_dim, 1, bias=False, **factory)
 
     def project_memory(self, memory: torch.Tensor) -> torch.Tensor:
         """U_a h_j for every annotation: (B, S, C) -> (B, S, A)."""
@@ -173,7 +172,7 @@ class GeneralAttention(nn.Module):
         super().__init__()
         self.query_dim = check_positive_int("query_dim", query_dim)
         self.memory_dim = check_positive_int("memory_dim", memory_dim)
-        self.memory_proj = Linear(memory_dim, query_dim, bias=False, device=device, dtype=dtype)
+        self.memory_proj = nn.Linear(memory_dim, query_dim, bias=False, device=device, dtype=dtype)
 
     def forward(
         self, query: torch.Tensor, memory: torch.Tensor, *, mask: torch.Tensor | None = None

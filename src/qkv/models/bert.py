@@ -25,7 +25,6 @@ from torch import nn
 from qkv.attention.sparse import Packed
 from qkv.layers import EncoderBlock, LayerNorm
 from qkv.layers._dropout import make_dropout
-from qkv.layers.linear import Linear
 from qkv.models.bert_config import BertConfig
 from qkv.models.outputs import EncoderOutput
 from qkv.models.pretrained import PretrainedIO
@@ -116,7 +115,7 @@ class BertModel(PretrainedIO, nn.Module):
         self.embeddings = BertEmbeddings(config)
         num_blocks = 1 if config.share_layers else config.num_layers
         self.layers = nn.ModuleList(_encoder_block(config) for _ in range(num_blocks))
-        self.pooler = Linear(config.embed_dim, config.embed_dim)
+        self.pooler = nn.Linear(config.embed_dim, config.embed_dim)
         self.apply(init_bert_weights)
 
     def layer(self, index: int) -> EncoderBlock:

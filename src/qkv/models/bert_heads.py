@@ -21,7 +21,6 @@ from torch import nn
 
 from qkv.layers import LayerNorm
 from qkv.layers._dropout import make_dropout
-from qkv.layers.linear import Linear
 from qkv.models.bert import BertConfig, BertModel, init_bert_weights
 from qkv.models.losses import cross_entropy
 from qkv.models.outputs import ClassificationOutput, PreTrainingOutput
@@ -42,7 +41,7 @@ class MaskedLMHead(nn.Module):
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
-        self.dense = Linear(config.embed_dim, config.embed_dim)
+        self.dense = nn.Linear(config.embed_dim, config.embed_dim)
         self.norm = LayerNorm(config.embed_dim, eps=config.norm_eps)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))  # (V,)
 
@@ -60,7 +59,7 @@ class BertForPreTraining(PretrainedIO, nn.Module):
         self.config = config
         self.bert = BertModel(config)
         self.mlm_head = MaskedLMHead(config)
-        self.nsp_head = Linear(config.embed_dim, 2)
+        self.nsp_head = nn.Linear(config.embed_dim, 2)
         self.mlm_head.apply(init_bert_weights)
         self.nsp_head.apply(init_bert_weights)
 
@@ -153,7 +152,7 @@ class BertForSequenceClassification(PretrainedIO, nn.Module):
         self.label_names = tuple(str(name) for name in label_names)
         self.bert = BertModel(config)
         self.dropout = make_dropout(config.dropout)
-        self.classifier = Linear(config.embed_dim, num_labels)
+        self.classifier = nn.Linear(config.embed_dim, num_labels)
         self.classifier.apply(init_bert_weights)
 
     def forward(

@@ -36,7 +36,6 @@ from qkv.attention import attention
 from qkv.layers import DecoderBlock, EncoderBlock, LayerNorm, PatchEmbedding
 from qkv.layers.adaln import AdaLNModulation, AdaLNZeroBlock, layer_norm_without_affine, modulate
 from qkv.layers.attention import MultiHeadAttention
-from qkv.layers.linear import Linear
 from qkv.models.ddpm import NoiseSchedule
 from qkv.models.diffusion_config import DiffusionConfig
 from qkv.models.serialization import register_model_class
@@ -80,7 +79,7 @@ class DiffusionTransformer(nn.Module):
         )  # fmt: skip
         self.position_embedding = LearnedPositionalEmbedding(config.num_patches, E)
         self.time_embedding = SinusoidalPositionalEncoding(E, config.num_timesteps)
-        self.time_mlp = nn.Sequential(Linear(E, E), nn.SiLU(), Linear(E, E))
+        self.time_mlp = nn.Sequential(nn.Linear(E, E), nn.SiLU(), nn.Linear(E, E))
         self.token_embedding = nn.Embedding(config.vocab_size, E)
         nn.init.normal_(self.token_embedding.weight, std=0.02)
         self.prompt_position_embedding = LearnedPositionalEmbedding(config.max_prompt_length, E)
@@ -96,7 +95,7 @@ class DiffusionTransformer(nn.Module):
         else:
             self.final_norm = LayerNorm(E, eps=config.norm_eps)
         P = config.patch_size
-        self.head = Linear(E, config.channels * P * P)
+        self.head = nn.Linear(E, config.channels * P * P)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 

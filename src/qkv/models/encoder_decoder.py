@@ -26,7 +26,6 @@ from torch import nn
 
 from qkv.layers import DecoderBlock, EncoderBlock, LayerNorm
 from qkv.layers._dropout import make_dropout
-from qkv.layers.linear import Linear
 from qkv.layers.torch_interop import copy_weight_and_bias
 from qkv.models._inputs import check_ids, key_mask
 from qkv.models.decoder_cache import DecoderCache
@@ -211,7 +210,7 @@ class Transformer(nn.Module):
         self.embedding_dropout = make_dropout(config.dropout)
         self.encoder = EncoderStack(_encoder_blocks(config), LayerNorm(E))
         self.decoder = DecoderStack(_decoder_blocks(config), LayerNorm(E))
-        self.lm_head = Linear(E, config.tgt_vocab_size, bias=False)
+        self.lm_head = nn.Linear(E, config.tgt_vocab_size, bias=False)
         self._init_weights()
         if config.tie_output:
             self.lm_head.weight = self.target_embedding.weight

@@ -13,11 +13,9 @@ family it runs. Keys and values may have fewer heads than queries (GQA, Ainslie 
 MQA, Shazeer 2019), and the output head may share the token embedding matrix (weight tying,
 Press & Wolf 2017).
 
-KV cache seam: a block's attention is `self_attn(h, mask=..., causal=True, window=...,
-positions=...)`. Decoding with a cache (a later addition) feeds the new tokens with their
-absolute `positions` (offset by the cached length, which RoPE and the learned table both need)
-and attends over the cached keys plus the new ones; `qkv.attention` already aligns causal and
-window masks bottom-right for L_q < L_k, which is exactly the decoding case.
+Decoding with a KV cache feeds only the new tokens, at their absolute positions (offset by the
+cached length), and attends over the cached keys too: `qkv.attention` aligns causal and window
+masks bottom-right for L_q < L_k, which is exactly that case.
 """
 
 from __future__ import annotations
@@ -32,7 +30,6 @@ from qkv.attention.sparse import Packed, SparsePattern
 from qkv.layers import FeedForward, LayerNorm, MultiHeadAttention, RMSNorm, SwiGLU, pre_norm
 from qkv.layers._dropout import make_dropout
 from qkv.layers.kv_cache import LayerCache, SinkKVCache, StaticKVCache
-from qkv.layers.linear import Linear
 from qkv.models.gpt_config import GPTConfig
 from qkv.models.losses import IGNORE_INDEX, cross_entropy
 from qkv.models.outputs import CausalLMOutput
@@ -107,8 +104,7 @@ def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     the model (B * L * V), so the last position gets the label -100 instead.
     """
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, L): target of logits[:, i]
-    # (B * L, V), a view: qkv's cross_entropy (F.cross_entropy's values, a fused backward)
-    return cross_entropy(logits.flatten(0, 1), targets.flatten())
+    return cross_entropy(logits.flatten(0, 1), targets.flatten())  # (B * L, V), a view
 
 
 class GPTBlock(nn.Module):
@@ -184,10 +180,10 @@ class GPT(PretrainedIO, nn.Module):
         self.position_embedding = make_position_embedding(config)
         self.relative_bias = make_relative_bias(config)
         self.dropout = make_dropout(config.dropout)
-        rope = make_rope(config)  # one, shared: its angles are computed once per forward
+        rope = make_rope(config)  # one module, shared by the blocks
         self.blocks = nn.ModuleList(GPTBlock(config, rope) for _ in range(config.num_layers))
         self.final_norm = make_norm(config)
-        self.lm_head = Linear(config.embed_dim, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.embed_dim, config.vocab_size, bias=False)
         self.reset_parameters()
         if config.tie_embeddings:
             self.lm_head.weight = self.token_embedding.weight  # one (V, E) matrix (weight tying)
@@ -238,9 +234,10 @@ class GPT(PretrainedIO, nn.Module):
         logits_to_keep: the logits of the last n positions only, (B, n, V), as transformers'
         argument of that name: decoding reads only the last position's, and the lm_head over
         a whole prompt is the model's largest matrix product. None (every position) with labels.
-        check_ids: False skips checking that input_ids lie in [0, V), which reads their min and
-        max back to the host: a synchronisation per call. `qkv.generate` checks the prompt and
-        passes False for the tokens it chose itself, which are in range by construction.
+        check_ids: False skips what reads the inputs back to the host (a synchronisation per
+        call): the check that input_ids lie in [0, V), and dropping an attention_mask with no
+        padding. `qkv.generate` checks the prompt and passes False for the tokens it chose
+        itself, which are in range by construction (and which a compiled step cannot read).
         sequence_lengths: several sequences packed along L without padding (their lengths sum
             to L): each attends only to itself (`qkv.sparse.Packed`: tiles across sequences
             are skipped), positions restart at 0 for each (unless position_ids are given), and
@@ -249,8 +246,8 @@ class GPT(PretrainedIO, nn.Module):
         Returns CausalLMOutput(logits (B, L, V), loss (mean next-token cross-entropy) or None,
         last_hidden_state (B, L, E) after the final norm).
         """
-        B, L = _check_input_ids(input_ids, self.config, check_values=check_ids)
-        mask = _key_mask(attention_mask, B, L + (0 if cache is None else cache.length))
+        B, L = _check_input_ids(input_ids, self.config, check_ids)
+        mask = _key_mask(attention_mask, B, L + (0 if cache is None else cache.length), check_ids)
         _check_labels(labels, B, L, logits_to_keep)
         _check_position_ids(position_ids, B, L)
         pattern, position_ids, labels = _packed(
@@ -320,9 +317,7 @@ def _packed(sequence_lengths, L: int, cache, position_ids, labels, device):
     return pattern, position_ids, labels
 
 
-def _check_input_ids(
-    input_ids: object, config: GPTConfig, *, check_values: bool = True
-) -> tuple[int, int]:
+def _check_input_ids(input_ids: object, config: GPTConfig, check_values: bool) -> tuple[int, int]:
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"input_ids: expected a torch.Tensor, got {type(input_ids).__name__}")
     if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
@@ -358,21 +353,18 @@ def _check_labels(labels: torch.Tensor | None, B: int, L: int, logits_to_keep: i
         )
 
 
-def _key_mask(attention_mask: torch.Tensor | None, B: int, L: int) -> torch.Tensor | None:
+def _key_mask(mask: torch.Tensor | None, B: int, L: int, read_back: bool) -> torch.Tensor | None:
     """(B, L) 1/True = real token -> a qkv key mask (B, 1, 1, L), True = may attend, or None.
 
-    An all-real mask is dropped, so that attention can take the mask-free causal fast path
-    (as transformers does for SDPA)."""
-    if attention_mask is None:
+    With `read_back`, an all-real mask is dropped, so that attention can take the mask-free
+    causal fast path (as transformers does for SDPA): a test on the host, a synchronisation."""
+    if mask is None:
         return None
-    _check_same_shape("attention_mask", attention_mask, B, L)
-    if attention_mask.is_floating_point() or attention_mask.is_complex():
-        raise TypeError(
-            f"attention_mask: expected a bool or integer (0/1) tensor, got dtype "
-            f"{attention_mask.dtype}"
-        )
-    keep = attention_mask.bool()  # (B, L)
-    if not torch.compiler.is_compiling() and bool(keep.all()):  # compiled: no host sync
+    _check_same_shape("attention_mask", mask, B, L)
+    if mask.is_floating_point() or mask.is_complex():
+        raise TypeError(f"attention_mask: expected a bool or 0/1 integer tensor, got {mask.dtype}")
+    keep = mask.bool()  # (B, L)
+    if read_back and bool(keep.all()):
         return None
     return keep[:, None, None, :]  # (B, 1, 1, L_k): broadcast over heads and queries
 

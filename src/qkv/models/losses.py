@@ -1,22 +1,19 @@
 """Training losses over sequences of token predictions.
 
+Cross-entropy is PyTorch's `F.cross_entropy`, taken in fp32 whatever the logits' dtype, as a
+mean over the labelled positions (targets of -100 are skipped). A faster backward for the CPU,
+which needs no new (tokens, V) buffer, is swapped in from outside
+(`qkv.acceleration.fused_losses`).
+
 Label smoothing (Szegedy et al. 2016; Vaswani et al. 2017 section 5.4, eps_ls = 0.1) trains
 against (1 - eps) * one_hot(y) + eps / V instead of one_hot(y): the model is pushed to be less
 sure of itself, which "hurts perplexity ... but improves accuracy and BLEU score".
-
-`cross_entropy` is F.cross_entropy with a fused backward. Over a language model's vocabulary the
-(tokens, V) tensors of the loss are the largest of a training step (4096 x 32000 fp32 = 524 MB
-for the 50M Llama at B = 8, L = 512), and PyTorch's backward makes two more of them: a zero
-gradient for nll_loss to scatter into, then log_softmax's backward. Here the gradient,
-softmax(logits) - target distribution, is written into the saved log-probabilities in place:
-no new (tokens, V) buffer, two passes instead of four, and no page faults for a fresh buffer
-of that size (a measurably faster forward + backward on the CPU; see benchmarks/models.py).
 """
 
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
+import torch.nn.functional as F
 
 from qkv.validation import check_probability
 
@@ -50,44 +47,19 @@ def cross_entropy(
 ) -> torch.Tensor:
     """Mean cross-entropy of logits (N, V) against targets (N,), skipping targets == -100.
 
-    The value and gradient of `F.cross_entropy(logits.float(), targets, ignore_index=-100,
-    label_smoothing=eps)` (tested), computed in fp32, except that no labelled target gives 0
-    (and zero gradients) instead of NaN. The backward reuses the saved log-probabilities as its
-    output (see the module docstring), so it runs once: a second backward through the same
-    graph (retain_graph=True) raises PyTorch's "modified by an inplace operation" error, and
-    the loss is not twice differentiable.
+    `F.cross_entropy(logits.float(), targets, ignore_index=-100, label_smoothing=eps)`, as
+    the sum over the labelled targets divided by their count, so that no labelled target gives
+    0 (and zero gradients) instead of NaN. Returns a float32 scalar tensor.
     """
-    return _CrossEntropy.apply(logits.float(), targets, float(label_smoothing))
-
-
-class _CrossEntropy(torch.autograd.Function):
-    """loss = sum over labelled rows of [(1 - eps) * -log p(y) + eps * mean_j -log p(j)] / count;
-    d loss / d logits = (softmax - eps / V - (1 - eps) * one_hot(y)) / count on labelled rows."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, smoothing: float):
-        log_probs = torch.log_softmax(logits, dim=-1)  # (N, V)
-        labelled = targets != IGNORE_INDEX  # (N,)
-        safe_targets = torch.where(labelled, targets, 0)  # any id for the unlabelled rows
-        per_row = -log_probs.gather(1, safe_targets[:, None]).squeeze(1)  # (N,): -log p(y)
-        if smoothing:
-            per_row = (1.0 - smoothing) * per_row - smoothing * log_probs.mean(dim=-1)
-        count = labelled.sum().clamp(min=1)
-        ctx.save_for_backward(log_probs, safe_targets, labelled, count)
-        ctx.smoothing = smoothing
-        return torch.where(labelled, per_row, 0.0).sum() / count
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_loss: torch.Tensor):
-        log_probs, safe_targets, labelled, count = ctx.saved_tensors
-        row_scale = torch.where(labelled, grad_loss / count, 0.0)[:, None]  # (N, 1)
-        grad = log_probs.exp_()  # (N, V) softmax, in place: the log-probs are not needed again
-        if ctx.smoothing:
-            grad.sub_(ctx.smoothing / grad.shape[-1])
-        grad.mul_(row_scale)
-        grad.scatter_add_(1, safe_targets[:, None], -(1.0 - ctx.smoothing) * row_scale)
-        return grad, None, None
+    total = F.cross_entropy(
+        logits.float(),
+        targets,
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+        label_smoothing=float(label_smoothing),
+    )
+    count = (targets != IGNORE_INDEX).sum().clamp(min=1)  # a tensor: no read back to the host
+    return total / count
 
 
 def _check(logits: torch.Tensor, labels: torch.Tensor) -> None:

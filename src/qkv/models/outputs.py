@@ -23,6 +23,10 @@ class CausalLMOutput:
     logits: torch.Tensor  # (B, L, V)
     loss: torch.Tensor | None = None  # mean next-token cross-entropy when labels are given
     last_hidden_state: torch.Tensor | None = None  # (B, L, E), after the final norm
+    # A decoding step that reduces its last logits itself (a compiled one) also gives each
+    # row's largest logit (B,) and its first index (B,) int64, as `torch.argmax` would.
+    top_logit: torch.Tensor | None = None
+    top_token: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

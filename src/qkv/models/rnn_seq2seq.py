@@ -36,7 +36,6 @@ import torch
 from torch import nn
 
 from qkv.layers._dropout import make_dropout
-from qkv.layers.linear import Linear
 from qkv.layers.recurrent import GRU, GRUCell
 from qkv.layers.rnn_attention import AdditiveAttention, DotAttention, GeneralAttention
 from qkv.models._inputs import check_ids
@@ -134,7 +133,7 @@ class FixedContextDecoder(nn.Module):
         super().__init__()
         C = config.state_dim
         self.gru = GRU(config.embed_dim + C, C)
-        self.readout = Linear(2 * C, C)
+        self.readout = nn.Linear(2 * C, C)
 
     def forward(self, embedded: torch.Tensor, state: RNNDecoderState) -> tuple[torch.Tensor, None]:
         """embedded (B, L, E) -> (features (B, L, C), None); state.hidden moves L steps."""
@@ -153,7 +152,7 @@ class BahdanauDecoder(nn.Module):
         C = config.state_dim
         self.attention = AdditiveAttention(C, C, config.attention_dim)
         self.cell = GRUCell(config.embed_dim + C, C)
-        self.readout = Linear(2 * C, C)
+        self.readout = nn.Linear(2 * C, C)
 
     def forward(
         self, embedded: torch.Tensor, state: RNNDecoderState
@@ -182,7 +181,7 @@ class LuongDecoder(nn.Module):
         C = config.state_dim
         self.gru = GRU(config.embed_dim, C)
         self.attention = attention
-        self.readout = Linear(2 * C, C)
+        self.readout = nn.Linear(2 * C, C)
 
     def forward(
         self, embedded: torch.Tensor, state: RNNDecoderState
@@ -228,9 +227,9 @@ class RNNSeq2Seq(nn.Module):
         self.encoder = GRU(
             E, H, num_layers=config.num_encoder_layers, bidirectional=True, dropout=config.dropout
         )
-        self.initial_state = Linear(C, C)
+        self.initial_state = nn.Linear(C, C)
         self.decoder = _decoder(config)
-        self.lm_head = Linear(C, config.tgt_vocab_size)
+        self.lm_head = nn.Linear(C, config.tgt_vocab_size)
 
     def encode(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None

@@ -31,7 +31,6 @@ from qkv.layers._dropout import make_dropout
 from qkv.layers.blocks import pre_norm
 from qkv.layers.feedforward import ACTIVATIONS, FeedForward
 from qkv.layers.kv_cache import CrossAttentionCache, LayerCache
-from qkv.layers.linear import Linear
 from qkv.layers.norms import RMSNorm
 from qkv.models._inputs import check_ids, key_mask
 from qkv.models.decoder_cache import DecoderCache
@@ -75,10 +74,10 @@ class T5Attention(nn.Module):
         self.num_kv_heads = num_heads  # what a DecoderCache sizes its keys and values by
         self.dropout = check_probability("dropout", dropout)
         inner = num_heads * head_dim
-        self.q_proj = Linear(embed_dim, inner, bias=False)
-        self.k_proj = Linear(embed_dim, inner, bias=False)
-        self.v_proj = Linear(embed_dim, inner, bias=False)
-        self.out_proj = Linear(inner, embed_dim, bias=False)
+        self.q_proj = nn.Linear(embed_dim, inner, bias=False)
+        self.k_proj = nn.Linear(embed_dim, inner, bias=False)
+        self.v_proj = nn.Linear(embed_dim, inner, bias=False)
+        self.out_proj = nn.Linear(inner, embed_dim, bias=False)
 
     def forward(
         self,
@@ -125,10 +124,10 @@ class GatedGeluFeedForward(nn.Module):
 
     def __init__(self, embed_dim: int, hidden_dim: int, *, dropout: float = 0.0) -> None:
         super().__init__()
-        self.gate_proj = Linear(embed_dim, hidden_dim, bias=False)
-        self.up_proj = Linear(embed_dim, hidden_dim, bias=False)
+        self.gate_proj = nn.Linear(embed_dim, hidden_dim, bias=False)
+        self.up_proj = nn.Linear(embed_dim, hidden_dim, bias=False)
         self.dropout = make_dropout(dropout)
-        self.down_proj = Linear(hidden_dim, embed_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, embed_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = ACTIVATIONS["gelu_tanh"](self.gate_proj(x)) * self.up_proj(x)  # (..., d_ff)
@@ -253,7 +252,7 @@ class T5Transformer(PretrainedIO, nn.Module):
         self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
         self.encoder = _stack(config, config.num_layers, decoder=False)
         self.decoder = _stack(config, config.num_decoder_layers, decoder=True)
-        self.lm_head = Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self._init_weights()
         if config.tie_word_embeddings:
             self.lm_head.weight = self.token_embedding.weight
@@ -331,7 +330,7 @@ class T5Transformer(PretrainedIO, nn.Module):
         E, D = self.config.d_model, self.config.d_kv
         nn.init.normal_(self.token_embedding.weight, std=1.0)
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=module.in_features**-0.5)
             elif isinstance(module, T5RelativeBias):
                 nn.init.normal_(module.relative_attention_bias.weight, std=E**-0.5)

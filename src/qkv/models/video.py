@@ -30,7 +30,6 @@ from qkv.layers._dropout import make_dropout
 from qkv.layers.attention import check_heads
 from qkv.layers.factorized_attention import FactorizedBlock, SpaceTimeBlock
 from qkv.layers.feedforward import ACTIVATIONS
-from qkv.layers.linear import Linear
 from qkv.layers.norms import LayerNorm
 from qkv.layers.patch_embedding import PatchEmbedding
 from qkv.models._inputs import check_class_labels
@@ -139,7 +138,7 @@ class VideoClassifier(nn.Module):
             for _ in range(config.num_layers)
         )  # fmt: skip
         self.norm = LayerNorm(E, eps=config.norm_eps)
-        self.head = Linear(E, config.num_classes)
+        self.head = nn.Linear(E, config.num_classes)
 
     def forward(
         self, videos: torch.Tensor, labels: torch.Tensor | None = None

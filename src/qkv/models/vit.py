@@ -35,7 +35,6 @@ from qkv.attention import attention
 from qkv.layers import EncoderBlock, LatentPooling, LayerNorm, PatchEmbedding
 from qkv.layers._dropout import make_dropout
 from qkv.layers.attention import MultiHeadAttention
-from qkv.layers.linear import Linear
 from qkv.models._inputs import check_class_labels
 from qkv.models.serialization import register_model_class
 from qkv.models.sizes import check_model_fits
@@ -95,7 +94,7 @@ class ViT(nn.Module):
                 num_blocks=config.latent_blocks, dropout=config.dropout,
                 activation=config.activation, eps=config.norm_eps,
             )  # fmt: skip
-        self.head = Linear(E, config.num_classes)
+        self.head = nn.Linear(E, config.num_classes)
 
     def forward(
         self,

@@ -25,7 +25,8 @@ class LearnedPositionalEmbedding(nn.Module):
     The parameter name matches `nn.Embedding.weight`, so its state dict entry is `weight`.
 
     forward(positions): integer tensor of any shape, values in [0, max_positions)
-    -> (*positions.shape, dim). A position outside that range raises ValueError.
+    -> (*positions.shape, dim). A position outside that range raises ValueError where the
+    lookup refuses it (on the CPU; a CUDA kernel stops at a device-side assertion instead).
     """
 
     def __init__(self, max_positions: int, dim: int) -> None:
@@ -41,19 +42,23 @@ class LearnedPositionalEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         check_positions(positions, integer=True)
-        # The range check reads two values back to the host; a compiled decoding step skips it
-        # (qkv.generate checks prompt + new tokens against the context before decoding).
-        if positions.numel() and not torch.compiler.is_compiling():
-            smallest, largest = int(positions.min()), int(positions.max())
-            if smallest < 0:
-                raise ValueError(f"positions: expected positions >= 0, got a minimum of {smallest}")
-            if largest >= self.max_positions:
-                raise ValueError(
-                    f"positions: got a maximum of {largest}, but the table has max_positions="
-                    f"{self.max_positions} rows (valid positions 0..{self.max_positions - 1}); "
-                    f"learned embeddings cannot extrapolate past the trained length"
-                )
-        return F.embedding(positions, self.weight)  # (*positions.shape, dim)
+        try:
+            return F.embedding(positions, self.weight)  # (*positions.shape, dim)
+        except IndexError:
+            # The range is read back to the host only here, on the way to an error: a call
+            # that succeeds (a compiled decoding step, too) never synchronises for it.
+            raise self._out_of_range(positions) from None
+
+    def _out_of_range(self, positions: torch.Tensor) -> ValueError:
+        """The error for positions outside [0, max_positions), naming the value seen."""
+        smallest, largest = int(positions.min()), int(positions.max())
+        if smallest < 0:
+            return ValueError(f"positions: expected positions >= 0, got a minimum of {smallest}")
+        return ValueError(
+            f"positions: got a maximum of {largest}, but the table has max_positions="
+            f"{self.max_positions} rows (valid positions 0..{self.max_positions - 1}); "
+            f"learned embeddings cannot extrapolate past the trained length"
+        )
 
     def extra_repr(self) -> str:
         return f"max_positions={self.max_positions}, dim={self.dim}"

@@ -107,24 +107,20 @@ def apply_rope(
     """
     _check_layout(layout)
     _check_cos_sin(x, cos, sin)
-    if cos.dim() == 3:
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, L, D): broadcast over heads
-    rotated = _rotate_half(x) if layout == "half" else _rotate_pairs(x)
-    return (x * cos + rotated * sin).to(x.dtype)
+    return _rotate(x, cos, sin, layout)
 
 
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to queries and keys (RoFormer, Su et al. 2021, section 3.4).
 
-    No parameters and no buffers: cos/sin are computed from the positions (in float32, or
-    float64 for float64 inputs), so casting the module cannot degrade them. The last call's
-    cos/sin are kept: a model that shares one RotaryEmbedding across its layers and passes them
-    the same positions tensor computes the angles once per forward, not once per layer.
+    No parameters and no buffers: cos/sin are computed from the positions at every call (in
+    float32, or float64 for float64 inputs), so casting the module cannot degrade them.
 
     forward(q, k, positions=None): q (B, H, L, D) and k (B, H_kv, L, D) may differ in head
     count (GQA/MQA). positions, (L,) or (B, L), gives the absolute position of each of the L
     tokens of both q and k (e.g. offset by the cache length when decoding); None means
-    arange(L) and then q and k must have the same length. Returns (q_rotated, k_rotated).
+    arange(L) and then q and k must have the same length. Returns (q_rotated, k_rotated),
+    each `apply_rope` of its input at those positions.
 
     scaling: a `qkv.positional.RopeScaling` rule for contexts longer than the training one
     (position interpolation, dynamic NTK, YaRN, Llama 3, LongRoPE, proportional), or None for
@@ -144,7 +140,6 @@ class RotaryEmbedding(nn.Module):
         self.base = check_base(base)
         self.layout = _check_layout(layout)
         self.scaling = _check_scaling(scaling)
-        self._last: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # (key, cos, sin)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None
@@ -159,38 +154,19 @@ class RotaryEmbedding(nn.Module):
             )
         if positions is not None:
             _check_rope_positions(positions, q, k)
-        dtype = torch.promote_types(angle_dtype(q.dtype), angle_dtype(k.dtype))
-        cos, sin = self._cos_sin(positions, L_q, q.device, dtype)  # (L, D) or (B, 1, L, D)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        tables = self.tables(positions, L_q, q.device, _table_dtype(q, k))
+        return self.rotate(q, tables), self.rotate(k, tables)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """`apply_rope` on tables prepared by `_cos_sin`, in fewer ops (decoding runs this 16
-        times a token): for the half layout rotate_half(x) * sin == roll(x, D/2) * (-sin_1,
-        sin_2), bit for bit (negation is exact), one roll instead of chunk, neg and cat."""
-        half = self.layout == "half"
-        rotated = x.roll(self.head_dim // 2, dims=-1) if half else _rotate_pairs(x)
-        return (x * cos + rotated * sin).to(x.dtype)
-
-    def _cos_sin(self, positions, length: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for these positions, ready for `_rotate`: (L, D) or (B, 1, L, D), sin negated
-        in its first half for the half layout. Reused when the positions are the very tensor
-        of the last call (unchanged since: same `_version`) or, without positions, the same
-        length (see `_reuse_key`)."""
-        compiling = torch.compiler.is_compiling()
-        key = None if compiling else _reuse_key(positions, length, device, dtype)
-        last = None if key is None else self._last
-        if (
-            last is not None
-            and len(last[0]) == len(key)
-            and all(
-                a is b or (not isinstance(a, torch.Tensor) and a == b)
-                for a, b in zip(last[0], key, strict=True)
-            )
-        ):
-            return last[1], last[2]
+    def tables(
+        self, positions: torch.Tensor | None, length: int, device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `rotate` takes for these positions, computed once per forward for q and k:
+        `rope_cos_sin` with this module's settings at `positions` (L,) or (B, L), or at
+        arange(length) on `device` when None; (cos, sin), each (L, D) or (B, L, D) in `dtype`.
+        An extension point: a subclass may prepare other tables, with its own `rotate`."""
         if positions is None:
             positions = torch.arange(length, device=device)  # (L,)
-        cos, sin = rope_cos_sin(
+        return rope_cos_sin(
             positions,
             self.head_dim,
             base=self.base,
@@ -198,34 +174,15 @@ class RotaryEmbedding(nn.Module):
             dtype=dtype,
             scaling=self.scaling,
         )
-        if cos.dim() == 3:  # (B, L, D) -> (B, 1, L, D): broadcast over heads
-            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        if self.layout == "half":  # (-sin_1, sin_2), for `_rotate`
-            half = self.head_dim // 2
-            sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        if key is not None:
-            self._last = (key, cos, sin)
-        return cos, sin
+
+    def rotate(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """`apply_rope(x, cos, sin, layout=self.layout)` on checked arguments: x (B, heads, L, D)
+        -> (B, heads, L, D), tables (cos, sin) from `tables`."""
+        return _rotate(x, *tables, self.layout)
 
     def extra_repr(self) -> str:
         text = f"head_dim={self.head_dim}, base={self.base}, layout={self.layout!r}"
         return text if self.scaling is None else f"{text}, scaling={self.scaling}"
-
-
-def _reuse_key(positions: torch.Tensor | None, length: int, device, dtype) -> tuple | None:
-    """What `RotaryEmbedding` keeps its last tables under, or None where it must not keep them.
-
-    The grad mode is part of the key: tables built under torch.inference_mode() are inference
-    tensors, which autograd refuses to save for backward, so a later call with gradients (head
-    importance after a forward pass in inference mode) builds its own. Positions that are
-    inference tensors have no version counter to tell whether they changed: never reused.
-    """
-    inference = torch.is_inference_mode_enabled()
-    if positions is None:
-        return (None, length, device, dtype, inference)
-    if positions.is_inference():
-        return None
-    return (positions, positions._version, device, dtype, inference)
 
 
 def interleaved_to_half_split(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -248,6 +205,19 @@ def half_split_to_interleaved(weight: torch.Tensor, num_heads: int) -> torch.Ten
     head_dim = _check_projection(weight, num_heads)
     rows = weight.reshape(num_heads, 2, head_dim // 2, -1)  # (H, 2, D/2, in): row c * D/2 + j
     return rows.transpose(1, 2).reshape(weight.shape)  # (H, D/2, 2, in): row 2j + c
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
+    """`apply_rope` on checked arguments: x (B, H, L, D), cos/sin (L, D) or (B, L, D)."""
+    if cos.dim() == 3:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, L, D): broadcast over heads
+    rotated = _rotate_half(x) if layout == "half" else _rotate_pairs(x)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+def _table_dtype(q: torch.Tensor, k: torch.Tensor) -> torch.dtype:
+    """The dtype of the cos/sin tables for q and k: float32, or float64 if either is float64."""
+    return torch.promote_types(angle_dtype(q.dtype), angle_dtype(k.dtype))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

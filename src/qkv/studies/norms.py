@@ -23,6 +23,9 @@ post-norm needs warm-up.
    curves, and the runs that diverge: a loss that is not finite, or a final loss that does not
    come `learned_margin` nats below the unigram entropy of the training tokens (the loss of a
    model that reads no context, where a post-norm stack that fails to train stays).
+
+The first measurement is `qkv.studies.norms_padding`'s; this module holds the other two and the
+report.
 """
 
 from __future__ import annotations
@@ -34,18 +37,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import Linear
 from torch.nn.utils import get_total_norm
 
-from qkv.data import (
-    minilm_wordpiece,
-    pydoc_documents,
-)
-from qkv.layers import BatchNorm, EncoderBlock, LayerNorm, Linear, RMSNorm
-from qkv.models.bert import BertModel
-from qkv.models.checkpoints.bundled import default_model_path
+from qkv.layers import EncoderBlock, LayerNorm
 from qkv.models.gpt import next_token_loss
 from qkv.positional import LearnedPositionalEmbedding
 from qkv.studies.inputs import data_order, documentation_lm
+from qkv.studies.norms_padding import NORMS, padding_effects
 from qkv.studies.record import StudyResult
 from qkv.training.optim import build_optimizer
 from qkv.training.schedule import build_scheduler
@@ -62,7 +61,6 @@ CLAIM = (
     "al. 2016) keep deep stacks trainable; and post-norm Transformers need learning-rate "
     "warm-up where pre-norm ones do not (Xiong et al. 2020)."
 )
-NORMS = ("BatchNorm, all positions", "BatchNorm, real tokens", "LayerNorm", "RMSNorm")
 ARRANGEMENTS = ("post-norm", "pre-norm", "no residual")
 COLUMNS = [
     "part", "variant", "max output change, more padding", "max output change, other batchmates",
@@ -104,81 +102,6 @@ def run(settings: dict[str, Any], *, seed: int) -> StudyResult:
         name="norms", title=TITLE, claim=CLAIM, columns=COLUMNS, rows=_rows(series),
         findings=_findings(series, settings), series=series,
     )  # fmt: skip
-
-
-# 1. Padding and BatchNorm ---------------------------------------------------------------------
-
-
-def padding_effects(settings: dict[str, Any], *, seed: int) -> dict[str, Any]:
-    """Per-channel statistics of a padded batch of MiniLM token embeddings over the real tokens
-    and over every position, and each norm's largest output change (see the module docstring)."""
-    tokenizer = minilm_wordpiece()
-    embedding = BertModel.from_pretrained(default_model_path()).embeddings.token_embedding
-    pad_id = tokenizer.token_to_id("[PAD]")
-    sentences = _sentences(tokenizer, settings, seed)  # 2B - 1 of them, as token id lists
-    B = settings["text_batch"]
-    batch, others = sentences[:B], sentences[:1] + sentences[B:]
-    with torch.no_grad():
-        x, real = _embedded(embedding, batch, pad_id)  # (B, L, E), (B, L)
-        wide, wide_real = _embedded(embedding, batch, pad_id, length=settings["pad_to"])
-        swapped, swapped_real = _embedded(embedding, others, pad_id)
-        first = real[0]  # (L,): the first sentence's real tokens
-        changes = {}
-        for name, norm in _norm_functions(x.shape[-1]).items():
-            out = norm(x, real)  # (B, L, E)
-            more_padding = norm(wide, wide_real)[:, : x.shape[1]]  # (B, L, E)
-            other_batch = norm(swapped, swapped_real)[0, : int(first.sum())]
-            changes[name] = {
-                "more_padding": float((out - more_padding)[real].abs().max()),
-                "other_batchmates": float((out[0, first] - other_batch).abs().max()),
-            }
-    real_tokens, every = x[real], x.reshape(-1, x.shape[-1])  # (N, E), (B * L, E)
-    return {
-        "pad_fraction": 1.0 - float(real.float().mean()),
-        "lengths": [len(ids) for ids in batch],
-        "mean_real": real_tokens.mean(0).tolist(), "mean_all": every.mean(0).tolist(),
-        "std_real": real_tokens.std(0, unbiased=False).tolist(),
-        "std_all": every.std(0, unbiased=False).tolist(), "changes": changes,
-    }  # fmt: skip
-
-
-def _sentences(tokenizer, settings: dict[str, Any], seed: int) -> list[list[int]]:
-    """2 * text_batch - 1 documentation sentences of min_tokens .. max_tokens WordPiece tokens
-    ([CLS] and [SEP] included), drawn without replacement by `seed`."""
-    texts = [sentence for document in pydoc_documents() for sentence in document]
-    encoded = [encoding.ids for encoding in tokenizer.encode_batch(texts)]
-    kept = [ids for ids in encoded if settings["min_tokens"] <= len(ids) <= settings["max_tokens"]]
-    needed = 2 * settings["text_batch"] - 1
-    if len(kept) < needed:
-        raise ValueError(
-            f"max_tokens: {len(kept)} sentences have {settings['min_tokens']} .. "
-            f"{settings['max_tokens']} tokens; expected at least {needed}"
-        )
-    order = torch.randperm(len(kept), generator=torch.Generator().manual_seed(seed))
-    return [kept[int(index)] for index in order[:needed]]
-
-
-def _embedded(embedding: nn.Embedding, batch: list[list[int]], pad_id: int, length=None):
-    """The token embeddings of `batch` right-padded with [PAD] to `length` (default: the
-    longest): (B, L, E), and the real-token mask (B, L)."""
-    length = max(map(len, batch)) if length is None else length
-    ids = torch.full((len(batch), length), pad_id, dtype=torch.long)  # (B, L)
-    for row, tokens in enumerate(batch):
-        ids[row, : len(tokens)] = torch.tensor(tokens)
-    return embedding(ids), ids != pad_id  # [PAD] never occurs inside a sentence
-
-
-def _norm_functions(dim: int) -> dict[str, Any]:
-    """(x (B, L, E), real (B, L)) -> normalised x, for each norm of NORMS, at initialisation
-    (unit gain, no shift); BatchNorm in training mode: the batch's own statistics."""
-    masked, unmasked = BatchNorm(dim), BatchNorm(dim)
-    layer_norm, rms_norm = LayerNorm(dim), RMSNorm(dim)
-    return {
-        NORMS[0]: lambda x, real: unmasked(x),
-        NORMS[1]: lambda x, real: masked(x, mask=real),
-        NORMS[2]: lambda x, real: layer_norm(x),
-        NORMS[3]: lambda x, real: rms_norm(x),
-    }
 
 
 # 2 and 3. A small causal language model, with or without residuals, post- or pre-norm -------

@@ -1,29 +1,24 @@
-"""`Linear`, qkv's linear layer: nn.Linear whose CPU float32 products run on oneDNN where that
-is the faster kernel on this kind of CPU.
+"""`OneDNNLinear`: nn.Linear whose CPU float32 products run on oneDNN's kernels, swapped into a
+built model by `onednn_linears(model)` (qkv.acceleration.swaps).
 
     y = x W^T + b        x (..., in_features), W (out_features, in_features) -> (..., out)
 
 Every projection of a Transformer is this one product, and on the CPU it is most of the time of
-a forward pass (85% for the 50M Llama of benchmarks/models.py). PyTorch computes float32
-products with MKL's GEMM; on some CPUs oneDNN's kernels, which PyTorch also ships, are much
-faster on the very same plain weight: on an AMD EPYC with AVX-512 MKL stays on its AVX2 code
-and oneDNN takes 0.43x its time (a (4096, 512) x (512, 1536) product) and 0.34x on the one-row
-products of decoding; without AVX-512 there is no such gap, and F.linear is kept. Whether
-oneDNN is used is decided from what the CPU is (`qkv.capabilities.onednn_fp32_products`),
-never from a timing: the two kernels round differently, and every process on a machine must
-compute the same bits.
+a forward pass. PyTorch computes float32 products with MKL's GEMM; on some CPUs oneDNN's
+kernels, which PyTorch also ships, are much faster on the very same plain weight: on an AMD
+EPYC with AVX-512 MKL keeps to its AVX2 code while oneDNN uses AVX-512. Whether a machine is one
+of those is `qkv.capabilities.onednn_fp32_products`, decided from what the CPU is, never from a
+timing: the two kernels round differently, and every process on a machine must compute the same
+bits.
 
-The product is then `torch.ops.mkldnn._linear_pointwise` on the weight as it is stored (no
-packed copy: a copy would double the model's memory, and packing buys little more, see
-`qkv.acceleration.packed_linears`), with a backward of three oneDNN products (Function
-`_OneDNNLinear`) when gradients are needed. Outputs equal F.linear's up to the order of the
-floating-point sums (tested). Everything else is F.linear: other devices and dtypes (bf16
-products already run on oneDNN), CPU autocast (which gives F.linear its bf16 copies),
-torch.compile (inductor has its own linear kernels), functorch transforms and dispatch modes
-(FlopCounterMode counts F.linear), double backward (the backward then runs
-differentiable ops), and a CPU on which oneDNN is not chosen.
-
-A subclass of nn.Linear: the same parameters, state-dict keys, initialisation and repr.
+The product is `torch.ops.mkldnn._linear_pointwise` on the weight as it is stored (no packed
+copy: a copy would double the model's memory; `qkv.acceleration.packed_linears` packs for
+inference), with a backward of three oneDNN products (`_OneDNNProduct`) when gradients are
+needed. Outputs equal F.linear's up to the order of the floating-point sums. Everything else is
+F.linear: other devices and dtypes (bf16 products already run on oneDNN), CPU autocast (which
+gives F.linear its bf16 copies), torch.compile (inductor has its own linear kernels), functorch
+transforms and dispatch modes (FlopCounterMode counts F.linear), double backward (the backward
+then runs differentiable ops), and a build whose oneDNN cannot compute float32 products.
 """
 
 from __future__ import annotations
@@ -35,30 +30,32 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from qkv import capabilities
 
-__all__ = ["Linear", "linear"]
+__all__ = ["OneDNNLinear", "onednn_linear"]
 
 
-class Linear(nn.Linear):
-    """nn.Linear computed by `linear` (see the module doc): oneDNN for CPU float32 products
-    where this CPU is one it is chosen for, F.linear otherwise."""
+class OneDNNLinear(nn.Linear):
+    """nn.Linear computed by `onednn_linear`. It adds nothing to nn.Linear but its forward
+    (same parameters and state-dict keys; its repr names it): `onednn_linears(model)` turns a
+    model's own nn.Linear modules into OneDNNLinear ones for the length of a `with` block."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return onednn_linear(x, self.weight, self.bias)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """F.linear(x, weight, bias), through oneDNN where `_uses_onednn` says so."""
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """F.linear(x, weight, bias): x (..., in), weight (out, in), bias (out,) -> (..., out),
+    computed by oneDNN where `_uses_onednn` says it can be (see the module doc)."""
     if not _uses_onednn(x, weight, bias):
         return F.linear(x, weight, bias)
     tensors = (x, weight) if bias is None else (x, weight, bias)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return _OneDNNLinear.apply(x, weight, bias)
+        return _OneDNNProduct.apply(x, weight, bias)
     return _product(x, weight, bias)
 
 
 def _uses_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """A float32 product on the CPU, outside autocast and torch.compile, of a non-empty x and a
-    contiguous weight, on a CPU for which oneDNN's fp32 products are chosen."""
+    contiguous weight, in a build whose oneDNN computes float32 products."""
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
         return False  # first: the cheapest test, and the one a bf16 or GPU model stops at
     if torch.compiler.is_compiling():
@@ -73,7 +70,7 @@ def _uses_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return False
     if is_in_torch_dispatch_mode():  # FlopCounterMode, FakeTensorMode: modes know F.linear
         return False
-    return bool(capabilities.onednn_fp32_products())
+    return bool(capabilities.onednn_linear(torch.float32))
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -86,16 +83,16 @@ def _own_tensor(y: torch.Tensor) -> torch.Tensor:
     """y as a tensor of its own over the same memory, where oneDNN returned (..., out) as a
     view of its (N, out) result, which nothing else holds: F.linear returns no view, and
     FSDP2 warns about every module output that is one (an in-place op on it would skip its
-    hook), so a model whose last layer is a Linear would warn at every step."""
+    hook), so a model whose last layer is a linear would warn at every step."""
     if y._base is None:
         return y
     own = y.new_empty(0)
     return own.set_(y.untyped_storage(), y.storage_offset(), y.shape, y.stride())
 
 
-class _OneDNNLinear(torch.autograd.Function):
-    """The product with gradients: dx = dy W, dW = dy^T x, db = sum of dy over rows, each
-    a oneDNN product too (dW's is 0.68x MKL's time, dx's 0.47x, measured as above)."""
+class _OneDNNProduct(torch.autograd.Function):
+    """The product with gradients: dx = dy W, dW = dy^T x, db = the sum of dy over rows, each
+    a oneDNN product too."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
