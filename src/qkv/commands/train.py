@@ -67,11 +67,7 @@ def _run(args: argparse.Namespace) -> int:
         config = TrainingConfig(**_fields(args, TrainingConfig))
         options = options_class(**_fields(args, options_class))
         print(f"qkv train {args.task}: preparing data ...", file=sys.stderr, flush=True)
-        started = time.perf_counter()
-        task, result = _prepare_and_train(task_class, options, config, args, train)
-        seconds = time.perf_counter() - started
-        if os.environ.get("RANK", "0") == "0":  # torchrun's other ranks: rank 0 reports
-            _train_report.report(task, result, Path(args.out), seconds=seconds)
+        _prepare_and_train(task_class, options, config, args, train)
     except LossNotFiniteError as error:
         print(f"qkv train: stopped: {error}", file=sys.stderr)
         return 3
@@ -86,18 +82,28 @@ def _run(args: argparse.Namespace) -> int:
 
 def _prepare_and_train(task_class: type, options, config, args: argparse.Namespace, train):
     """The task (its data) and the training, with their progress on stderr: the tasks and the
-    loop log their stages (data, tokenizer, resume), shown as lines, then the bar of the steps."""
+    loop log their stages (data, tokenizer, resume), shown as lines, then the bar of the steps.
+    Rank 0 writes the report while the run folder is still locked (`train`'s on_done): written
+    after, a second run could take the folder and clear its temporaries meanwhile."""
+    started = time.perf_counter()
     with _progress.log_lines("qkv", prefix="  "):
         task = task_class(options)
         bar = _TrainProgress(config.steps, config.log_every)
+
+        def report(result) -> None:
+            bar.close()  # the bar's last line comes before the report
+            if os.environ.get("RANK", "0") != "0":  # torchrun's other ranks: rank 0 reports
+                return
+            seconds = time.perf_counter() - started
+            _train_report.report(task, result, Path(args.out), seconds=seconds)
+
         try:
-            result = train(
+            train(
                 task, config, out_dir=args.out, resume=args.resume, overwrite=args.overwrite,
-                on_log=bar.update, device=args.device,
+                on_log=bar.update, device=args.device, on_done=report,
             )  # fmt: skip
         finally:  # the bar's last line comes before any error message
             bar.close()
-    return task, result
 
 
 def _fields(args: argparse.Namespace, cls: type) -> dict:

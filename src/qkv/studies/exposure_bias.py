@@ -24,7 +24,8 @@ up to that position is right (the error the decoder makes from a correct history
 forcing trains), exact match; beside the teacher-forced validation loss and token error, which
 see the reference at every step. The two trainings are compared seed by seed: the mean and
 standard deviation over seeds of each, and of the paired difference, with the number of seeds
-each one wins and a paired t-test (Student 1908).
+each one wins and a paired t-test (Student 1908). The decay, the loss, the training and the
+scoring are `qkv.studies.exposure_bias_training`'s; this module runs them and reports.
 """
 
 from __future__ import annotations
@@ -32,20 +33,23 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-import time
 from typing import Any
 
 import torch
 
-from qkv.models.losses import sequence_cross_entropy
-from qkv.models.rnn_seq2seq import RNNSeq2Seq
 from qkv.studies.before_transformer import build_model
+from qkv.studies.exposure_bias_training import (
+    free_running_mistakes,
+    inverse_sigmoid_decay,
+    numbers_task,
+    scheduled_sampling_loss,
+    teacher_forced_scores,
+    train_model,
+)
 from qkv.studies.inputs import data_order
 from qkv.studies.record import StudyResult
 from qkv.studies.statistics import mean_std, mean_std_text, paired_t_p_value
-from qkv.training.optim import build_optimizer
-from qkv.training.schedule import build_scheduler
-from qkv.training.tasks.translate import TranslateOptions, TranslateTask
+from qkv.training.tasks.translate import TranslateTask
 
 __all__ = [
     "CLAIM",
@@ -68,7 +72,6 @@ CLAIM = (
 )
 RUNS = ("teacher", "scheduled")
 LABELS = {"teacher": "teacher forcing", "scheduled": "scheduled sampling"}
-_EVAL_BATCH = 250
 
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {
@@ -91,54 +94,6 @@ SIZES: dict[str, dict[str, Any]] = {
 logger = logging.getLogger(__name__)
 
 
-def inverse_sigmoid_decay(step: int, *, k: float) -> float:
-    """eps_i = k / (k + exp(i / k)) (Bengio et al. 2015 s2.1, inverse sigmoid decay): the
-    probability of reading the reference's token at training step i; k >= 1 sets the speed."""
-    if not k >= 1.0:
-        raise ValueError(f"k: expected a number >= 1, got {k!r}")
-    exponent = step / k
-    return 0.0 if exponent > 700 else k / (k + math.exp(exponent))
-
-
-def scheduled_sampling_loss(
-    model: RNNSeq2Seq,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    labels: torch.Tensor,
-    *,
-    epsilon: float,
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The decoder run one target step at a time, reading at each step the reference's
-    previous token with probability epsilon, else its own greedy prediction (Bengio et al.
-    2015 s2.1; one coin per token and sequence).
-
-    labels (B, L) with -100 where nothing is predicted. Returns (loss: the model's
-    label-smoothed cross-entropy, logits (B, L, V), decoder_input_ids (B, L): [BOS] and the
-    tokens read). With epsilon = 1 this is the model's teacher-forced pass.
-    """
-    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0 <= epsilon <= 1:
-        raise ValueError(f"epsilon: expected a probability in [0, 1], got {epsilon!r}")
-    config = model.config
-    B, L = labels.shape
-    gold = labels.masked_fill(labels < 0, config.pad_token_id)  # (B, L)
-    state = model.encode(input_ids, attention_mask)
-    previous = labels.new_full((B,), config.bos_token_id)  # (B,)
-    read, steps = [previous], []
-    for t in range(L):
-        logits, _ = model.decode(previous[:, None], state)  # (B, 1, V)
-        steps.append(logits[:, 0])
-        if t == L - 1:
-            break
-        coin = torch.rand(B, generator=generator, device=labels.device)
-        predicted = logits[:, 0].detach().argmax(dim=-1)  # (B,)
-        previous = torch.where(coin < epsilon, gold[:, t], predicted)
-        read.append(previous)
-    logits = torch.stack(steps, dim=1)  # (B, L, V)
-    loss = sequence_cross_entropy(logits, labels, label_smoothing=config.label_smoothing)
-    return loss, logits, torch.stack(read, dim=1)
-
-
 def run(settings: dict[str, Any], *, seed: int) -> StudyResult:
     """Train the model twice (teacher forcing, scheduled sampling) for each of the
     settings["seeds"] seeds seed, seed + 1, ...; a seed sets the initial weights, the data
@@ -147,7 +102,7 @@ def run(settings: dict[str, Any], *, seed: int) -> StudyResult:
     count = settings["seeds"]
     if isinstance(count, bool) or not isinstance(count, int) or count < 2:
         raise ValueError(f"seeds: expected an int >= 2 (a spread needs two), got {count!r}")
-    task = _task(settings)
+    task = numbers_task(settings)
     steps = settings["train_steps"]
     epsilons = [inverse_sigmoid_decay(i, k=settings["decay_k"]) for i in range(steps)]
     series: dict[str, Any] = {
@@ -180,97 +135,12 @@ def _one_run(
     """One model from the initial weights of `seed`, trained on `order`, then scored."""
     torch.manual_seed(seed)
     model = build_model(settings["attention"], task, settings)
-    seconds, loss = _train(model, task, order, settings, schedule=schedule, seed=seed)
-    scores = _free_running(model, task, settings)
+    seconds, loss = train_model(model, task, order, settings, schedule=schedule, seed=seed)
+    mistakes = free_running_mistakes(model, task, max_length=settings["max_length"])
+    scores = _position_errors(mistakes)
     del scores["first_error"]  # one entry per test number: the counts by position suffice
     return {"seed": seed, "train_seconds": seconds, "final_loss": loss,
-            **_teacher_forced(model, task), **scores}  # fmt: skip
-
-
-def _task(settings: dict[str, Any]) -> TranslateTask:
-    """The translate task's pairs and BPE at the study's sizes (its Transformer is unused)."""
-    options = TranslateOptions(
-        max_number=settings["max_number"], num_train=settings["num_train"],
-        num_valid=settings["num_valid"], num_test=settings["num_test"],
-        vocab_size=settings["vocab_size"], dropout=settings["dropout"],
-        label_smoothing=settings["label_smoothing"], max_length=settings["max_length"],
-    )  # fmt: skip
-    return TranslateTask(options)
-
-
-def _train(
-    model: RNNSeq2Seq,
-    task: TranslateTask,
-    order: torch.Tensor,
-    settings: dict[str, Any],
-    *,
-    schedule: list[float] | None,
-    seed: int,
-) -> tuple[float, float]:
-    """AdamW, warm-up then cosine decay, gradients clipped at 1; teacher forcing when schedule
-    is None, else scheduled sampling with eps_i = schedule[i]. Returns (seconds, last loss)."""
-    optimizer = build_optimizer(
-        model, learning_rate=settings["learning_rate"], weight_decay=settings["weight_decay"]
-    )
-    scheduler = build_scheduler(
-        optimizer, warmup_steps=settings["warmup_steps"], total_steps=len(order), kind="cosine"
-    )
-    coins = torch.Generator().manual_seed(seed)
-    model.train()
-    started, loss = time.perf_counter(), torch.tensor(float("nan"))
-    for step, indices in enumerate(order.tolist()):
-        batch = task.train_set.collate(indices)
-        inputs = (batch["input_ids"], batch["attention_mask"], batch["labels"])
-        if schedule is None:
-            loss = model(*inputs[:2], labels=inputs[2]).loss
-        else:
-            loss = scheduled_sampling_loss(model, *inputs, epsilon=schedule[step],
-                                           generator=coins)[0]  # fmt: skip
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-    model.eval()
-    return time.perf_counter() - started, float(loss.detach())
-
-
-@torch.no_grad()
-def _teacher_forced(model: RNNSeq2Seq, task: TranslateTask) -> dict[str, float]:
-    """On the validation numbers, reading the reference: mean cross-entropy per target token
-    (no smoothing) and the share of tokens whose argmax is wrong."""
-    dataset = task.valid_set
-    total, wrong, count = 0.0, 0, 0
-    for start in range(0, len(dataset), _EVAL_BATCH):
-        batch = dataset.collate(list(range(start, min(start + _EVAL_BATCH, len(dataset)))))
-        labels = batch["labels"]  # (B, L)
-        logits = model(batch["input_ids"], batch["attention_mask"], labels=labels).logits
-        n = int((labels >= 0).sum())
-        total += n * float(sequence_cross_entropy(logits, labels))
-        wrong += int(((logits.argmax(dim=-1) != labels) & (labels >= 0)).sum())
-        count += n
-    return {"valid_loss": total / count, "teacher_forced_error": wrong / count}
-
-
-@torch.no_grad()
-def _free_running(
-    model: RNNSeq2Seq, task: TranslateTask, settings: dict[str, Any]
-) -> dict[str, Any]:
-    """Greedy outputs on the test numbers against the references, position by position."""
-    dataset, wrong = task.test_set, []
-    for start in range(0, len(dataset), _EVAL_BATCH):
-        batch = dataset.collate(list(range(start, min(start + _EVAL_BATCH, len(dataset)))))
-        labels = batch["labels"]  # (B, L)
-        sequences, _ = model.greedy_decode(
-            batch["input_ids"], batch["attention_mask"], max_new_tokens=settings["max_length"]
-        )  # (B, 1 + T)
-        outputs = torch.full_like(labels, -1)  # -1: no token there
-        T = min(labels.shape[1], sequences.shape[1] - 1)
-        outputs[:, :T] = sequences[:, 1 : 1 + T]
-        for row, reference in zip(outputs.tolist(), labels.tolist(), strict=True):
-            length = sum(token >= 0 for token in reference)
-            wrong.append([row[t] != reference[t] for t in range(length)])
-    return _position_errors(wrong)
+            **teacher_forced_scores(model, task), **scores}  # fmt: skip
 
 
 def _position_errors(wrong: list[list[bool]]) -> dict[str, Any]:

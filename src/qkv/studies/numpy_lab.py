@@ -13,19 +13,14 @@ with a different length per sequence), in float64:
 - a finite-difference check of the hand-written gradients, on `fd_probes` entries of each
   input and weight: (f(x + h) - f(x - h)) / 2h of the loss sum(output * upstream gradient);
 - the forward's time in float32, NumPy against PyTorch (the median of `timing_repeats` runs on
-  the machine recorded with the result), both on one thread: `torch.set_num_threads(1)`, and
-  threadpoolctl's limit on NumPy's BLAS where threadpoolctl is installed. On a busy machine,
-  threads that wait for each other would otherwise swamp calls this small.
+  the machine recorded with the result), both on one thread (`qkv.studies.numpy_lab_timing`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import statistics
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -40,6 +35,7 @@ from qkv.analysis.numpy_lab import (
     multi_head_backward,
     multi_head_forward,
 )
+from qkv.studies.numpy_lab_timing import blas_limited, median_times
 from qkv.studies.record import StudyResult
 
 __all__ = ["CLAIM", "SIZES", "TITLE", "figure", "run"]
@@ -94,7 +90,7 @@ def run(settings: dict[str, Any], *, seed: int) -> StudyResult:
             rows.append(_row(case, module, found, fd_error, times))
     series = {
         "errors": errors, "cases": [row["case"] for row in rows[::2]],
-        "numpy_blas_limited": _blas_limited(),
+        "numpy_blas_limited": blas_limited(),
     }  # fmt: skip
     return StudyResult(
         name="numpy-lab", title=TITLE, claim=CLAIM, columns=COLUMNS, rows=rows,
@@ -145,7 +141,7 @@ def _check_attention(
     fd_error = _finite_difference_error(loss, [q, k, v], analytic, rng, settings)
     low = [array.astype(np.float32) for array in (q, k, v)]
     low_torch = [torch.from_numpy(array) for array in low]
-    times = _times(
+    times = median_times(
         lambda: attention_forward(*low, mask=mask),
         lambda: F.scaled_dot_product_attention(*low_torch, attn_mask=torch_mask),
         settings["timing_repeats"],
@@ -201,7 +197,7 @@ def _multi_head_times(
     low = {name: getattr(weights, name).astype(np.float32) for name in WEIGHT_NAMES}
     low_weights, low_x = MultiHeadWeights(**low), x.astype(np.float32)
     low_module, low_x_torch = _torch_module(weights, H, torch.float32), torch.from_numpy(low_x)
-    return _times(
+    return median_times(
         lambda: multi_head_forward(low_x, weights=low_weights, num_heads=H, mask=mask),
         lambda: _torch_forward(low_module, low_x_torch, mask),
         repeats,
@@ -290,52 +286,6 @@ def _finite_difference_error(
             worst = max(worst, abs(numeric - gradient[position]))
             scale = max(scale, abs(gradient[position]))
     return float(worst / max(scale, np.finfo(np.float64).tiny))
-
-
-def _times(numpy_forward: Callable, torch_forward: Callable, repeats: int) -> list[float]:
-    """Median milliseconds of each forward after one warm-up run, torch without autograd, both
-    on one thread (`_one_thread`)."""
-    medians = []
-    with _one_thread(), torch.no_grad():
-        for forward in (numpy_forward, torch_forward):
-            forward()
-            runs = []
-            for _ in range(repeats):
-                started = time.perf_counter()
-                forward()
-                runs.append((time.perf_counter() - started) * 1e3)
-            medians.append(statistics.median(runs))
-    return medians
-
-
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    """PyTorch, and NumPy's BLAS, on one thread while inside; both restored on leaving."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with _numpy_blas_threads(1):
-            yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _numpy_blas_threads(limit: int):
-    """threadpoolctl's limit on NumPy's BLAS threads, or, without threadpoolctl, a context that
-    changes nothing (`numpy_blas_limited` in the result says which)."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        return nullcontext()
-    return threadpool_limits(limits=limit, user_api="blas")
-
-
-def _blas_limited() -> bool:
-    try:
-        import threadpoolctl  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _row(

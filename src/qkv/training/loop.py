@@ -14,30 +14,26 @@ multiplied by world_size to undo that). With `fsdp` the model is sharded over th
 (`qkv.training.sharded`): checkpoints hold the gathered full state, and evaluation and the
 result use an unsharded replica.
 
-After backward the step's loss is checked, then the gradient's global norm (the one clipping
-computes, or computed for the check when clip_norm is None): NaN or inf stops the run with
-`LossNotFiniteError` (`GradientNotFiniteError` for a finite loss with a poisoned gradient)
-before the optimizer touches the weights, rather than skipping the step (which would make the
-run silently differ from the one its options describe, and hide an overflow that comes back).
-Before an evaluation or a checkpoint the weights are checked finite too. Every
+After backward the step's loss and the gradient's global norm are checked finite, and the
+weights before an evaluation or a checkpoint (`qkv.training.divergence`): NaN or inf stops the
+run with `LossNotFiniteError` before the optimizer touches the weights. Every
 `checkpoint_every` steps an atomic checkpoint (`qkv.training.checkpoint`), which `resume=True`
-continues from: the checkpoint on disk is always the last good state. It records the kernel
-choices that decide the run's bits (`qkv.capabilities.kernel_choices`), and the resumed run
-computes with the same ones (`kernels_as`), so that it ends on the weights of a run never
-stopped, even on another machine where these choices can be followed.
+continues from: the checkpoint on disk is always the last good state. The resumed run computes
+with the kernel choices the checkpoint records (`qkv.training.resume`), so that it ends on the
+weights of a run never stopped.
 
 One run per folder: `out_dir` is locked for the run (`qkv.training.runlock`; a second run is
 refused with the holder's pid), and the temporaries of checkpoints that killed runs were
 writing are deleted. With several processes, rank 0 alone locks and writes, and a failure there
-(a full disk) stops every process (`fail_together`) instead of leaving them waiting.
+(a full disk) stops every process (`fail_together`) instead of leaving them waiting. What the
+caller writes into the folder once training is done (the saved model, a summary) goes in
+`on_done`, which rank 0 runs before it unlocks the folder: written after, it could land in a
+folder a second run has taken meanwhile, which deletes temporaries it finds there.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import logging
-import math
 import os
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -50,7 +46,7 @@ from torch import nn
 
 from qkv import capabilities
 from qkv.training import sharded
-from qkv.training.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from qkv.training.checkpoint import CHECKPOINT_NAME, save_checkpoint
 from qkv.training.config import TrainingConfig
 from qkv.training.distributed import (
     Distributed,
@@ -59,8 +55,16 @@ from qkv.training.distributed import (
     setup_distributed,
     shard,
 )
+from qkv.training.divergence import (
+    GradientNotFiniteError,
+    LossNotFiniteError,
+    check_loss,
+    check_weights,
+    clip_and_check_gradient,
+)
 from qkv.training.metrics import METRICS_NAME, RunLogger, Throughput
 from qkv.training.optim import build_optimizer
+from qkv.training.resume import recorded_kernels, resume_state
 from qkv.training.runlock import RunLock, check_fresh_start, remove_temporaries
 from qkv.training.schedule import build_scheduler
 
@@ -73,8 +77,6 @@ __all__ = [
     "TrainingResult",
     "train",
 ]
-
-logger = logging.getLogger(__name__)
 
 Batch = dict[str, torch.Tensor]
 
@@ -103,16 +105,6 @@ class Task(Protocol):
     # Optional: `share(indices, context) -> list[int]`, this process's examples of a global
     # batch (default `shard`: every world_size-th); the gpt task gives every process all of
     # them under context parallelism, and each collates its share of every sequence.
-
-
-class LossNotFiniteError(RuntimeError):
-    """The loss (or the gradient, or the weights) became NaN or inf; the run stopped before the
-    failing step updated the weights, or before non-finite weights reached a checkpoint."""
-
-
-class GradientNotFiniteError(LossNotFiniteError):
-    """The loss was finite but its gradient was not; a LossNotFiniteError, so that one
-    `except` stops on both."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +146,7 @@ def train(
     resume: bool = False,
     overwrite: bool = False,
     on_log: Callable[[dict], None] | None = None,
+    on_done: Callable[[TrainingResult], None] | None = None,
     device: str | torch.device = "cpu",
 ) -> TrainingResult:
     """Train `task.build_model()` for `config.steps` steps; see the module docstring.
@@ -163,6 +156,8 @@ def train(
     come (the CLI draws its progress bar from them). resume: continue from out_dir's checkpoint
     when there is one (the config must be the one it was written with). A folder an earlier run
     wrote to is refused without resume (RunFolderInUseError, a ValueError) unless `overwrite`.
+    on_done(result) runs on rank 0 once training is done, while out_dir is still locked: what
+    the caller writes into the run folder next to the checkpoint.
 
     Raises LossNotFiniteError (GradientNotFiniteError) when training diverges,
     RunFolderBusyError when another run holds out_dir, CheckpointError or MetricsFileError (both
@@ -175,8 +170,11 @@ def train(
     device = context.device(device)
     lock = _lock(out_dir, context, device)
     try:
-        with capabilities.kernels_as(_recorded_kernels(out_dir) if resume else None):
-            return _train(task, config, out_dir, resume, on_log, context, device)
+        with capabilities.kernels_as(recorded_kernels(out_dir) if resume else None):
+            result = _train(task, config, out_dir, resume, on_log, context, device)
+        if on_done is not None and context.is_main:
+            on_done(result)
+        return result
     finally:
         if lock is not None:
             lock.release()
@@ -232,7 +230,7 @@ def _train(
         capabilities.warn_if_bf16_is_emulated("training with bf16 autocast (bf16=True)")
     model, optimizer, scheduler = _build(task, config, device)
     run_info = {"task": task.describe(), "training": config.identity()}
-    start, metrics = _maybe_resume(out_dir, resume, model, optimizer, scheduler, run_info)
+    start, metrics = resume_state(out_dir, resume, model, optimizer, scheduler, run_info)
     log = RunLogger(out_dir, context, on_log, keep_up_to=start)
     fsdp = config.fsdp and context.enabled
     if fsdp:  # after resuming: the checkpoint holds the full state
@@ -248,8 +246,8 @@ def _train(
     model.train()
     for step in range(start, config.steps):
         loss_terms, tokens = _train_step(task, wrapped, order, step, config, context)
-        _check_finite(loss_terms, step, out_dir)
-        _clip_and_check_gradient(model, config.clip_norm, step, out_dir)
+        check_loss(loss_terms, step, out_dir)
+        clip_and_check_gradient(model, config.clip_norm, step, out_dir)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -262,7 +260,7 @@ def _train(
         evaluate = _due(done, config.eval_every, config.steps)
         checkpoint = _due(done, config.checkpoint_every, config.steps)
         if evaluate or checkpoint:  # first: decoding with inf weights would fail less clearly
-            _check_weights(model, done, out_dir, context)
+            check_weights(model, done, out_dir, context)
         if evaluate:
             evaluated = sharded.refresh_replica(replica, model) if fsdp else replica
             metrics = _evaluate(task, evaluated, context)
@@ -353,51 +351,6 @@ def _train_step(
     return loss_terms, sum(task.num_tokens(b) for b in batches)
 
 
-def _check_finite(loss_terms: dict[str, float], step: int, out_dir: Path) -> None:
-    """Stop before the optimizer step on a NaN or inf loss."""
-    if not all(math.isfinite(value) for value in loss_terms.values()):
-        raise LossNotFiniteError(
-            f"step {step + 1}: the loss is {loss_terms['loss']} (not finite); the run stopped "
-            f"before updating the weights, and {out_dir / CHECKPOINT_NAME} (if any) is the last "
-            f"good state. Lower the learning rate, raise warmup_steps or set clip_norm."
-        )
-
-
-def _clip_and_check_gradient(
-    model: nn.Module, clip_norm: float | None, step: int, out_dir: Path
-) -> None:
-    """Clip the gradient's global L2 norm to clip_norm (if set); stop on a NaN or inf norm
-    before the optimizer step (clipping a NaN gradient leaves it NaN)."""
-    if clip_norm is not None:
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
-    else:
-        gradients = [p.grad for p in model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(gradients)
-    value = float(sharded.full(norm))
-    if not math.isfinite(value):
-        raise GradientNotFiniteError(
-            f"step {step + 1}: the gradient's norm is {value} (not finite) while the loss is "
-            f"finite; the run stopped before updating the weights, and "
-            f"{out_dir / CHECKPOINT_NAME} (if any) is the last good state. Look for an op whose "
-            f"backward overflows or divides by zero (bf16, sqrt or log near 0, a custom kernel)"
-        )
-
-
-def _check_weights(model: nn.Module, done: int, out_dir: Path, context: Distributed) -> None:
-    """Non-finite weights (an optimizer overflow) never overwrite the last good checkpoint.
-    Each process checks its part (all of it, or its shards) and they agree on the verdict."""
-    named = list(model.named_parameters())
-    flags = torch.stack([(~torch.isfinite(sharded.local(p))).any().double() for _, p in named])
-    found = all_reduce_sum(flags, context).tolist()
-    bad = [name for (name, _), count in zip(named, found, strict=True) if count]
-    if bad:
-        raise LossNotFiniteError(
-            f"the weights after step {done} are not finite ({', '.join(bad[:5])}); they were not "
-            f"written, and {out_dir / CHECKPOINT_NAME} (if any) is the last good state. Lower "
-            f"the learning rate, raise warmup_steps or set clip_norm"
-        )
-
-
 def _evaluate(task: Task, model: nn.Module, context: Distributed) -> dict[str, float]:
     """The task's evaluation on the main process (the others wait), model back to train mode."""
     metrics: dict[str, float] = {}
@@ -408,39 +361,6 @@ def _evaluate(task: Task, model: nn.Module, context: Distributed) -> dict[str, f
         model.train()
     context.barrier()
     return metrics
-
-
-def _maybe_resume(out_dir, resume, model, optimizer, scheduler, run_info) -> tuple[int, dict]:
-    path = out_dir / CHECKPOINT_NAME
-    if not resume:
-        return 0, {}
-    if not path.is_file():
-        logger.info("resume: no checkpoint in %s, starting from step 0", out_dir)
-        return 0, {}
-    state = load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler)
-    saved = {key: state.extra.get(key) for key in run_info}
-    if saved != json.loads(json.dumps(run_info)):
-        raise ValueError(
-            f"resume: {path} was written by a run with other options: {saved}; this run has "
-            f"{run_info}. Use another --out folder, or the same options."
-        )
-    logger.info("resumed from %s at step %d", path, state.step)
-    return state.step, state.extra.get("metrics", {})
-
-
-def _recorded_kernels(out_dir: Path) -> dict | None:
-    """The kernel choices (`capabilities.kernel_choices`) out_dir's checkpoint was computed
-    with, for the resumed run to keep; None where there is none to read (a damaged file is
-    reported by `load_checkpoint`, which checks it whole)."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(out_dir / CHECKPOINT_NAME), framework="pt") as file:
-            document = json.loads((file.metadata() or {}).get("qkv", "{}"))
-        kernels = document["extra"]["kernels"]
-    except Exception:  # noqa: BLE001 - any unreadable file: load_checkpoint says why
-        return None
-    return kernels if isinstance(kernels, dict) else None
 
 
 def _due(done: int, every: int, total: int) -> bool:
