@@ -1,20 +1,26 @@
 """benchmarks/README.md is generated from the result files by benchmarks/make_readme.py.
 
-The generator reads tiny result files written here, and its page must show their figures and
-their machine, "not recorded" for what a file lacks, and a re-measured row in place of the
-first measurement. Last, the committed page must be what the committed result files give.
+The generator fills the Markdown templates of benchmarks/readme/templates/ with the figures of
+the result files. It reads tiny result files written here, and its page must show their figures
+and their machine, "not recorded" for what a file lacks, a re-measured row in place of the
+first measurement, and no section for a file that is absent; every part of every template must
+be rendered with all its fields filled, and a table row must have as many cells as its header.
+Last, the committed page must be what the committed result files give.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "make_readme.py"
+COMMITTED = ROOT / "benchmarks" / "results"
 
 
 def load_generator():
@@ -26,6 +32,7 @@ def load_generator():
 
 
 make_readme = load_generator()
+template = importlib.import_module("readme.template")  # found through the generator's sys.path
 
 MACHINE = {
     "command": "python benchmarks/attention.py --lengths 512 1024",
@@ -295,3 +302,144 @@ def test_decoding_against_llama_cpp_is_split_by_the_rounds_memory_state(results)
     row["bandwidth_probe_ms"] = [gib / (g * 1e9) * 1e3 for g in [50.0, 55.0, 50.0, 55.0, 52.0]]
     (results / "decode.json").write_text(json.dumps(data))
     assert "| memory |" not in make_readme.render(results)
+
+
+def write(folder: Path, files: dict[str, dict]) -> Path:
+    folder.mkdir(exist_ok=True)
+    for stem, payload in files.items():
+        (folder / f"{stem}.json").write_text(json.dumps(payload))
+    return folder
+
+
+def committed() -> dict[str, dict]:
+    return {path.stem: json.loads(path.read_text()) for path in COMMITTED.glob("*.json")}
+
+
+def test_fill_refuses_a_field_without_a_value_and_a_value_without_a_field():
+    with pytest.raises(KeyError, match=r"no value for \['target'\]"):
+        template.fill("attention", "verdict", median=1.0, worst=1.2, count=3, verdict="met")
+    with pytest.raises(KeyError, match=r"no field for \['typo'\]"):
+        template.fill("page", "none", typo=1)
+    # a figure the file lacks prints "-"; a table line repeats over the list its fields name
+    rows = [{"ms": {"sdpa": 1.234}}, {"ms": {}}, {"ms": {"sdpa": None}}, {"ms": {"sdpa": "x"}}]
+    table = template.fill("flash", "table", r=[{**row, "L": 8} for row in rows])
+    cells = [line.split(" | ") for line in table.splitlines()[2:]]
+    assert [(row[1], row[3]) for row in cells] == [("8", "1.2"), ("8", "-"), ("8", "-"), ("8", "-")]
+    assert template.fill("flash", "table", r=[]).count("\n") == 1  # the header, no row
+
+
+def test_every_part_of_every_template_is_rendered_with_all_its_fields(results, tmp_path):
+    """The committed files, the tiny files, no file at all and a file of each kind the other
+    pages lack (a GPU run, every way decoding's tokens can compare, a skipped model, a file the
+    page has no section for) render every part of every template, and leave no field behind."""
+    used: set[tuple[str, str]] = set()
+    parts = template.parts
+
+    class Noted(dict):
+        """The parts of one template, noting each part that `fill` reads."""
+
+        def __getitem__(self, part: str) -> tuple[str, bool]:
+            used.add((self.name, part))
+            return super().__getitem__(part)
+
+    def recording(name: str) -> Noted:
+        found = Noted(parts(name))
+        found.name = name
+        return found
+
+    gpu_machine = {**MACHINE, "device": "cuda", "device_name": "Example GPU", "cuda": "12.9"}
+    by = {"sdpa_flash": {"fwd_tflops": 400.0, "fb_tflops": 300.0, "fwd_of_peak": 0.4},
+          "triton": {"fwd_tflops": 420.0, "fb_tflops": 280.0, "fwd_of_peak": 0.42}}  # fmt: skip
+    margin = {"margin": 0.0, "tied_at_max": 2}
+    tokens = [
+        {"equal": True, "packed_equals_qkv": True, "compiled_equals_qkv": True},
+        {"equal": True, "compiled_first_divergence": {"transformers": 9}},
+        {"first_divergence_step": 5, "packed_equals_qkv": True,
+         "at_divergence": {"qkv_logits": margin, "transformers_logits": margin}},
+        {"first_divergence_step": 7, "compiled_equals_qkv": True},
+        {},
+    ]  # fmt: skip
+    decode_rows = [{"dtype": f"d{i}", "new_tokens": 8, "tokens": t} for i, t in enumerate(tokens)]
+    models = {"rows": [], "skipped": ["llama-50m bf16: out of memory"]}
+    others = {
+        "flash_gpu": {"machine": gpu_machine, "peak_tflops": 989.0, "matmul_tflops": 700.0,
+                      "rows": [{"L": 4096, "D": 128, "causal": True, "by": by}]},
+        "decode": {"machine": MACHINE, "rows": decode_rows},
+        "models": models,
+        "mystery": {"machine": MACHINE},
+    }  # fmt: skip
+    template.parts = recording
+    try:
+        pages = [
+            make_readme.render(COMMITTED),
+            make_readme.render(results),
+            make_readme.render(write(tmp_path / "empty", {})),
+            make_readme.render(write(tmp_path / "others", others)),
+        ]
+    finally:
+        template.parts = parts
+    every = {
+        (path.stem, part) for path in template.TEMPLATES.glob("*.md") for part in parts(path.stem)
+    }
+    assert every - used == set(), "parts no page rendered"
+    for page in pages:
+        assert not re.search(r"\{\w+(\[[^\]]*\])*(:[^{}]*)?\}", page), "a field left unfilled"
+    empty, others_page = pages[2], pages[3]
+    assert "No result files." in empty and "There is no `results/flash_gpu.json`" in empty
+    assert "## Other result files" in others_page and "`results/mystery.json`" in others_page
+    assert "| GPU | Example GPU |" in others_page  # a GPU's rows in its machine table
+    assert "| compute capability | not recorded |" in others_page
+    assert "| 4096 | 128 | yes | triton | 420 | 280 | 42% | 0.93 |" in others_page
+    assert "Skipped: llama-50m bf16: out of memory" in others_page
+    notes = " ".join(others_page[others_page.index("Tokens compared with") :].split())
+    assert "- d0: qkv's tokens equal transformers' (packed too), 8/8; compiled equals qkv." in notes
+    assert "- d2: qkv parts from transformers at step 5 (packed too); there, the margin" in notes
+    assert "- d4: tokens not recorded." in notes
+
+
+def test_a_table_row_has_as_many_cells_as_its_header(results):
+    for page in (make_readme.render(COMMITTED), make_readme.render(results)):
+        for table in re.findall(r"(?:^\|.*\n)+", page, flags=re.MULTILINE):
+            header, separator, *rows = table.splitlines()
+            assert separator == "|" + "---|" * (header.count(" | ") + 1), header
+            for row in rows:
+                assert row.count(" | ") == header.count(" | "), (header, row)
+
+
+@pytest.mark.parametrize(
+    ("stem", "heading"),
+    [
+        ("attention", "## `qkv.attention` against raw SDPA"),
+        ("sparse", "## Sparse patterns"),
+        ("linear", "## Linear attention"),
+        ("long_documents", "## Long documents"),
+        ("models_avx2", "### The same, held to AVX2"),
+        ("decode", "## Decoding"),
+        ("decode_batch", "### Several sequences at once"),
+        ("decode_breakdown", "## Where a decoding step's time goes"),
+        ("context_parallel", "## Sequence-parallel training"),
+    ],
+)
+def test_a_missing_result_file_leaves_its_section_out(tmp_path, stem, heading):
+    files = committed()
+    full = make_readme.render(write(tmp_path / "all", files))
+    del files[stem]
+    page = make_readme.render(write(tmp_path / "partial", files))
+    assert heading in full and heading not in page
+    # the other sections stay, and so does the GPU section, which says the file is missing
+    assert page.count("\n## ") == full.count("\n## ") - heading.startswith("## ")
+    assert "There is no `results/flash_gpu.json`" in page
+
+
+def test_decoding_without_llama_cpp_has_no_peer_table_and_no_peer_ratio(tmp_path):
+    decode = committed()["decode"]
+    for row in decode["rows"]:
+        for key in ("peers", "peer_paired_ratios", "aot_peer_paired_ratios"):
+            row.pop(key, None)
+        row["timings"].pop("llama_cpp", None)
+    page = make_readme.render(write(tmp_path, {"decode": decode}))
+    assert "## Decoding (`decode.py`)" in page
+    assert "Against what a CPU user would run instead" not in page and "| memory |" not in page
+    headlines = " ".join(page[page.index("## Headlines") : page.index("## Triton")].split())
+    fp32 = 'Greedy decoding, batch 1, fp32: qkv compile="aot" 326.1 tokens/s, 3.61x transformers.'
+    assert fp32 in headlines
