@@ -11,16 +11,16 @@ so both hold the same weights. Each dtype casts both models with .to(dtype).
 
 One call, timed as a user sees it (prefill included), batch 1, a 32-token prompt (no padding,
 no attention_mask for either), 128 new tokens:
-    qkv            qkv.generation.generate(model, ids, max_new_tokens=128, compile=False)
-                   (greedy, eager; the default, compile="auto", switches to the aot
-                   steps below once they pay for themselves: qkv.acceleration.auto)
+    qkv            qkv.generation.generate(model, ids, max_new_tokens=128)
+                   (greedy, eager: the model's own forward at every step)
     qkv packed     the same on a copy inside `with qkv.acceleration.packed_linears(model):`
                    (oneDNN-packed weights, fused where they read one input, what `qkv
                    generate` does on the CPU); the block stays open for the whole row, so
                    the weights are packed once, by the warm-up call, as in a program that
                    loads a model and generates many times; the time spent packing is
                    reported beside ("pack ms")
-    qkv compiled   the same packed copy with generate(..., compile=True): every step after the
+    qkv compiled   the same packed copy with generate(..., steps=qkv.acceleration.decoding_steps(
+                   model, "compiled")): every step after the
                    prefill runs the model's forward compiled by torch.compile (inductor, C++
                    kernels for everything around the packed products); compiled once per
                    dtype before the timing, with torch.compile's on-disk caches empty (a
@@ -29,14 +29,12 @@ no attention_mask for either), 128 new tokens:
                    a new process then pays its first call with what that compile left
                    (torch.compile's caches, qkv's compile store): "next process"; once
                    two steps passed a graph's guards, later steps call it without them
-    qkv aot        the same packed copy with generate(..., compile="aot"): the step exported
+    qkv aot        the same packed copy with generate(..., steps=decoding_steps(model)): the
+                   step exported
                    once and compiled ahead of time by AOTInductor into a library whose C++
                    wrapper calls the same kernels, no Python between them
-                   (qkv.acceleration.exported); compiled after compile=True's, its first call
+                   (qkv.acceleration.exported); compiled after torch.compile's, its first call
                    timed the same way ("aot compile s", "next process")
-    qkv guarded    the same with compile="guarded": torch.compile's public API alone, every
-                   guard checked at every step; "guard-free gain" (paired) is what skipping
-                   the guards buys (qkv keeps its private path only while it is >= 5%)
     transformers   model.generate(ids, do_sample=False, max_new_tokens=128,
                                   min_new_tokens=128, eos_token_id=None)
 The peers a CPU user would run instead (benchmarks/peers.py), timed in the same rounds:
@@ -72,7 +70,7 @@ PyTorch's kernels here, the "packed matvec floor", the same for the packed (and 
 products a packed step calls, and the "compiled matvec floor", the same for the products of a
 compiled step: at one row these are inductor's own streaming reductions over the plain weights
 (qkv.acceleration.packing), all in one compiled graph. The second bounds what eager decoding
-built on oneDNN's kernels can reach; the third bounds compile=True and compile="aot", whose
+built on oneDNN's kernels can reach; the third bounds the compiled and aot steps, whose
 steps add the norms, RoPE and attention to those products. Last,
 the "weights .sum() floor": one .sum() per weight tensor a step reads, nothing else, i.e. how
 fast this machine reads these tensors one call at a time (the 1 GiB probe streams one large
@@ -111,8 +109,16 @@ from common import (
 )
 from peers import peer_calls
 from torch import nn
+from torch._dynamo.utils import counters
 
-from qkv.acceleration import PackedLinear, SharedInputMember, compiled, exported, packed_linears
+from qkv.acceleration import (
+    PackedLinear,
+    SharedInputMember,
+    decoding_steps,
+    exported,
+    packed_linears,
+)
+from qkv.acceleration.compiled import INDUCTOR_OPTIONS
 from qkv.generation import generate
 from qkv.models import GPT
 
@@ -280,9 +286,9 @@ def packed_matvec_floor(model: GPT, ids: torch.Tensor) -> Callable[[], None]:
 def compiled_matvec_floor(model: GPT) -> Callable[[], None]:
     """One token through every nn.Linear of the model as a compiled decoding step computes it
     (PackedLinear's one-row product: the streaming reduction inductor generates from it, with
-    the step's inductor options), nothing else, compiled by AOTInductor as compile="aot"
-    compiles a step (no Python between the kernels); compiled here, outside the timing. The
-    fastest the products of compile=True and compile="aot" can make a step: what their
+    the step's inductor options), nothing else, compiled by AOTInductor as the aot steps
+    compile a step (no Python between the kernels); compiled here, outside the timing. The
+    fastest the products of the compiled and aot steps can make a step: what their
     fractions of the limit are to be read against."""
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     dtype = linears[0].weight.dtype
@@ -303,7 +309,7 @@ def compiled_matvec_floor(model: GPT) -> Callable[[], None]:
     module = Products()
     # as the step's library: its constants are the model's own tensors, not copies in the
     # library's file (whose pages the kernels would then read instead)
-    configs = {**compiled._INDUCTOR_OPTIONS, "aot_inductor.package_constants_in_so": False}
+    configs = {**INDUCTOR_OPTIONS, "aot_inductor.package_constants_in_so": False}
     with torch.no_grad(), tempfile.TemporaryDirectory() as folder:
         program = torch.export.export(module, rows, strict=False)
         path = Path(folder) / "products.pt2"
@@ -313,7 +319,7 @@ def compiled_matvec_floor(model: GPT) -> Callable[[], None]:
     inputs = list(rows)
 
     def run():
-        runner.loader.boxed_run(list(inputs))  # as compile="aot" calls its library
+        runner.loader.boxed_run(list(inputs))  # as the aot steps call their library
 
     return run
 
@@ -358,30 +364,33 @@ def second_process_first_call(dtype: str, args) -> dict:
 
 
 def first_call(dtype: str, args) -> dict:
-    """A process's first `generate(..., compile=True)` on the packed model of this dtype: its
-    seconds, its compilations (0 when the compile store served it), the same call again, and
-    whether its tokens equal eager decoding's; then the same for compile="aot" ("aot_")."""
+    """A process's first call with torch.compile's steps on the packed model of this dtype: its
+    seconds, the graphs torch.compile built, the same call again, and whether its tokens equal
+    eager decoding's; then the same for the aot steps ("aot_": their compilations, 0 when the
+    compile store served them)."""
     ours, _ = build_models(args.device)
     ours = ours.to(DTYPES[dtype])
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, LLAMA["vocab_size"], (1, args.prompt), generator=generator)
     ids = ids.to(args.device)
-    compilations, aot_compilations = [], []
-    real, real_aot = compiled.compile_forward, exported._compile
-    compiled.compile_forward = lambda *a: compilations.append(1) or real(*a)
+    aot_compilations = []
+    real_aot = exported._compile
     exported._compile = lambda *a: aot_compilations.append(1) or real_aot(*a)
+    graphs = counters["stats"]["unique_graphs"]
     result = {}
     with packed_linears(ours):
-        eager = generate(ours, ids, max_new_tokens=args.new_tokens, compile=False)
-        for prefix, mode in (("", True), ("aot_", "aot")):
+        eager = generate(ours, ids, max_new_tokens=args.new_tokens)
+        for prefix, mode in (("", "compiled"), ("aot_", "aot")):
+            steps = decoding_steps(ours, mode)
             start = time.perf_counter()
-            output = generate(ours, ids, max_new_tokens=args.new_tokens, compile=mode)
+            output = generate(ours, ids, max_new_tokens=args.new_tokens, steps=steps)
             result[f"{prefix}first_call_s"] = time.perf_counter() - start
             start = time.perf_counter()
-            generate(ours, ids, max_new_tokens=args.new_tokens, compile=mode)
+            generate(ours, ids, max_new_tokens=args.new_tokens, steps=steps)
             result[f"{prefix}second_call_s"] = time.perf_counter() - start
             result[f"{prefix}equals_eager"] = bool(torch.equal(output, eager))
-    return {**result, "compilations": len(compilations), "aot_compilations": len(aot_compilations)}
+    compilations = counters["stats"]["unique_graphs"] - graphs
+    return {**result, "compilations": compilations, "aot_compilations": len(aot_compilations)}
 
 
 def first_divergence(a: torch.Tensor, b: torch.Tensor) -> int | None:
@@ -447,12 +456,12 @@ def bench_dtype(base_ours, base_theirs, dtype: str, bandwidth: Bandwidth, args) 
     packed_model = copy.deepcopy(ours)
     packed_block = contextlib.ExitStack()
     packed_block.enter_context(packed_linears(packed_model))
+    compiled, aot = decoding_steps(packed_model, "compiled"), decoding_steps(packed_model)
     calls = {
-        "qkv": lambda: generate(ours, ids, max_new_tokens=n, compile=False),
-        "qkv_packed": lambda: generate(packed_model, ids, max_new_tokens=n, compile=False),
-        "qkv_compiled": lambda: generate(packed_model, ids, max_new_tokens=n, compile=True),
-        "qkv_aot": lambda: generate(packed_model, ids, max_new_tokens=n, compile="aot"),
-        "qkv_guarded": lambda: generate(packed_model, ids, max_new_tokens=n, compile="guarded"),
+        "qkv": lambda: generate(ours, ids, max_new_tokens=n),
+        "qkv_packed": lambda: generate(packed_model, ids, max_new_tokens=n),
+        "qkv_compiled": lambda: generate(packed_model, ids, max_new_tokens=n, steps=compiled),
+        "qkv_aot": lambda: generate(packed_model, ids, max_new_tokens=n, steps=aot),
         "transformers": lambda: theirs.generate(
             ids, do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None
         ),
@@ -487,10 +496,6 @@ def bench_dtype(base_ours, base_theirs, dtype: str, bandwidth: Bandwidth, args) 
     log(f"{dtype}: a second process's first compiled call ...")
     warm = second_process_first_call(dtype, args)
     check["compiled_equals_qkv"] = bool(torch.equal(compiled_output, calls["qkv"]()))
-    start = time.perf_counter()
-    guarded_output = calls["qkv_guarded"]()  # torch.compile's public API alone: compiles again
-    guarded_compile_s = time.perf_counter() - start
-    check["guarded_equals_compiled"] = bool(torch.equal(guarded_output, compiled_output))
     compiled_new = compiled_output[0, args.prompt :]
     check["compiled_first_divergence"] = {
         name: first_divergence(compiled_new, calls[name]()[0, args.prompt :])
@@ -538,11 +543,6 @@ def bench_dtype(base_ours, base_theirs, dtype: str, bandwidth: Bandwidth, args) 
         "packed_paired_ratio": paired_ratio(timings["transformers"], timings["qkv_packed"]),
         "compiled_ratio": speed["qkv_compiled"] / speed["transformers"],
         "compiled_paired_ratio": paired_ratio(timings["transformers"], timings["qkv_compiled"]),
-        "guarded_ratio": speed["qkv_guarded"] / speed["transformers"],
-        "guarded_paired_ratio": paired_ratio(timings["transformers"], timings["qkv_guarded"]),
-        # what calling the graphs without their guards buys over torch.compile's public path
-        "guard_free_paired_gain": paired_ratio(timings["qkv_guarded"], timings["qkv_compiled"]),
-        "guarded_compile_s": guarded_compile_s,
         # the peers: qkv's fastest path over llama.cpp and over transformers compiled (paired)
         "peers": peer_info,
         "peer_paired_ratios": {
@@ -555,7 +555,7 @@ def bench_dtype(base_ours, base_theirs, dtype: str, bandwidth: Bandwidth, args) 
             for name in ("llama_cpp", "transformers_compiled")
             if name in timings
         },
-        # what the AOTInductor library buys over compile=True's Python wrapper (paired)
+        # what the AOTInductor library buys over torch.compile's Python wrapper (paired)
         "aot_over_compiled_paired": paired_ratio(timings["qkv_compiled"], timings["qkv_aot"]),
         "aot_compile_s": aot_compile_s,
         "packing_ms": packing_ms(ours, ids),
@@ -741,7 +741,7 @@ def main(argv=None) -> None:
         return
     # A cold compile, as a first run pays it: torch.compile's caches (inductor's kernels and
     # graphs, AOTAutograd's) and qkv's compile store start empty, in directories of this run's
-    # own. (Not force_disable_caches: the ahead-of-time compilation of compile=True needs them.)
+    # own.
     cache_dir = tempfile.TemporaryDirectory(prefix="qkv-decode-compile-")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir.name, "inductor")
     os.environ["QKV_COMPILE_CACHE"] = os.path.join(cache_dir.name, "qkv")

@@ -8,9 +8,9 @@ The model and weights of benchmarks/decode.py (the ~55M Llama, built by transfor
 by both libraries; llama.cpp reads them written as GGUF by benchmarks/peers.py). B prompts of 32
 random tokens each (equal lengths: no padding, no attention_mask), 128 new tokens per sequence,
 one call timed as a user sees it (prefill included):
-    qkv            qkv.generation.generate(model, ids, max_new_tokens=128, compile=False)
+    qkv            qkv.generation.generate(model, ids, max_new_tokens=128)
     qkv compiled   a packed copy (`packed_linears`, the block open for the whole row) with
-                   generate(..., compile=True), compiled before the timing
+                   generate(..., steps=decoding_steps(model)), compiled before the timing
     transformers   model.generate(ids, do_sample=False, max_new_tokens=128, min_new_tokens=128)
     llama.cpp      `peers.LlamaCppBatched`: a context with B sequence slots, all prompts in one
                    llama_decode, then one llama_decode per step holding each sequence's token
@@ -47,7 +47,7 @@ from common import (
 from decode import LLAMA, build_models, first_divergence, paired_ratio
 from peers import LlamaCppBatched, missing, write_gguf
 
-from qkv.acceleration import packed_linears
+from qkv.acceleration import decoding_steps, packed_linears
 from qkv.generation import generate
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -85,9 +85,10 @@ def bench_dtype(base_ours, base_theirs, dtype: str, args) -> dict:
     packed_model = copy.deepcopy(ours)
     stack = contextlib.ExitStack()
     stack.enter_context(packed_linears(packed_model, batch_hint=args.batch))
+    steps = decoding_steps(packed_model)
     calls = {
-        "qkv": lambda: generate(ours, ids, max_new_tokens=n, compile=False),
-        "qkv_compiled": lambda: generate(packed_model, ids, max_new_tokens=n, compile=True),
+        "qkv": lambda: generate(ours, ids, max_new_tokens=n),
+        "qkv_compiled": lambda: generate(packed_model, ids, max_new_tokens=n, steps=steps),
         "transformers": lambda: theirs.generate(
             ids, do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None
         ),

@@ -4,13 +4,14 @@
     .venv/bin/python benchmarks/decode_breakdown.py --dtype fp32 --repeats 4
 
 The model, prompt and packed qkv call are those of benchmarks/decode.py (batch 1, a 32-token
-prompt, 128 new tokens, `generate(..., compile="aot")` inside `packed_linears`: the path
-`compile="auto"`, the default, takes). Each qkv call is split, by timers around two calls, into
+prompt, 128 new tokens, `generate(..., steps=qkv.acceleration.decoding_steps(model))` inside
+`packed_linears`: the step compiled ahead of time by AOTInductor). Each qkv call is split, by
+timers around two calls, into
 
     library        inside the AOTInductor library's `boxed_run`: its C++ wrapper, kernels,
                    allocations and extern calls (SDPA) for the 127 decoding steps
-    into library   from `ExportedSteps.greedy` (the step a greedy loop calls; or `__call__`)
-                   to the library: which calls it serves, the list of its inputs
+    into library   from `ExportedStep.run` (what the steps call for a step it serves) to the
+                   library: which calls it serves, the list of its inputs
     after library  from the library's return to the step's: the cache's new length
     outside steps  the rest of the call: the prefill (eager, packed), and per step the
                    loop's own work (the finiteness check of the row maxima the library
@@ -45,7 +46,7 @@ from common import DTYPES, log, machine_info, write_json
 from decode import LLAMA, build_models
 from peers import LlamaCpp, missing, write_gguf
 
-from qkv.acceleration import exported, packed_linears
+from qkv.acceleration import decoding_steps, exported, packed_linears
 from qkv.generation import generate
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -64,9 +65,9 @@ class StepTimers:
 
     @contextlib.contextmanager
     def installed(self, model):
-        """Timers around `ExportedSteps.__call__` and `greedy`, and around the boxed_run of
+        """Timers around `ExportedStep.run`, and around the boxed_run of
         `model`'s loaded libraries (a stand-in object with the runner's other attributes)."""
-        step_call, step_greedy = exported.ExportedSteps.__call__, exported.ExportedSteps.greedy
+        step_run = exported.ExportedStep.run
         runners = exported._RUNNERS.get(model, {}).values()
         served = [runner for runner in runners if not isinstance(runner, str)]  # str: a reason
         loaders = [runner.loader for runner in served]
@@ -91,7 +92,7 @@ class StepTimers:
             def step(steps, *args, **kwargs):
                 self._entered = time.perf_counter()
                 output = method(steps, *args, **kwargs)
-                if output is not None:  # None: greedy did not serve the step, nothing ran
+                if output is not None:  # None: the library did not serve the step, nothing ran
                     self.after += time.perf_counter() - self._returned
                     self.steps += 1
                 return output
@@ -100,13 +101,11 @@ class StepTimers:
 
         for runner, loader in zip(served, loaders, strict=True):
             runner.loader = TimedLoader(loader)
-        exported.ExportedSteps.__call__ = timed(step_call)
-        exported.ExportedSteps.greedy = timed(step_greedy)
+        exported.ExportedStep.run = timed(step_run)
         try:
             yield self
         finally:
-            exported.ExportedSteps.__call__ = step_call
-            exported.ExportedSteps.greedy = step_greedy
+            exported.ExportedStep.run = step_run
             for runner, loader in zip(served, loaders, strict=True):
                 runner.loader = loader
 
@@ -118,12 +117,12 @@ def library_one_thread(base, dtype: str, ids, rounds: int, new_tokens: int) -> f
     try:
         model = copy.deepcopy(base).to(DTYPES[dtype])
         with packed_linears(model):
-            generate(model, ids, max_new_tokens=new_tokens, compile="aot")
+            generate(model, ids, max_new_tokens=new_tokens, steps=decoding_steps(model))
             timers, best = StepTimers(), None
             for _ in range(rounds):
                 with timers.installed(model):
                     timers.reset()
-                    generate(model, ids, max_new_tokens=new_tokens, compile="aot")
+                    generate(model, ids, max_new_tokens=new_tokens, steps=decoding_steps(model))
                 if not timers.steps:
                     raise RuntimeError(f"{dtype}, 1 thread: no step ran through the library")
                 best = timers.library if best is None else min(best, timers.library)
@@ -140,7 +139,7 @@ def breakdown(base, theirs, dtype: str, rounds: int, new_tokens: int) -> dict:
     block = contextlib.ExitStack()
     block.enter_context(packed_linears(model))
     log(f"{dtype}: compiling ...")
-    generate(model, ids, max_new_tokens=new_tokens, compile="aot")
+    generate(model, ids, max_new_tokens=new_tokens, steps=decoding_steps(model))
     llama = None
     if missing() is None:
         folder = Path(tempfile.mkdtemp(prefix="qkv-breakdown-"))
@@ -153,7 +152,7 @@ def breakdown(base, theirs, dtype: str, rounds: int, new_tokens: int) -> dict:
         with timers.installed(model):
             timers.reset()
             started = time.perf_counter()
-            generate(model, ids, max_new_tokens=new_tokens, compile="aot")
+            generate(model, ids, max_new_tokens=new_tokens, steps=decoding_steps(model))
             total = time.perf_counter() - started
         row = {"total": total, "library": timers.library, "into library": timers.before,
                "after library": timers.after}  # fmt: skip

@@ -27,11 +27,11 @@ def fresh_answers(monkeypatch):
 
 
 def _cpu(monkeypatch, *, vendor="AuthenticAMD", avx512=True, bf16=False, amx=False, flags=()):
+    """A CPU of these facts, as /proc/cpuinfo would list them."""
+    named = {"avx512f": avx512, "avx512_bf16": bf16, "amx_tile": amx}
+    listed = set(flags) | {flag for flag, present in named.items() if present}
     monkeypatch.setattr(capabilities, "cpu_vendor", lambda: vendor)
-    monkeypatch.setattr(capabilities, "cpu_flags", lambda: frozenset(flags))
-    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(capabilities, "cpu_flags", lambda: frozenset(listed))
 
 
 def _cap(monkeypatch, cap: str | None) -> None:
@@ -93,10 +93,14 @@ def test_no_kernel_choice_reads_a_clock(fresh_answers):
 
 
 def test_the_choices_on_this_machine_are_those_its_facts_give():
-    """On the machine at hand (and under make test-masked's caps): the same rule, unmocked."""
+    """On the machine at hand (and under make test-masked's caps): the same rule, unmocked, and
+    /proc/cpuinfo's flags say what PyTorch's own CPU probes say."""
     amd = capabilities.cpu_vendor() in capabilities.ONEDNN_FP32_VENDORS
     wide = torch.cpu._is_avx512_supported() and capabilities.onednn_allows("AVX512_CORE")
     onednn = bool(capabilities.onednn_linear(torch.float32))
+    if capabilities.cpu_flags():  # Linux
+        assert ("avx512f" in capabilities.cpu_flags()) is torch.cpu._is_avx512_supported()
+        assert ("avx2" in capabilities.cpu_flags()) is torch.cpu._is_avx2_supported()
     assert capabilities.kernel_choices()["onednn_fp32_linears"] is (onednn and amd and wide)
     native = torch.cpu._is_avx512_bf16_supported() and capabilities.onednn_allows(
         "AVX512_CORE_BF16"

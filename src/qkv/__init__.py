@@ -13,7 +13,7 @@
 `from qkv.attention import ...`, and the backend registry is `qkv.BACKENDS`.
 """
 
-from qkv import masks, positional, sparse
+from qkv import acceleration, masks, positional, sparse
 from qkv.attention import (
     BACKENDS,
     attention,
@@ -28,6 +28,7 @@ from qkv.version import __version__
 
 __all__ = [
     "BACKENDS",
+    "acceleration",
     "attention",
     "attention_weights",
     "explain",

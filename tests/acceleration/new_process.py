@@ -1,5 +1,5 @@
 """A new Python process that decodes through a compile store: what "compiled once per machine"
-is checked by, for compile=True's graphs and compile="aot"'s libraries alike."""
+is checked by, for the libraries of the step compiled ahead of time."""
 
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ import textwrap
 from pathlib import Path
 
 
-def decodes_from_the_store(directory: Path, *, refused: str, compile, new_tokens: int) -> None:
+def decodes_from_the_store(directory: Path, *, refused: str, mode: str, new_tokens: int) -> None:
     """Assert that a new process, whose `qkv.acceleration.<refused>` ("module.function", the
-    compiler) raises, decodes a tiny Llama of other weights with `compile` through the store at
+    compiler) raises, decodes a tiny Llama of other weights with `decoding_steps(model, mode)`
+    through the store at
     `directory`, and gets the eager tokens."""
     module, function = refused.split(".")
     script = textwrap.dedent(f"""
         import torch
-        from qkv.acceleration import {module}
+        from qkv.acceleration import decoding_steps, {module}
         from qkv.generation import generate
         from tests.generation.reference_models import qkv_model, redraw
 
@@ -27,8 +28,9 @@ def decodes_from_the_store(directory: Path, *, refused: str, compile, new_tokens
         {module}.{function} = refuse
         model = redraw(qkv_model("tiny-llama"), seed=3)
         prompt = torch.arange(3, 9).unsqueeze(0)
-        expected = generate(model, prompt, max_new_tokens={new_tokens}, compile=False)
-        got = generate(model, prompt, max_new_tokens={new_tokens}, compile={compile!r})
+        expected = generate(model, prompt, max_new_tokens={new_tokens})
+        steps = decoding_steps(model, {mode!r})
+        got = generate(model, prompt, max_new_tokens={new_tokens}, steps=steps)
         assert torch.equal(got, expected), (got, expected)
         print("loaded")
     """)

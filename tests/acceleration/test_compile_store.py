@@ -1,7 +1,7 @@
-"""The compile store (qkv.acceleration.compile_store): a graph compiled once serves later models
-of the same architecture, in this process and in a new one, with their own weights; anything
-its guards do not check changes the key; a damaged file is compiled again, and a file someone
-else could have written is never loaded."""
+"""The compile store (qkv.acceleration.compile_store): what a library was compiled for that its
+inputs do not show changes the key; a damaged file is compiled again, and a file someone else
+could have written is never loaded. (A library serving later models of the architecture, here
+and in a new process: tests/acceleration/test_exported.py.)"""
 
 import logging
 import os
@@ -9,63 +9,20 @@ import os
 import pytest
 import torch
 
-from qkv.acceleration import compiled, packed_linears
-from qkv.acceleration.compile_store import (
-    GraphStore,
-    make_folder,
-    model_key,
-    store_directory,
-    untrusted,
-)
+from qkv.acceleration import exported, packed_linears
+from qkv.acceleration.compile_store import make_folder, model_key, store_directory, untrusted
 from qkv.generation import generate
 from qkv.models.safetensors_io import write_atomically
-from tests.acceleration.new_process import decodes_from_the_store
 from tests.generation.reference_models import qkv_model, redraw
 
-NEW_TOKENS = 8
 OPTIONS = {"option": 1}
-
-
-@pytest.fixture
-def store(monkeypatch, tmp_path):
-    """An empty store of this test's own, and a count of the compilations."""
-    monkeypatch.setenv("QKV_COMPILE_CACHE", str(tmp_path))
-    compilations = []
-    real = compiled.compile_forward
-
-    def counted(model, args, kwargs):
-        compilations.append(model)
-        return real(model, args, kwargs)
-
-    monkeypatch.setattr(compiled, "compile_forward", counted)
-    return tmp_path, compilations
 
 
 def _prompt():
     return torch.arange(3, 9).unsqueeze(0)  # (1, 6)
 
 
-def test_a_stored_graph_serves_other_models_of_the_architecture_here_and_in_a_new_process(
-    store,
-):
-    """Compiled once, for one model: a new model of the same architecture with other weights
-    loads the graph and gets its own eager tokens, in this process and in a subprocess whose
-    compile_forward raises."""
-    directory, compilations = store
-    generate(qkv_model("tiny-llama"), _prompt(), max_new_tokens=NEW_TOKENS, compile=True)
-    assert len(compilations) == 1 and len(list(directory.rglob("*.graph"))) == 1
-    other = redraw(qkv_model("tiny-llama"), seed=7)  # a new model: nothing in memory
-    expected = generate(other, _prompt(), max_new_tokens=NEW_TOKENS)
-    assert torch.equal(generate(other, _prompt(), max_new_tokens=NEW_TOKENS, compile=True),
-                       expected)  # fmt: skip
-    assert len(compilations) == 1  # loaded, not compiled
-
-    decodes_from_the_store(
-        directory, refused="compiled.compile_forward", compile=True, new_tokens=NEW_TOKENS
-    )
-
-
-def test_what_guards_do_not_check_changes_the_key():
+def test_what_the_inputs_do_not_show_changes_the_key():
     model = qkv_model("tiny-llama")
     key = model_key(model, OPTIONS)
     assert model_key(redraw(qkv_model("tiny-llama"), seed=2), OPTIONS) == key  # weights: no
@@ -86,14 +43,23 @@ def test_what_guards_do_not_check_changes_the_key():
         torch.set_num_threads(threads)
 
 
-def test_a_damaged_graph_is_skipped_with_a_warning(tmp_path, caplog):
-    """Cut short, say: the store loads nothing (the caller compiles again) and says which."""
-    folder = tmp_path / "key"
-    folder.mkdir()
-    (folder / "cut.graph").write_bytes(b"\x80\x05 not a whole graph")
-    with caplog.at_level(logging.WARNING, logger="qkv.acceleration.compile_store"):
-        assert GraphStore(tmp_path).load("key", {}) == []
-    assert "cut.graph not loaded (compiling again)" in caplog.text
+def test_a_damaged_library_is_compiled_again_with_a_warning(tmp_path, monkeypatch, caplog):
+    """Cut short, say: the library is not loaded, the step is compiled again (here: a stand-in
+    compiler that fails, so the caller decodes elsewhere), and the warning names the file."""
+    monkeypatch.setenv("QKV_COMPILE_CACHE", str(tmp_path))
+    model = qkv_model("tiny-llama")
+    key = (model_key(model, OPTIONS), 1, torch.int64, torch.int64)
+    folder = make_folder(tmp_path / key[0])
+    (folder / "exported-b1-int64-int64.pt2").write_bytes(b"PK not a whole package")
+
+    def no_compiler(*args):
+        raise RuntimeError("compiler stand-in")
+
+    monkeypatch.setattr(exported, "_compile", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="qkv.acceleration.exported"):
+        runner = exported._load_or_compile(model, key, OPTIONS, None, {})
+    assert isinstance(runner, str) and "compiler stand-in" in runner
+    assert "exported-b1-int64-int64.pt2 not loaded (compiling again)" in caplog.text
 
 
 def test_the_store_can_be_switched_off_and_says_where_it_is(monkeypatch, tmp_path):
@@ -104,33 +70,17 @@ def test_the_store_can_be_switched_off_and_says_where_it_is(monkeypatch, tmp_pat
     monkeypatch.delenv("QKV_COMPILE_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert store_directory() == tmp_path / "qkv" / "compiled"
-    assert GraphStore(tmp_path / "none").load("key", {}) == []  # nothing stored: nothing loaded
 
 
-class _Planted:
-    """A pickle that, once loaded, would create `marker`: what another user could plant."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
-def test_a_graph_in_a_folder_others_can_write_is_refused_unread(tmp_path, caplog):
+def test_a_library_in_a_folder_others_can_write_is_refused_unread(tmp_path):
     """A store folder that group or others can write (a shared /tmp folder, say): a planted
-    pickle is never unpickled, and the warning says why."""
-    import pickle
-
+    library is refused before it is opened, and the reason says why."""
     folder = tmp_path / "key"
     folder.mkdir()
     folder.chmod(0o777)
-    marker = tmp_path / "ran"
-    (folder / "planted.graph").write_bytes(pickle.dumps(_Planted(marker)))
-    with caplog.at_level(logging.WARNING, logger="qkv.acceleration.compile_store"):
-        assert GraphStore(tmp_path).load("key", {}) == []
-    assert not marker.exists()
-    assert "can be written by its group or others (mode 777)" in caplog.text
+    planted = folder / "exported-b1-int64-int64.pt2"
+    planted.write_bytes(b"planted")
+    assert "can be written by its group or others (mode 777)" in untrusted(planted, tmp_path)
 
 
 def test_a_file_of_another_user_is_refused(tmp_path, monkeypatch):
@@ -138,8 +88,8 @@ def test_a_file_of_another_user_is_refused(tmp_path, monkeypatch):
     are not loaded; this user's own, writable by no one else, are."""
     folder = tmp_path / "key"
     folder.mkdir()
-    graph = folder / "g.graph"
-    graph.write_bytes(b"graph")
+    graph = folder / "exported-b1-int64-int64.pt2"
+    graph.write_bytes(b"library")
     graph.chmod(0o644)
     assert untrusted(graph, tmp_path) is None
     monkeypatch.setattr(os, "getuid", lambda: graph.stat().st_uid + 1)

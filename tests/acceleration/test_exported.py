@@ -1,4 +1,4 @@
-"""`compile="aot"` (qkv.acceleration.exported): decoding steps through AOTInductor give the
+"""`decoding_steps(model)` (qkv.acceleration.exported): decoding steps through AOTInductor give the
 tokens and logits of eager decoding (itself checked against transformers elsewhere), one
 library serves every prompt and cache length, its constants are the model's own tensors, a
 later process loads it from the compile store, and what it does not serve runs elsewhere."""
@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from qkv.acceleration import compiled, exported, packed_linears
+from qkv.acceleration import compiled, decoding_steps, exported, packed_linears
 from qkv.generation import decode_steps, generate
 from tests.acceleration.new_process import decodes_from_the_store
 from tests.generation.reference_models import left_padded_prompts, qkv_model, redraw
@@ -50,15 +50,17 @@ def llama(store):
     model = qkv_model("tiny-llama")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        generate(model, torch.arange(3, 9).unsqueeze(0), max_new_tokens=3, compile="aot")
+        generate(
+            model, torch.arange(3, 9).unsqueeze(0), max_new_tokens=3, steps=decoding_steps(model)
+        )
     COMPILE_WARNINGS[:] = caught
     return model
 
 
-def _steps(model, ids, mask=None, **options):
-    """(tokens (B, new), logits (B, new, V)) of greedy decoding."""
+def _steps(model, ids, mask=None, mode="eager"):
+    """(tokens (B, new), logits (B, new, V)) of greedy decoding, `decoding_steps(model, mode)`."""
     steps = list(decode_steps(model, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
-                              **options))  # fmt: skip
+                              steps=decoding_steps(model, mode)))  # fmt: skip
     return torch.stack([s.tokens for s in steps], 1), torch.stack([s.logits for s in steps], 1)
 
 
@@ -67,8 +69,8 @@ def test_exported_steps_equal_eager_ones_for_every_prompt_length(llama, store, p
     """Tokens and logits of eager decoding; one library serves every prompt and cache length
     (a one-token prompt's first step, over a cache of 1, runs eagerly)."""
     prompt = torch.arange(1, prompt_length + 1).unsqueeze(0)  # (1, prompt_length)
-    eager_tokens, eager_logits = _steps(llama, prompt, compile=False)
-    tokens, logits = _steps(llama, prompt, compile="aot")
+    eager_tokens, eager_logits = _steps(llama, prompt, mode="eager")
+    tokens, logits = _steps(llama, prompt, mode="aot")
     torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
     assert torch.equal(tokens, eager_tokens)
     assert store[1].count(llama) == 1  # the fixture's compilation, and no other
@@ -89,8 +91,8 @@ def test_windows_and_relative_biases_are_exported_too(caplog):
     model = qkv_model("tiny-gpt2", position="t5", sliding_window=4)
     prompts = torch.arange(2, 12).view(2, 5)
     with caplog.at_level(logging.WARNING, logger="qkv.acceleration.exported"):
-        tokens, logits = _steps(model, prompts, compile="aot")
-    eager_tokens, eager_logits = _steps(model, prompts, compile=False)
+        tokens, logits = _steps(model, prompts, mode="aot")
+    eager_tokens, eager_logits = _steps(model, prompts, mode="eager")
     assert "instead" not in caplog.text
     torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
     assert torch.equal(tokens, eager_tokens)
@@ -105,8 +107,10 @@ def test_the_library_reads_the_models_own_weights(llama, store):
         llama.blocks[1].self_attn.out_proj.weight = torch.nn.Parameter(
             torch.randn_like(llama.blocks[1].self_attn.out_proj.weight)
         )
-    expected = generate(llama, prompt, max_new_tokens=NEW_TOKENS, compile=False)
-    assert torch.equal(generate(llama, prompt, max_new_tokens=NEW_TOKENS, compile="aot"), expected)
+    expected = generate(llama, prompt, max_new_tokens=NEW_TOKENS)
+    assert torch.equal(
+        generate(llama, prompt, max_new_tokens=NEW_TOKENS, steps=decoding_steps(llama)), expected
+    )
     assert store[1].count(llama) == 1  # the fixture's compilation, and no other
 
 
@@ -115,24 +119,27 @@ def test_a_greedy_loop_takes_the_librarys_own_argmax_and_maxima(llama, monkeypat
     after the prefill): they equal torch.argmax and amax over the step's logits, and the
     tokens, with and without an end token, are eager decoding's."""
     served = []
-    greedy = exported.ExportedSteps.greedy
+    run = exported.ExportedStep.run
 
     def spied(self, *args):
-        chosen = greedy(self, *args)
-        served.append(chosen)
-        return chosen
+        output = run(self, *args)
+        served.append(output)
+        return output
 
-    monkeypatch.setattr(exported.ExportedSteps, "greedy", spied)
+    monkeypatch.setattr(exported.ExportedStep, "run", spied)
     prompt = torch.arange(2, 8).unsqueeze(0)
-    tokens, logits = _steps(llama, prompt, compile="aot")
-    assert torch.equal(tokens, _steps(llama, prompt, compile=False)[0])
+    tokens, logits = _steps(llama, prompt, mode="aot")
+    assert torch.equal(tokens, _steps(llama, prompt)[0])
     assert len(served) == NEW_TOKENS - 1 and None not in served
-    for step_logits, top, chosen in served:
-        assert torch.equal(chosen, step_logits.argmax(dim=-1))
-        assert torch.equal(top, step_logits.amax(dim=-1))
+    for output in served:
+        step_logits = output.logits[:, -1]
+        assert torch.equal(output.top_token, step_logits.argmax(dim=-1))
+        assert torch.equal(output.top_logit, step_logits.amax(dim=-1))
     eos = int(tokens[0, 3])
-    expected = generate(llama, prompt, max_new_tokens=NEW_TOKENS, eos_token_id=eos, compile=False)
-    got = generate(llama, prompt, max_new_tokens=NEW_TOKENS, eos_token_id=eos, compile="aot")
+    expected = generate(llama, prompt, max_new_tokens=NEW_TOKENS, eos_token_id=eos)
+    got = generate(
+        llama, prompt, max_new_tokens=NEW_TOKENS, eos_token_id=eos, steps=decoding_steps(llama)
+    )
     assert torch.equal(got, expected)
 
 
@@ -140,7 +147,7 @@ def test_non_finite_logits_from_the_library_fail_at_their_step(llama):
     """The library's row maxima are checked as the loop's own are: a NaN embedding row for the
     token chosen after the prompt spoils the next step's logits, and decoding stops there."""
     prompt = torch.arange(2, 8).unsqueeze(0)
-    first = int(generate(llama, prompt, max_new_tokens=1, compile=False)[0, -1])
+    first = int(generate(llama, prompt, max_new_tokens=1)[0, -1])
     embedding = llama.token_embedding.weight
     assert llama.lm_head.weight is not embedding  # untied: the prompt's logits stay finite
     saved = embedding[first].clone()
@@ -148,7 +155,7 @@ def test_non_finite_logits_from_the_library_fail_at_their_step(llama):
         embedding[first] = float("nan")
     try:
         with pytest.raises(ValueError, match=r"decoding step 1 .*not finite in rows \[0\]"):
-            generate(llama, prompt, max_new_tokens=NEW_TOKENS, compile="aot")
+            generate(llama, prompt, max_new_tokens=NEW_TOKENS, steps=decoding_steps(llama))
     finally:
         with torch.no_grad():
             embedding[first] = saved
@@ -159,10 +166,10 @@ def test_packed_products_are_served(store):
     the eager tokens, from a library of its own (the packed model's step is another)."""
     model = redraw(qkv_model("tiny-llama"), seed=5)
     prompt = torch.arange(3, 9).unsqueeze(0)
-    expected = generate(model, prompt, max_new_tokens=NEW_TOKENS, compile=False)
+    expected = generate(model, prompt, max_new_tokens=NEW_TOKENS)
     compiled_before = len(store[1])
     with packed_linears(model):
-        got = generate(model, prompt, max_new_tokens=NEW_TOKENS, compile="aot")
+        got = generate(model, prompt, max_new_tokens=NEW_TOKENS, steps=decoding_steps(model))
     assert torch.equal(got, expected)
     assert len(store[1]) == compiled_before + 1
 
@@ -173,7 +180,7 @@ def test_a_new_process_loads_the_library_from_the_store(llama, store):
     directory, _ = store
     assert len(list(directory.rglob("exported-b1-int64-int64.pt2"))) >= 1
     decodes_from_the_store(
-        directory, refused="exported._compile", compile="aot", new_tokens=NEW_TOKENS
+        directory, refused="exported._compile", mode="aot", new_tokens=NEW_TOKENS
     )
 
 
@@ -208,7 +215,7 @@ def test_a_library_built_for_another_model_is_refused_before_it_runs(
 
 @pytest.fixture
 def elsewhere(monkeypatch):
-    """compile=True's steps, standing in for themselves: they count their calls and run the
+    """torch.compile's steps, standing in for themselves: they count their calls and run the
     model eagerly (no compilation)."""
     calls = []
 
@@ -216,16 +223,16 @@ def elsewhere(monkeypatch):
         calls.append(self.model)
         return self.model(*args, **kwargs)
 
-    monkeypatch.setattr(compiled.CompiledSteps, "__call__", step)
+    monkeypatch.setattr(compiled.CompiledForward, "__call__", step)
     return calls
 
 
 def test_a_padded_batch_decodes_through_the_compiled_steps(llama, elsewhere):
     """A call with a padding mask is not one the library serves: every step after the prefill
-    goes to compile=True's steps, with the eager tokens."""
+    goes to torch.compile's steps, with the eager tokens."""
     ids, mask = left_padded_prompts()
-    eager = _steps(llama, ids, mask, compile=False)[0]
-    assert torch.equal(_steps(llama, ids, mask, compile="aot")[0], eager)
+    eager = _steps(llama, ids, mask, mode="eager")[0]
+    assert torch.equal(_steps(llama, ids, mask, mode="aot")[0], eager)
     assert elsewhere == [llama] * (NEW_TOKENS - 1)
 
 
@@ -233,7 +240,7 @@ def test_a_step_that_cannot_be_exported_decodes_through_the_compiled_steps(
     caplog, monkeypatch, elsewhere
 ):
     """A compiler failure (here: a stand-in that raises) warns with its reason, and the steps
-    are compile=True's, with the eager tokens."""
+    are torch.compile's, with the eager tokens."""
     model = qkv_model("tiny-mistral")
 
     def broken(*args):
@@ -242,18 +249,38 @@ def test_a_step_that_cannot_be_exported_decodes_through_the_compiled_steps(
     monkeypatch.setattr(exported, "_compile", broken)
     prompt = torch.arange(3, 9).unsqueeze(0)
     with caplog.at_level(logging.WARNING, logger="qkv.acceleration.exported"):
-        got = generate(model, prompt, max_new_tokens=4, compile="aot")
-    assert torch.equal(got, generate(model, prompt, max_new_tokens=4, compile=False))
+        got = generate(model, prompt, max_new_tokens=4, steps=decoding_steps(model))
+    assert torch.equal(got, generate(model, prompt, max_new_tokens=4))
     assert "no C++ kernel for this" in caplog.text
     assert elsewhere == [model] * 3
 
 
-def test_sinks_and_beam_search_are_refused_by_name():
-    model = qkv_model("tiny-llama")
+def test_beam_search_and_sinks_decode_through_the_steps_they_can_use(llama, elsewhere):
+    """Beam search reorders its rows (the cache with them): the library serves its unpadded
+    steps all the same, with the eager hypotheses. A StreamingLLM cache goes to the model."""
     prompt = torch.arange(3, 9).unsqueeze(0)
-    with pytest.raises(ValueError, match="sinks"):
-        generate(model, prompt, max_new_tokens=2, compile="aot", sinks=(1, 4))
-    with pytest.raises(ValueError, match="compile"):
-        generate(model, prompt, max_new_tokens=2, compile="aot", num_beams=2)
-    with pytest.raises(TypeError, match='"aot"'):
-        generate(model, prompt, max_new_tokens=2, compile="fast")
+    expected = generate(llama, prompt, max_new_tokens=4, num_beams=2)
+    assert torch.equal(generate(llama, prompt, max_new_tokens=4, num_beams=2,
+                                steps=decoding_steps(llama)), expected)  # fmt: skip
+    expected = generate(llama, prompt, max_new_tokens=4, sinks=(1, 4))
+    got = generate(llama, prompt, max_new_tokens=4, sinks=(1, 4), steps=decoding_steps(llama))
+    assert torch.equal(got, expected)
+    assert elsewhere == []
+
+
+def test_auto_uses_a_compiled_library_and_otherwise_stays_eager(llama, store, monkeypatch):
+    """mode="auto" decides from what is compiled, never from a timing: the fixture's model has
+    its library (the steps are the library's), a new model of other weights and widths has
+    none (the steps are the model's, nothing compiled)."""
+    prompt = torch.arange(3, 9).unsqueeze(0)
+    steps = decoding_steps(llama, "auto")
+    assert torch.equal(
+        generate(llama, prompt, max_new_tokens=4, steps=steps),
+        generate(llama, prompt, max_new_tokens=4),
+    )
+    assert steps.mode == "aot"
+    other = qkv_model("tiny-mistral")
+    steps = decoding_steps(other, "auto")
+    before = len(store[1])
+    generate(other, prompt, max_new_tokens=4, steps=steps)
+    assert steps.mode == "eager" and len(store[1]) == before

@@ -11,10 +11,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkv import capabilities
-from qkv.acceleration import PackedLinear, SharedInputMember, explain_packing, packed_linears
-from qkv.acceleration.compiled import _INDUCTOR_OPTIONS
+from qkv.acceleration import (
+    PackedLinear,
+    SharedInputMember,
+    explain_packing,
+    onednn_probe,
+    packed_linears,
+)
 from qkv.generation import beam_search, generate
-from qkv.layers import Linear, MultiHeadAttention, SwiGLU
+from qkv.layers import MultiHeadAttention, SwiGLU
 from qkv.models import GPT, GPTConfig, Transformer, TransformerConfig
 from tests.layers.helpers import randomize_
 
@@ -155,7 +160,7 @@ def test_projections_that_read_one_input_share_one_product_from_the_second_call_
         # a slice is kept for its own input only: another tensor gets its own product
         other = torch.randn(2, 5, 64)
         assert torch.equal(self_attention.k_proj(other), self_attention.k_proj.own(other))
-    assert type(self_attention.q_proj) is Linear and type(ffn.up_proj) is Linear
+    assert type(self_attention.q_proj) is nn.Linear and type(ffn.up_proj) is nn.Linear
 
 
 def test_packed_encoder_decoder_gives_the_same_beams():
@@ -190,63 +195,6 @@ def test_under_cpu_autocast_a_packed_linear_computes_what_autocast_f_linear_does
     with torch.no_grad():
         torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=0)
     assert packed(x).dtype == torch.float32
-
-
-def test_under_torch_compile_each_packed_linear_computes_with_its_own_weights():
-    """Compiled, a packed product is an opaque operator that finds its module by a handle: two
-    packed linears of the same shape through one compiled function (and a second pair through
-    the same function) each give their own F.linear, around a fused activation."""
-    torch.manual_seed(0)
-    pairs = [(nn.Linear(16, 24), nn.Linear(16, 24)) for _ in range(2)]
-    x = torch.randn(1, 1, 16)
-
-    def two_products(a: nn.Module, b: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([F.silu(a(x)), b(x) * 2], dim=-1)
-
-    compiled = torch.compile(two_products, fullgraph=True)
-    for a, b in pairs:
-        expected = two_products(a, b, x)
-        with torch.no_grad():
-            got = compiled(PackedLinear(a), PackedLinear(b), x)
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
-
-
-def test_compiled_stacked_linears_equal_their_outputs_concatenated():
-    """Compiled at one row, several linears (biases mixed) give cat([l(x) for l]): one
-    reduction per linear, concatenated (one reduction over a stacked copy was measured 5-12%
-    slower a decoding step, interleaved, besides costing the copy)."""
-    torch.manual_seed(0)
-    linears = [nn.Linear(16, n, bias=b) for n, b in ((24, True), (8, False), (8, True))]
-    x = torch.randn(1, 1, 16)
-    expected = torch.cat([linear(x) for linear in linears], dim=-1)  # (1, 1, 40)
-    compiled = torch.compile(lambda module, x: module(x), fullgraph=True)
-    with torch.no_grad():
-        got = compiled(PackedLinear(*linears), x)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
-
-
-def test_compiled_bf16_row_is_the_rounded_row_as_eagerly():
-    """Compiled at one row, a bf16 product converts the row to fp32 once, into a buffer
-    (qkv.acceleration.packing); with qkv's compile options (as `generate(compile=True)` uses
-    them) the row is still the bf16-rounded one when it comes from fp32 math cast to bf16, as it is
-    eagerly: the same outputs as from a row rounded beforehand, and the fp64 product of that
-    row within one bf16 rounding."""
-    torch.manual_seed(0)
-    linear = nn.Linear(512, 256, bias=False).to(torch.bfloat16)
-    row = torch.randn(1, 1, 512) * 3  # fp32, not representable in bf16
-
-    def cast_then_product(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return module((x * 1.5).to(torch.bfloat16))
-
-    compiled = torch.compile(cast_then_product, fullgraph=True, options=_INDUCTOR_OPTIONS)
-    packed = PackedLinear(linear)
-    rounded = (row * 1.5).to(torch.bfloat16)
-    with torch.no_grad():
-        got = compiled(packed, row)
-        from_rounded = torch.compile(lambda m, x: m(x), options=_INDUCTOR_OPTIONS)(packed, rounded)
-    assert torch.equal(got, from_rounded)
-    expected = (rounded.double() @ linear.weight.double().T).to(torch.bfloat16)
-    torch.testing.assert_close(got, expected, atol=0, rtol=2**-8)
 
 
 def test_explain_packing_lists_what_is_packed_grouped_and_left_with_the_reason():
@@ -380,7 +328,7 @@ def test_the_capability_answers_agree_with_what_the_cpu_does():
     """The probe's answer is what happens: where bf16 packing is said to work, a packed bf16
     product runs; where it is not, oneDNN refuses it (the crash the fallback avoids)."""
     weight, x = torch.randn(8, 16).bfloat16(), torch.randn(2, 16).bfloat16()
-    answer = capabilities.onednn_linear(torch.bfloat16)
+    answer = onednn_probe.packed_products(torch.bfloat16)
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
         torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
@@ -396,13 +344,13 @@ def test_the_capability_answers_agree_with_what_the_cpu_does():
 def test_the_first_probe_inside_autocast_gives_the_answer_it_gives_outside(dtype):
     """A packed linear first called inside a CPU autocast region (a bf16 training step) probes
     oneDNN there: the probe's float32 reference must not come out in bf16."""
-    outside = capabilities.onednn_linear(dtype)
-    capabilities.onednn_linear.cache_clear()
+    outside = onednn_probe.packed_products(dtype)
+    onednn_probe._packed_product_proved.cache_clear()
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            inside = capabilities.onednn_linear(dtype)
+            inside = onednn_probe.packed_products(dtype)
     finally:
-        capabilities.onednn_linear.cache_clear()
+        onednn_probe._packed_product_proved.cache_clear()
     assert (bool(inside), inside.reason) == (bool(outside), outside.reason)
 
 
@@ -416,10 +364,10 @@ def test_decoding_a_bf16_model_says_what_its_prompt_costs_where_bf16_is_emulated
     prompt = torch.arange(1, 6).unsqueeze(0)  # (1, 5)
     with caplog.at_level("WARNING", logger="qkv"):
         with packed_linears(model):
-            packed = generate(model, prompt, max_new_tokens=3, compile=False)
+            packed = generate(model, prompt, max_new_tokens=3)
         assert not caplog.records
-        generate(model, prompt, max_new_tokens=3, compile=False)
-        generate(model, prompt, max_new_tokens=3, compile=False)
+        generate(model, prompt, max_new_tokens=3)
+        generate(model, prompt, max_new_tokens=3)
     [warning] = caplog.records
     assert "decoding a bf16 model's prompt" in warning.message and "40x" in warning.message
     assert "packed_linears" in warning.message and packed.shape == (1, 8)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from qkv.generation import decode_steps, generate, stream
+from qkv.generation.loop import Logits
 from qkv.generation.sampling import LogitsCheck
 from tests.generation.reference_models import left_padded_prompts, qkv_model
 
@@ -125,14 +126,15 @@ def test_off_the_cpu_the_check_is_read_once_after_the_last_step():
     good = torch.randn(2, 5)
     bad = good.clone()
     bad[1, 3] = NAN
-    assert torch.equal(check.choosable(good, 0), good)
-    assert torch.equal(check.choosable(bad, 1), torch.stack((good[0], torch.zeros(5))))
-    check.choosable(bad, 2)
+    assert torch.equal(check.choosable(Logits(good), 0).logits, good)
+    chosen = check.choosable(Logits(bad), 1).logits
+    assert torch.equal(chosen, torch.stack((good[0], torch.zeros(5))))
+    check.choosable(Logits(bad), 2)
     with pytest.raises(ValueError, match=r"model: .*at decoding step 1 .*not finite \(NaN"):
         check.finish()
     with pytest.raises(ValueError, match=r"at decoding step 1 "):
         check.all_done(torch.tensor([True, True]))
     clean = LogitsCheck(torch.device("cpu"), at_once=False)
-    clean.choosable(good, 0)
+    clean.choosable(Logits(good), 0)
     clean.finish()
     assert clean.all_done(torch.tensor([True, True])) is True

@@ -138,7 +138,6 @@ def test_encoder_decoder_decodes_through_generate():
     [
         ({"num_beams": 0}, ValueError, r"num_beams: expected an int >= 1, got 0"),
         ({"num_beams": 2, "temperature": 0.5}, ValueError, r"num_beams: beam search is determ"),
-        ({"num_beams": 2, "compile": True}, ValueError, r"compile: compiled steps decode a fixed"),
         ({"length_penalty": float("inf")}, ValueError, r"length_penalty: expected a finite"),
         ({"early_stopping": "never"}, TypeError, r"early_stopping: expected a bool, got str"),
     ],
@@ -156,7 +155,7 @@ def test_beam_search_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match=r"on_token: beam search knows its tokens only at"):
         generate(model, ids, max_new_tokens=2, num_beams=2, on_token=print)
     translation = _translation_model()
-    with pytest.raises(ValueError, match=r"sinks: StreamingLLM caches and compiled steps are"):
+    with pytest.raises(ValueError, match=r"sinks: StreamingLLM caches are for decoder-only"):
         generate(translation, ids % 12, max_new_tokens=2, sinks=(1, 4))
     with pytest.raises(ValueError, match=r"max_new_tokens: the start token \+ 200 new tokens"):
         generate(translation, ids % 12, max_new_tokens=200)

@@ -259,10 +259,10 @@ def test_qkv_checkpoints_keep_the_scaling_and_sink_caches_apply_it(tmp_path):
     assert reloaded.config.rope_scaling == config.rope_scaling
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, config.vocab_size, (1, 20), generator=generator)
-    plain = [s.logits for s in decode_steps(model, prompt, max_new_tokens=12, compile=False)]
-    sinks = [s.logits for s in decode_steps(model, prompt, max_new_tokens=12, compile=False,
+    plain = [s.logits for s in decode_steps(model, prompt, max_new_tokens=12)]
+    sinks = [s.logits for s in decode_steps(model, prompt, max_new_tokens=12,
                                             sinks=(4, 60))]  # fmt: skip
     for ours, theirs in zip(sinks, plain, strict=True):
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
-    tokens = generate(model, prompt, max_new_tokens=12, compile=False)
-    assert torch.equal(generate(reloaded, prompt, max_new_tokens=12, compile=False), tokens)
+    tokens = generate(model, prompt, max_new_tokens=12)
+    assert torch.equal(generate(reloaded, prompt, max_new_tokens=12), tokens)

@@ -1,39 +1,60 @@
 """CPU speed-ups, one optional layer above the models they speed up (nothing below imports it).
+The models are plain PyTorch; what is faster is swapped in or wrapped around them from here.
 
 - `packed_linears(model)`: every linear weight reordered once into oneDNN's blocked layout, and
   the projections that read one input fused into one product, for the length of a `with`
   block (inference); `explain_packing(model)` says what it packs on this machine, and why.
-- `compiled_steps`: decoding steps through the model's forward compiled by torch.compile,
-  what `qkv.generate(..., compile=True)` runs; its graphs are kept on disk for later processes
-  (`compile_store`), and `qkv.generate`'s default, compile="auto", switches to them once they
-  pay for themselves (`auto`); once trusted, a graph is called with its inputs gathered by a
-  plan learned from recorded steps (`flat_call`).
-- `exported_steps`: the same steps exported once and compiled ahead of time by AOTInductor into
-  a library whose C++ wrapper calls the kernels, what `qkv.generate(..., compile="aot")` runs;
-  its weights are the model's own tensors, its libraries kept beside the graphs (`exported`).
+- `decoding_steps(model)`: the steps `qkv.generate(..., steps=)` runs after the prefill,
+  compiled: the step exported and compiled ahead of time by AOTInductor (`exported`, kept on
+  disk by `compile_store`), or the forward compiled by torch.compile (`compiled`); which one
+  serves a call is decided in `decoding`, and nowhere else.
+- `speed_up(model)`: the stand-ins for PyTorch's standard blocks that pay on this CPU, swapped
+  in for the length of a `with` block (training and decoding alike): `onednn_linears`
+  (`OneDNNLinear`), `fused_losses` (`fused_cross_entropy`), `fast_rope`
+  (`FastRotaryEmbedding`); `speed_up_choices()` says which, and why (`swaps`).
 
 Each asks `qkv.capabilities` what this CPU and PyTorch build support and falls back to the plain
 PyTorch op where they do not: the same results, slower.
 """
 
 from qkv.acceleration.block import packed_linears
-from qkv.acceleration.compiled import CompiledSteps, GuardedSteps, compiled_steps
-from qkv.acceleration.exported import ExportedSteps, exported_steps
+from qkv.acceleration.compiled import CompiledForward
+from qkv.acceleration.decoding import MODES, DecodingSteps, decoding_steps
+from qkv.acceleration.exported import ExportedStep
+from qkv.acceleration.fast_rotary import FastRotaryEmbedding, fast_rope
+from qkv.acceleration.fused_loss import LossInput, fused_cross_entropy, fused_losses
+from qkv.acceleration.onednn_linear import OneDNNLinear
 from qkv.acceleration.packing import PackedLinear
 from qkv.acceleration.plan import PackingPlan, can_pack, explain_packing
 from qkv.acceleration.shared_input import SharedInputGroup, SharedInputMember
+from qkv.acceleration.swaps import (
+    onednn_linears,
+    speed_up,
+    speed_up_choices,
+    swapped_classes,
+)
 
 __all__ = [
-    "CompiledSteps",
-    "ExportedSteps",
-    "GuardedSteps",
+    "MODES",
+    "CompiledForward",
+    "DecodingSteps",
+    "ExportedStep",
+    "FastRotaryEmbedding",
+    "LossInput",
+    "OneDNNLinear",
     "PackedLinear",
     "PackingPlan",
     "SharedInputGroup",
     "SharedInputMember",
     "can_pack",
-    "compiled_steps",
+    "decoding_steps",
     "explain_packing",
-    "exported_steps",
+    "fast_rope",
+    "fused_cross_entropy",
+    "fused_losses",
+    "onednn_linears",
     "packed_linears",
+    "speed_up",
+    "speed_up_choices",
+    "swapped_classes",
 ]

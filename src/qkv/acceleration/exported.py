@@ -1,32 +1,37 @@
-"""`qkv.generate(..., compile="aot")`: decoding steps through AOTInductor, no Python per kernel.
+"""The decoding step compiled ahead of time by AOTInductor: no Python between its kernels.
 
-`compile=True` (qkv.acceleration.compiled) runs inductor's kernels from a Python wrapper that
+`torch.compile` (qkv.acceleration.compiled) runs inductor's kernels from a Python wrapper that
 checks the size of every input, allocates and reinterprets buffers and calls each kernel, one
 line at a time: on the 55M Llama of benchmarks/decode.py about a tenth of a bf16 step, and
-more again to gather the inputs and go through torch.compile's runtime wrappers. Here the step
-is exported once (`torch.export`) and compiled ahead of time by AOTInductor into a C++ library
-whose own wrapper makes those calls; the model's weights are its constants, pointing at the
-model's own tensors (no copy: a weight changed in place is seen by the next step).
+more again to check its guards. Here the step is exported once (`torch.export`) and compiled
+ahead of time by AOTInductor into a C++ library whose own wrapper makes those calls; the
+model's weights are its constants, pointing at the model's own tensors (no copy: a weight
+changed in place is seen by the next step).
 
     with qkv.acceleration.packed_linears(model):      # one-row products as streaming kernels
-        tokens = qkv.generate(model, prompt, max_new_tokens=128, compile="aot")
+        steps = qkv.acceleration.decoding_steps(model)
+        tokens = qkv.generate(model, prompt, max_new_tokens=128, steps=steps)
 
 One library serves every prompt and cache length of a model at one batch size (the cache's
-length and slot count are symbolic), with the same tokens as `compile=True`: the same kernels.
-It also returns each row's largest logit and its index, which greedy decoding takes as its
-check and its choice (`ExportedSteps.greedy`; qkv.generation.loop) instead of reducing the
-logits again in Python between two steps.
+length and slot count are symbolic), with the same tokens as the model's forward compiled by
+torch.compile: the same kernels. It also returns each row's largest logit and its index
+(`CausalLMOutput.top_logit`, `top_token`), which greedy decoding takes as its check and its
+choice instead of reducing the logits again in Python between two steps.
 It is compiled once per machine where the compile store is on (qkv.acceleration.compile_store:
-`<key>/exported-b<B>-<ids dtype>-<positions dtype>.pt2` beside the compiled graphs) and loaded
-by later processes: only from a store no one else can write (`compile_store.untrusted`), and
-only where each constant the library reads has the shape and dtype recorded in its metadata
-when it was built (a library copied from another model would read out of bounds).
+`<key>/exported-b<B>-<ids dtype>-<positions dtype>.pt2`) and loaded by later processes: only
+from a store no one else can write (`compile_store.untrusted`), and only where each constant the
+library reads has the shape and dtype recorded in its metadata when it was built (a library
+copied from another model would read out of bounds).
 
-What the library does not serve runs elsewhere: a call with a padding mask or another cache
-(`CompiledSteps`, as `compile=True`), and a step over a cache of fewer than 2 tokens (eagerly:
-export treats sizes 0 and 1 as constants). A model whose step cannot be exported or compiled
-(an operator with no C++ kernel, such as the packed products of several rows) decodes through
-`CompiledSteps`, with a warning once.
+What the library does not serve (`ExportedStep.serves`) runs elsewhere (qkv.acceleration.decoding
+routes it): a call with a padding mask or another cache, a step over a cache of fewer than 2
+tokens (export treats sizes 0 and 1 as constants), and a model whose step cannot be exported or
+compiled (an operator with no C++ kernel, such as the packed products of several rows; logged).
+
+Two things here are AOTInductor's, not public API, checked against torch 2.13: the library is
+run through its loader's `boxed_run` (the list of inputs handed over as it is, which the public
+call re-flattens at every step), and the cache's length reaches the library as the length of a
+`carrier` tensor, because an exported program's symbolic sizes come only from its inputs' shapes.
 """
 
 from __future__ import annotations
@@ -43,20 +48,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from qkv.acceleration import compiled
-from qkv.acceleration.compile_store import (
-    LOAD_SECONDS,
-    make_folder,
-    model_key,
-    store_directory,
-    untrusted,
-)
+from qkv.acceleration.compile_store import make_folder, model_key, store_directory, untrusted
 from qkv.acceleration.packing import PackedLinear
 from qkv.layers.kv_cache import StaticKVCache
 from qkv.models.outputs import CausalLMOutput
 from qkv.models.safetensors_io import write_atomically
 
-__all__ = ["ExportedSteps", "compile_seconds", "exported_steps"]
+__all__ = ["ExportedStep", "ready"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,60 +66,38 @@ CONSTANTS_METADATA = "qkv_constants"
 _RUNNERS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Any]] = weakref.WeakKeyDictionary()
 
 
-class ExportedSteps:
-    """The decoding steps of one call through the model's exported step (see the module doc):
-    called as the model is, `steps(input_ids (B, 1), attention_mask=None, position_ids (B, 1),
-    cache=..., logits_to_keep=1, check_ids=False)`, returning its logits (B, 1, V) in fp32;
-    `greedy` runs a step that chooses its tokens too."""
+class ExportedStep:
+    """The decoding steps of a model through its exported step (see the module doc). `run`
+    takes a call as the model does (`input_ids (B, 1), position_ids=(B, 1), cache=...,
+    attention_mask=None, logits_to_keep=1, check_ids=False`) and returns its CausalLMOutput
+    (logits (B, 1, V) fp32, top_logit (B,), top_token (B,)), or None where the library does not
+    serve it (nothing done then)."""
 
-    def __init__(self, model: nn.Module, options: dict[str, Any], fallback) -> None:
+    def __init__(self, model: nn.Module, options: dict[str, Any]) -> None:
         self.model, self.options = model, options
-        self.fallback = fallback  # () -> what runs the calls the library does not serve
-        self.steps_elsewhere = None
         self.runners: dict[int, _Runner | None] = {}  # by batch size, pointed at the model
+        self.cache = None  # the decoding call (its cache) the runners were pointed for
         self.carrier: torch.Tensor | None = None  # its first `length` items carry the length
 
-    def __call__(self, input_ids, **kwargs):
-        cache = kwargs.get("cache")
-        runner = None
-        if _served(input_ids, kwargs):
-            B = input_ids.shape[0]
-            if B not in self.runners:  # once per call: the weights do not change within it
-                self.runners[B] = self._runner(input_ids, kwargs)
-            runner = self.runners[B]
-        if runner is None:
-            if self.steps_elsewhere is None:
-                self.steps_elsewhere = self.fallback()
-            return self.steps_elsewhere(input_ids, **kwargs)
-        if cache.length < 2:  # a size export specialises: this step runs eagerly
-            return self.model(input_ids, **kwargs)
-        logits = self._run(runner, input_ids, kwargs["position_ids"], cache)[0]
-        return CausalLMOutput(logits=logits.unsqueeze(1))  # (B, 1, V) fp32
-
-    def greedy(self, input_ids, position_ids, cache) -> tuple | None:
-        """A step that also chooses its tokens greedily, for a loop that would otherwise
-        reduce the logits itself: (logits (B, V) fp32, each row's largest logit (B,), its
-        first index (B,) int64, as `torch.argmax`), all from the library. input_ids (B, 1),
-        position_ids (B, 1), an unpadded StaticKVCache. None where the library does not serve
-        the step (nothing is done then: the caller calls the steps as it would the model)."""
-        if type(cache) is not StaticKVCache or cache.length < 2:
+    def run(self, input_ids, kwargs: dict) -> CausalLMOutput | None:
+        if not _served(input_ids, kwargs):
             return None
+        cache = kwargs["cache"]
+        if cache is not self.cache:  # a new call: the model's tensors may have been replaced
+            self.cache, self.runners = cache, {}
         B = input_ids.shape[0]
-        if B not in self.runners:
-            kwargs = {"cache": cache, "position_ids": position_ids}
+        if B not in self.runners:  # once per call: the weights do not change within it
             self.runners[B] = self._runner(input_ids, kwargs)
         runner = self.runners[B]
-        return None if runner is None else self._run(runner, input_ids, position_ids, cache)
-
-    def _run(self, runner, input_ids, position_ids, cache) -> list[torch.Tensor]:
-        """One step through the library: [logits (B, V), maxima (B,), argmax (B,)]."""
+        if runner is None:
+            return None
         cache.check_room(1)  # the library's own check would fail with less to say
         if self.carrier is None or self.carrier.numel() < cache.length:
             self.carrier = torch.empty(cache.max_length, device=input_ids.device)
-        inputs = [input_ids, position_ids, self.carrier[: cache.length]]
-        outputs = runner.loader.boxed_run([*inputs, *cache.keys, *cache.values])
+        inputs = [input_ids, kwargs["position_ids"], self.carrier[: cache.length]]
+        logits, top, argmax = runner.loader.boxed_run([*inputs, *cache.keys, *cache.values])
         cache.advance(1)
-        return outputs
+        return CausalLMOutput(logits=logits.unsqueeze(1), top_logit=top, top_token=argmax)
 
     def _runner(self, input_ids: torch.Tensor, kwargs: dict):
         """The model's library for this batch size: loaded, stored or compiled now; None where
@@ -138,44 +114,24 @@ class ExportedSteps:
         return runner
 
 
-def exported_steps(model: nn.Module, sinks: tuple[int, int] | None = None):
-    """What runs the decoding steps after the prefill with `compile="aot"`: `ExportedSteps`,
-    with `compile=True`'s steps for the calls it does not serve; the model itself (with a
-    warning once) where torch.compile cannot build CPU kernels here."""
-    steps = compiled.compiled_steps(model, sinks)  # the same checks; compiles nothing yet
-    if not isinstance(steps, compiled.CompiledSteps):
-        return steps
-    return ExportedSteps(model, compiled._INDUCTOR_OPTIONS, fallback=lambda: steps)
-
-
-def compile_seconds(model: nn.Module) -> float | None:
-    """What exported steps would cost the model before their first step, in seconds: 0 with a
-    library in memory, LOAD_SECONDS with one stored, else the compile measured for this model
-    here (its libraries since removed), or None where nothing is known."""
-    key = model_key(model, compiled._INDUCTOR_OPTIONS)
+def ready(model: nn.Module, options: dict[str, Any]) -> bool:
+    """Whether the model's step is compiled already: a library in memory, or one stored that
+    a later call would load (well under a second) rather than compile (tens of seconds)."""
+    key = model_key(model, options)
     loaded = _RUNNERS.get(model, {})
     if any(k[0] == key and not isinstance(r, str) for k, r in loaded.items()):
-        return 0.0
+        return True
     directory = store_directory()
-    if directory is None:
-        return None
-    folder = directory / key
-    if any(folder.glob("exported-*.pt2")):
-        return LOAD_SECONDS
-    try:
-        return float((folder / _SECONDS_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-_SECONDS_FILE = "exported_compile_seconds"  # beside the libraries: the last compile's seconds
+    return directory is not None and any((directory / key).glob("exported-*.pt2"))
 
 
 def _served(input_ids: torch.Tensor, kwargs: dict) -> bool:
     """Whether a call is one the exported step computes: one new token per row, unpadded, over
-    a StaticKVCache, its last logits only, ids not checked."""
+    a StaticKVCache of at least 2 tokens, its last logits only, ids not checked."""
+    cache = kwargs.get("cache")
     return (
-        type(kwargs.get("cache")) is StaticKVCache
+        type(cache) is StaticKVCache
+        and cache.length >= 2
         and kwargs.get("attention_mask") is None
         and kwargs.get("position_ids") is not None
         and kwargs.get("logits_to_keep") == 1
@@ -248,7 +204,7 @@ class _Runner:
             return
         missing = [name for name in self.names if name not in tensors]
         if missing:
-            raise RuntimeError(f"compile='aot': the model lost the tensors {missing[:4]}")
+            raise RuntimeError(f"the exported step: the model lost the tensors {missing[:4]}")
         self.use(tensors)
 
     def use(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -286,7 +242,7 @@ def _load_or_compile(model, key: tuple, options: dict, input_ids, kwargs) -> _Ru
         return _Runner(_compile(model, options, input_ids, kwargs, path).loader)
     except Exception as error:
         reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        logger.warning("compile='aot': steps decode through compile=True instead (%s)", reason)
+        logger.warning("no exported step: decoding through torch.compile instead (%s)", reason)
         return reason
 
 
@@ -324,8 +280,7 @@ def _compile(model, options: dict, input_ids, kwargs: dict, path: Path | None):
     make_folder(path.parent)
     write_atomically(path, lambda partial: _package(program, partial, configs), suffix=".pt2")
     seconds = time.perf_counter() - started
-    (path.parent / _SECONDS_FILE).write_text(f"{seconds:.3f}")
-    logger.info("compile='aot': step exported and compiled in %.1f s (%s)", seconds, path)
+    logger.info("decoding step exported and compiled in %.1f s (%s)", seconds, path)
     return torch._inductor.aoti_load_package(str(path))
 
 

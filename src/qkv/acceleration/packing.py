@@ -28,7 +28,7 @@ build may lack the ops (`qkv.capabilities` asks, once per process). What cannot 
 keeps its nn.Linear, and a bf16 copy under CPU autocast that cannot be packed is computed by
 F.linear, as autocast would: the same results, slower. `explain_packing` says which applies.
 
-Under `torch.compile` (`qkv.generate(..., compile=True)`), everything around the products
+Under `torch.compile` (`qkv.acceleration.decoding_steps`), everything around the products
 (norms, RoPE, the cache writes) fuses, and a product over
 - one row (a decoding step at batch 1) is written as an elementwise product and a sum, which
   inductor turns into one streaming C++ reduction over the plain weight, which reads the
@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkv import capabilities
+from qkv.acceleration import onednn_probe
 
 __all__ = ["PackedLinear"]
 
@@ -65,7 +66,8 @@ class PackedLinear(nn.Module):
     (..., in_features) -> (..., sum of out_features), in the weights' dtype, or in bf16 under
     CPU autocast (a bf16 copy of fp32 weights is packed then, as autocast's F.linear casts
     them at every call). No gradients. Where oneDNN cannot pack the dtype on this machine
-    (`qkv.capabilities.onednn_linear`), the product is F.linear's: the same outputs, unpacked.
+    (`qkv.acceleration.onednn_probe.packed_products`), the product is F.linear's: the same
+    outputs, unpacked.
     """
 
     def __init__(self, *linears: nn.Linear, batch_hint: int = 1) -> None:
@@ -118,7 +120,7 @@ class PackedLinear(nn.Module):
         dtype = self._compute_dtype()
         if x.dtype != dtype:
             x = x.to(dtype)
-        if not capabilities.onednn_linear(dtype):  # e.g. bf16 on a CPU without AVX-512
+        if not onednn_probe.packed_products(dtype):  # e.g. bf16 on a CPU without AVX-512
             return self._plain_linear(x)
         if dtype not in self._packed:
             start = time.perf_counter()
@@ -177,7 +179,7 @@ class PackedLinear(nn.Module):
             return packed, torch.cat([b.detach() for b in biases]).to(dtype)  # (out,)
 
     def extra_repr(self) -> str:
-        support = capabilities.onednn_linear(self._dtype)
+        support = onednn_probe.packed_products(self._dtype)
         packed = "oneDNN-packed" if self._packed else "packed at its first call"
         if not support:
             packed = f"computed by F.linear: {support.reason}"

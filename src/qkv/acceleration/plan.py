@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from qkv import capabilities
+from qkv.acceleration import onednn_probe
+from qkv.acceleration.onednn_linear import OneDNNLinear
 from qkv.capabilities import Support
-from qkv.layers.linear import Linear
 
 __all__ = ["PackingPlan", "can_pack", "explain_packing", "packing_support"]
 
@@ -27,7 +28,7 @@ def packing_support(linear: nn.Linear) -> Support:
     weight = linear.weight
     if weight.device.type != "cpu":
         return Support(False, f"its weight is on {weight.device}, and packing is for the CPU")
-    onednn = capabilities.onednn_linear(weight.dtype)
+    onednn = onednn_probe.packed_products(weight.dtype)
     if not onednn and weight.dtype == torch.bfloat16:
         products = capabilities.bf16_products()
         if not products:  # PackedLinear computes several rows in fp32 (bf16 storage)
@@ -78,7 +79,7 @@ class PackingPlan:
         lines += [f"  group {label}" for *_, label in self.groups]
         lines += [f"  left {label}: {reason}" for label, reason in self.left]
         if any(linear.weight.dtype == torch.float32 for linear in self.packed()):
-            bf16 = capabilities.onednn_linear(torch.bfloat16)
+            bf16 = onednn_probe.packed_products(torch.bfloat16)
             how = "packed as bf16 copies" if bf16 else "computed by F.linear, as autocast does"
             lines.append(f"  under CPU autocast to bf16, products are {how} ({bf16.reason})")
         return "\n".join(lines)
@@ -97,7 +98,7 @@ def explain_packing(model: nn.Module, *, fuse: bool = True) -> PackingPlan:
         prefix = f"{names[parent]}." if parent is not model else ""
         packable: dict[tuple, list[tuple[str, nn.Linear]]] = {}
         for child_name, child in parent.named_children():
-            if type(child) not in (nn.Linear, Linear):
+            if type(child) not in (nn.Linear, OneDNNLinear):
                 continue
             support = packing_support(child)
             if not support:

@@ -14,7 +14,7 @@ from qkv.commands._text_input import check_arguments
 def _generate(args: argparse.Namespace) -> int:
     """Echo the prompt and stream its continuation to stdout, token by token; then the number
     of tokens and their rate on stderr."""
-    from qkv.acceleration import packed_linears
+    from qkv.acceleration import decoding_steps, packed_linears
     from qkv.generation.text import load_for_generation, stream_text
     from qkv.models.checkpoints import check_local_folder
 
@@ -28,13 +28,14 @@ def _generate(args: argparse.Namespace) -> int:
         check_local_folder(args.path)  # a Hub name: say that nothing is downloaded, and how to
         model, tokenizer = load_for_generation(args.path)
         after_prompt = _AfterPrompt(tokenizer, prompt)
-        pieces = stream_text(
-            model, after_prompt, prompt, max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-            sinks=None if args.sinks is None else tuple(args.sinks),
-            compile="auto" if args.compile is None else args.compile,
-        )  # fmt: skip
         with packed_linears(model) if args.pack else contextlib.nullcontext():
+            # the steps of the model as packed: "auto" looks for a library of that form
+            pieces = stream_text(
+                model, after_prompt, prompt, max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                seed=args.seed, sinks=None if args.sinks is None else tuple(args.sinks),
+                steps=decoding_steps(model, _MODES[args.compile]),
+            )  # fmt: skip
             started = time.perf_counter()
             _print_after(prompt, pieces)
             seconds = time.perf_counter() - started
@@ -46,6 +47,9 @@ def _generate(args: argparse.Namespace) -> int:
     rate = f"{count / seconds:.0f}" if seconds > 0 else "-"
     print(f"{count} tokens in {seconds:.2f} s ({rate} tokens/s)", file=sys.stderr)
     return 0
+
+
+_MODES = {None: "auto", True: "aot", False: "eager"}  # --compile / --no-compile / neither
 
 
 def _prompt(args: argparse.Namespace) -> str:
@@ -134,10 +138,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="decode with the model's forward compiled by torch.compile (faster steps after a "
-        "compilation of tens of seconds, paid once per machine: later runs load it in a few); "
-        "--no-compile: eagerly. Default: the step compiled ahead of time by AOTInductor once "
-        "that pays for itself, at once where this process has compiled the model "
-        '(qkv.generate\'s compile="auto")',
+        help="decode with the step compiled ahead of time by AOTInductor (faster steps after "
+        "a compilation of tens of seconds, paid once per machine: later runs load it in well "
+        "under a second); --no-compile: eagerly. Default: compiled where an earlier run "
+        'compiled it, else eager (qkv.acceleration.decoding_steps\' mode="auto")',
     )
     generate.set_defaults(run=_generate)

@@ -13,22 +13,13 @@ the prompt followed by the new tokens. An encoder-decoder `Transformer` takes th
 (padded on either side, with an attention_mask) and returns the target: its start token
 (config.bos_token_id) followed by the new tokens; its end token defaults to config.eos_token_id.
 
-`compile=True` runs every step after a decoder-only model's prefill through its forward
-compiled by `torch.compile` (dynamic shapes, one graph for every step and cache length): the
-norms, RoPE, casts and cache writes between the matrix products fuse into a few kernels.
-Compiling takes a while once per machine and architecture (later calls, later `packed_linears`
-blocks and later processes reuse the graphs: qkv.acceleration.compile_store) and needs what
-torch.compile's inductor needs on the CPU: a C++ compiler. The default, `compile="auto"`, starts
-eagerly and switches to `compile="aot"`'s steps (below) once they pay for themselves
-(qkv.acceleration.auto): at once when the model's compiled step is in memory. Once two steps have
-passed a graph's guards, later steps call it without checking them again (`CompiledSteps`), and
-from the sixth step on with its inputs gathered by a plan rather than by torch.compile's walk of
-the module tree (qkv.acceleration.flat_call). `compile="guarded"` keeps to torch.compile's public
-API and checks every guard at every step (`GuardedSteps`); `compile=True` falls back to it where
-this torch lacks what the guard-free path calls (qkv.acceleration.compiled; speed in
-benchmarks/decode.py). `compile="aot"` exports the step once and compiles it ahead of time with
-AOTInductor into a library whose C++ wrapper calls the same kernels, with no Python between
-them: the same tokens, faster steps (qkv.acceleration.exported).
+Every step after a decoder-only model's prefill is a call of `steps`, which has the model's
+decode signature: `steps(input_ids (B, 1), attention_mask=..., position_ids=..., cache=...,
+logits_to_keep=1, check_ids=False)` returning a CausalLMOutput. The default is the model
+itself, eager PyTorch. Faster steps come from outside, from `qkv.acceleration.decoding_steps`
+(the step compiled ahead of time by AOTInductor, or by torch.compile): the same tokens, with
+the one-time cost of compiling. A step that reduces its logits itself returns their row maxima
+and argmax too (`CausalLMOutput.top_logit`, `top_token`), which greedy decoding then takes.
 """
 
 from __future__ import annotations
@@ -40,9 +31,6 @@ import torch
 from torch import nn
 
 from qkv import capabilities
-from qkv.acceleration.auto import auto_steps
-from qkv.acceleration.compiled import compiled_steps
-from qkv.acceleration.exported import exported_steps
 from qkv.generation.loop import DecodeStep, decode_loop
 from qkv.generation.options import DecodeOptions, decode_options
 from qkv.generation.steps import DecoderOnlySteps, EncoderDecoderSteps, make_cache, prompt_mask
@@ -66,6 +54,7 @@ def generate(
     *,
     attention_mask: torch.Tensor | None = None,
     on_token: Callable[[torch.Tensor], None] | None = None,
+    steps: Callable | None = None,
     **fields: object,
 ) -> torch.Tensor:
     """The prompt followed by up to `max_new_tokens` new tokens, (B, L0 + new): L0 is the
@@ -75,18 +64,15 @@ def generate(
     attention_mask (B, L) (1 = real token, 0 = padding; every row's 0s before its 1s, and at
     least one 1). Encoder-decoder: the source ids (B, L_src) and their attention_mask. How to
     decode is a `DecodeOptions` (max_new_tokens, temperature, top_k, top_p, eos_token_id, seed,
-    sinks, compile, num_beams, length_penalty, early_stopping), given whole or field by field
+    sinks, num_beams, length_penalty, early_stopping), given whole or field by field
     (`max_new_tokens=32`), or both (the fields replace the object's). Greedy unless
     temperature > 0 or num_beams > 1 (then the best hypothesis of each prompt). Rows that emit
     `eos_token_id` are padded with it afterwards; decoding stops when every row has (beam
     search: when every prompt is done). `sinks=(num_sinks, window)` decodes a decoder-only model
     with a StreamingLLM cache of that size, past its context. `on_token(tokens (B,))` streams
-    each step (not with beam search, whose tokens are known only at the end). `compile=True`
-    decodes with the model's forward compiled (see the module doc): the same tokens, faster
-    steps after a one-time compilation; `compile="aot"` through AOTInductor, no Python between
-    the kernels; `compile="guarded"` with torch.compile's public API alone, every guard checked
-    every step; `compile="auto"` (the default) eagerly until `compile="aot"`'s steps pay,
-    `compile=False` eagerly.
+    each step (not with beam search, whose tokens are known only at the end). `steps` runs a
+    decoder-only model's steps after its prefill (None: the model itself; see the module doc),
+    e.g. `qkv.acceleration.decoding_steps(model)`: the same tokens, faster steps.
 
     Raises ValueError naming `model` when its logits stop being finite (NaN, +inf, or -inf
     for every token), with the step where they did: see `LogitsCheck` for when it is seen.
@@ -97,7 +83,7 @@ def generate(
             "on_token: beam search knows its tokens only at the end; expected on_token=None "
             "with num_beams > 1 (or num_beams=1 to stream)"
         )
-    decoding = start_decoding(model, input_ids, options, attention_mask)
+    decoding = start_decoding(model, input_ids, options, attention_mask, steps)
     new_tokens = []  # (B,) each
     for step in decoding.steps:
         new_tokens.append(step.tokens)
@@ -116,6 +102,7 @@ def stream(
     options: DecodeOptions | None = None,
     *,
     attention_mask: torch.Tensor | None = None,
+    steps: Callable | None = None,
     **fields: object,
 ) -> Iterator[torch.Tensor]:
     """The same decoding as `generate`, yielding each step's tokens (B,) as they come
@@ -126,8 +113,8 @@ def stream(
             f"num_beams: beam search knows its tokens only at the end; expected num_beams=1 to "
             f"stream, got {options.num_beams} (generate returns the best hypotheses)"
         )
-    steps = decode_steps(model, input_ids, options, attention_mask=attention_mask)
-    return (step.tokens for step in steps)
+    decoding = start_decoding(model, input_ids, options, attention_mask, steps)
+    return (step.tokens for step in decoding.steps)
 
 
 def decode_steps(
@@ -136,6 +123,7 @@ def decode_steps(
     options: DecodeOptions | None = None,
     *,
     attention_mask: torch.Tensor | None = None,
+    steps: Callable | None = None,
     **fields: object,
 ) -> Iterator[DecodeStep]:
     """The same decoding as `generate`, yielding a `DecodeStep` (tokens, logits, cache, and with
@@ -144,7 +132,7 @@ def decode_steps(
     Arguments are checked here, when called; the decoding runs as the iterator is consumed.
     """
     options = decode_options(options, fields)
-    return start_decoding(model, input_ids, options, attention_mask).steps
+    return start_decoding(model, input_ids, options, attention_mask, steps).steps
 
 
 @dataclass(frozen=True)
@@ -171,10 +159,10 @@ class Decoding:
     prompt: torch.Tensor
 
 
-def start_decoding(model, input_ids, options: DecodeOptions, attention_mask) -> Decoding:
+def start_decoding(model, input_ids, options: DecodeOptions, attention_mask, steps) -> Decoding:
     """The checked call of `decode_steps`: beam search when num_beams > 1, else greedy search or
     sampling; finished rows are filled with the end token."""
-    prepared = prepare(model, input_ids, options, attention_mask)
+    prepared = prepare(model, input_ids, options, attention_mask, steps)
     eos = prepared.eos_token_id
     fill = 0 if eos is None else eos
     if options.num_beams > 1:
@@ -184,11 +172,21 @@ def start_decoding(model, input_ids, options: DecodeOptions, attention_mask) -> 
     return Decoding(prepared.run(strategy, options), strategy, prepared.prompt)
 
 
-def prepare(model, input_ids, options: DecodeOptions, attention_mask) -> Prepared:
+def prepare(model, input_ids, options: DecodeOptions, attention_mask, steps=None) -> Prepared:
     """The step source of a decoder-only or encoder-decoder model's call, its arguments checked."""
+    if steps is not None and not callable(steps):
+        raise TypeError(
+            f"steps: expected None or a callable with the model's decode signature, got "
+            f"{type(steps).__name__}"
+        )
     if isinstance(model, Transformer):
+        if steps is not None:
+            raise ValueError(
+                "steps: for decoder-only models; an encoder-decoder Transformer decodes through "
+                "its own `decode`; expected steps=None"
+            )
         return Prepared(*_encoder_decoder(model, input_ids, options, attention_mask))
-    return Prepared(*_decoder_only(model, input_ids, options, attention_mask))
+    return Prepared(*_decoder_only(model, input_ids, options, attention_mask, steps))
 
 
 def beam_strategy(prepared: Prepared, options: DecodeOptions, fill_token_id: int) -> BeamSearch:
@@ -209,7 +207,7 @@ def token_strategy(prepared: Prepared, options: DecodeOptions, fill_token_id: in
     )  # fmt: skip
 
 
-def _decoder_only(model, input_ids, options: DecodeOptions, attention_mask):
+def _decoder_only(model, input_ids, options: DecodeOptions, attention_mask, steps):
     """(DecoderOnlySteps, the prompt, eos_token_id) of a decoder-only model's call."""
     config = model.config
     B, L = _check_call(config, input_ids, options)
@@ -228,10 +226,8 @@ def _decoder_only(model, input_ids, options: DecodeOptions, attention_mask):
             "inside qkv.acceleration.packed_linears(model) (as `qkv generate` does), bf16 "
             "products of several rows compute in fp32 at full speed",
         )
-    step_forward = _step_forward(model, options)
-    source = DecoderOnlySteps(
-        model, step_forward, input_ids, mask if padded else None, positions, cache
-    )
+    step = model if steps is None else steps
+    source = DecoderOnlySteps(model, step, input_ids, mask if padded else None, positions, cache)
     return source, input_ids, options.eos_token_id
 
 
@@ -240,26 +236,13 @@ def _has_bf16_linears(model: nn.Module) -> bool:
                for m in model.modules())  # fmt: skip
 
 
-def _step_forward(model, options: DecodeOptions):
-    """What runs a decoder-only model's steps after the prefill (see the module doc)."""
-    if options.compile == "aot":
-        return exported_steps(model, options.sinks)
-    if options.compiles:
-        return compiled_steps(model, options.sinks, guarded=options.compile == "guarded")
-    if options.compile == "auto" and options.sinks is None and options.num_beams == 1:
-        return auto_steps(model, max(options.max_new_tokens - 1, 0))
-    return model
-
-
 def _encoder_decoder(model, input_ids, options: DecodeOptions, attention_mask):
     """(EncoderDecoderSteps, the start tokens, eos_token_id) of an encoder-decoder's call."""
     config = model.config
-    if options.sinks is not None or options.compiles:
-        name = "sinks" if options.sinks is not None else "compile"
+    if options.sinks is not None:
         raise ValueError(
-            f"{name}: StreamingLLM caches and compiled steps are for decoder-only models; "
-            f'expected sinks=None and compile="auto" or False for an encoder-decoder '
-            f"Transformer"
+            "sinks: StreamingLLM caches are for decoder-only models; expected sinks=None for an "
+            "encoder-decoder Transformer"
         )
     eos = config.eos_token_id if options.eos_token_id is None else options.eos_token_id
     _check_tokens(options, config.tgt_vocab_size, eos)

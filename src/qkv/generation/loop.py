@@ -14,20 +14,20 @@ is this loop over two small objects:
     for step in range(max_new_tokens):
         choice = strategy.choose(logits)      # tokens (R',), parents (R',) or None
         yield DecodeStep(...)
-        logits = source.next(choice)          # (R', V)
+        logits = source.next(choice)          # (R', V), with its argmax if the step has it
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
 from qkv.generation.sampling import LogitsCheck
 
-__all__ = ["Choice", "DecodeStep", "StepSource", "Strategy", "decode_loop"]
+__all__ = ["Choice", "DecodeStep", "Logits", "StepSource", "Strategy", "decode_loop"]
 
 
 @dataclass(frozen=True)
@@ -70,24 +70,30 @@ class DecodeStep:
     parents: torch.Tensor | None = None
 
 
+class Logits(NamedTuple):
+    """A step's next-token logits (R, V) fp32, and each row's largest logit (R,) and its index
+    (R,) int64 where the step already has them (a compiled step reduces its logits itself;
+    None otherwise, and the loop reduces them)."""
+
+    logits: torch.Tensor
+    top: torch.Tensor | None = None
+    argmax: torch.Tensor | None = None
+
+
 class StepSource(Protocol):
     """A model being decoded: the logits after the prompt, then after each choice."""
 
     cache: object
 
-    def first(self) -> torch.Tensor: ...  # (R, V) fp32
+    def first(self) -> Logits: ...  # (R, V)
 
-    def next(self, choice: Choice) -> torch.Tensor: ...  # (R', V) fp32
-
-    # Optional: `next_greedy(choice)` -> (logits (R, V), row maxima (R,), argmax (R,)) or None,
-    # a step that chooses greedily too (see `decode_loop`).
+    def next(self, choice: Choice) -> Logits: ...  # (R', V)
 
 
 class Strategy(Protocol):
-    """How tokens are chosen from a step's logits. Optional: `greedy` (true where the choice is
-    each row's argmax) with `chosen(tokens)`, the choice of tokens chosen elsewhere."""
+    """How tokens are chosen from a step's logits."""
 
-    def choose(self, logits: torch.Tensor, step: int) -> Choice: ...
+    def choose(self, logits: Logits, step: int) -> Choice: ...
 
 
 def decode_loop(
@@ -96,32 +102,17 @@ def decode_loop(
     """Up to `max_new_tokens` steps; stops early once a choice says every row is finished.
 
     Raises ValueError naming `model` when the logits stop being finite (`LogitsCheck`).
-
-    A greedy strategy (`greedy` true: its choice is each row's argmax) over a source whose step
-    can choose too (`next_greedy`: compile="aot"'s library reduces its logits itself) takes
-    that step's argmax and row maxima rather than reducing the logits here: the same tokens
-    and checks, with less Python per step, which matters because a step's weights have evicted
-    the interpreter's working set from the caches by then (as gpt-fast's decode_one_token
-    chooses inside the compiled step).
     """
     check = LogitsCheck(device)
-    fused = check.at_once and getattr(strategy, "greedy", False)
-    next_greedy = getattr(source, "next_greedy", None) if fused else None
     choice = None
     for step in range(max_new_tokens):
-        chosen = None if choice is None or next_greedy is None else next_greedy(choice)
-        if chosen is not None:
-            logits, top, tokens = chosen  # (R, V), (R,), (R,)
-            check.maxima(top, step)
-            choice = strategy.chosen(tokens)
-        else:
-            # no_grad per call, not around the loop: a grad mode set inside a generator would
-            # leak into the caller's code between steps.
-            with torch.no_grad():
-                logits = source.first() if choice is None else source.next(choice)
-                choice = strategy.choose(check.choosable(logits, step), step)
+        # no_grad per call, not around the loop: a grad mode set inside a generator would
+        # leak into the caller's code between steps.
+        with torch.no_grad():
+            logits = source.first() if choice is None else source.next(choice)
+            choice = strategy.choose(check.choosable(logits, step), step)
         done = choice.finished is not None and check.all_done(choice.finished)
-        yield DecodeStep(choice.tokens, logits, source.cache, choice.parents)
+        yield DecodeStep(choice.tokens, logits.logits, source.cache, choice.parents)
         if done:
             return
     check.finish()

@@ -17,13 +17,7 @@ from dataclasses import dataclass
 
 from qkv.validation import check_int, check_seed
 
-__all__ = ["COMPILE_MODES", "DecodeOptions", "decode_options"]
-
-# compile: "auto" ("aot"'s steps once they pay: qkv.acceleration.auto), False (eager), True
-# (compiled, guard-free steps where torch allows), "guarded" (torch.compile's public API alone):
-# see qkv.acceleration.compiled; "aot" (the step compiled ahead of time by AOTInductor, no Python
-# between its kernels): see qkv.acceleration.exported
-COMPILE_MODES = ("auto", False, True, "guarded", "aot")
+__all__ = ["DecodeOptions", "decode_options"]
 
 
 @dataclass(frozen=True)
@@ -34,9 +28,9 @@ class DecodeOptions:
     et al. 2020), from a generator seeded with `seed` (None: torch's global generator).
     eos_token_id: a row that emits it is finished, and padded with it afterwards.
     sinks: (num_sinks, window), a StreamingLLM cache (Xiao et al. 2024) that decodes past the
-    model's context. compile: one of COMPILE_MODES.
+    model's context.
     num_beams > 1: beam search (qkv.generation.strategies.BeamSearch), deterministic
-    (temperature 0) and eager (compile "auto" or False); its hypotheses are ranked by sum of
+    (temperature 0); its hypotheses are ranked by sum of
     log-probabilities / new tokens ** length_penalty, and a prompt stops searching once it has
     num_beams finished ones (early_stopping) or once none of its beams can beat them."""
 
@@ -47,7 +41,6 @@ class DecodeOptions:
     eos_token_id: int | None = None
     seed: int | None = None
     sinks: tuple[int, int] | None = None
-    compile: bool | str = "auto"
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool = True
@@ -62,16 +55,7 @@ class DecodeOptions:
         if self.sinks is not None:
             _check_sinks(self.sinks)
             object.__setattr__(self, "sinks", tuple(self.sinks))
-        if not (isinstance(self.compile, bool) or self.compile in ("auto", "guarded", "aot")):
-            raise TypeError(
-                f'compile: expected "auto", a bool, "guarded" or "aot", got {self.compile!r}'
-            )
         _check_beams(self)
-
-    @property
-    def compiles(self) -> bool:
-        """Whether compiled steps were asked for explicitly (compile=True, "guarded" or "aot")."""
-        return self.compile is True or self.compile in ("guarded", "aot")
 
     @property
     def sampling(self) -> dict:
@@ -142,9 +126,4 @@ def _check_beams(options: DecodeOptions) -> None:
         raise ValueError(
             f"num_beams: beam search is deterministic; expected temperature=0 with "
             f"num_beams={options.num_beams}, got temperature={options.temperature}"
-        )
-    if options.compiles:
-        raise ValueError(
-            f"compile: compiled steps decode a fixed set of rows, which beam search reorders; "
-            f"expected compile=False with num_beams={options.num_beams}"
         )

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qkv.generation.loop import Choice
+from qkv.generation.loop import Choice, Logits
 from qkv.layers.kv_cache import SinkKVCache, StaticKVCache
 
 __all__ = ["DecoderOnlySteps", "EncoderDecoderSteps", "make_cache", "prompt_mask"]
@@ -32,18 +32,19 @@ class DecoderOnlySteps:
     input_ids (B, L); mask (B, L) bool with padding, or None without (every key real: the model
     then gets no mask, rather than an all-ones one it would inspect, a host sync, and drop at
     every step); positions (B, L) of the prompt's tokens. The prompt goes through `model` (its
-    ids checked), every later step through `step_forward` (the model, or its compiled forward).
+    ids checked), every later step through `step` (the model, or what stands in for its
+    forward: `qkv.generate`'s `steps`), called as the model is and returning a CausalLMOutput
+    (its `top_logit` and `top_token` where the step reduced its logits itself).
     """
 
-    def __init__(self, model, step_forward, input_ids, mask, positions, cache) -> None:
-        self.model, self.step_forward, self.cache = model, step_forward, cache
+    def __init__(self, model, step, input_ids, mask, positions, cache) -> None:
+        self.model, self.step, self.cache = model, step, cache
         self.input_ids, self.mask, self.positions = input_ids, mask, positions
-        self._greedy = getattr(step_forward, "greedy", None)  # a step that chooses too
 
-    def first(self) -> torch.Tensor:
+    def first(self) -> Logits:
         return self._logits(self.model, self.input_ids, check_ids=True)  # (B, V)
 
-    def next(self, choice: Choice) -> torch.Tensor:
+    def next(self, choice: Choice) -> Logits:
         if choice.parents is not None:  # rows follow their parents: keys, mask and positions
             self.cache.reorder(choice.parents)
             self.positions = self.positions[choice.parents]
@@ -54,32 +55,20 @@ class DecoderOnlySteps:
         if self.mask is not None:
             self.mask = torch.cat([self.mask, self.mask.new_ones(rows, 1)], dim=1)
         # Only the prompt needs its ids checked: later tokens are the loop's own choices.
-        return self._logits(self.step_forward, choice.tokens.unsqueeze(1), check_ids=False)
+        return self._logits(self.step, choice.tokens.unsqueeze(1), check_ids=False)
 
-    def next_greedy(self, choice: Choice) -> tuple | None:
-        """`next`, where the step function can also choose greedily (compile="aot"'s library:
-        `ExportedSteps.greedy`): (logits (R, V) fp32, each row's largest logit (R,), its index
-        (R,)); None where it cannot (unpadded rows that stay in place only), nothing done."""
-        if self._greedy is None or self.mask is not None or choice.parents is not None:
-            return None
-        positions = self.positions[:, -1:] + 1  # (R, 1)
-        chosen = self._greedy(choice.tokens.unsqueeze(1), positions, self.cache)
-        if chosen is not None:
-            self.positions = positions
-        return chosen
-
-    def _logits(self, forward, tokens, check_ids: bool) -> torch.Tensor:
+    def _logits(self, forward, tokens, check_ids: bool) -> Logits:
         """Logits of the last position of each row, (R, V), in fp32: the only ones computed."""
         options = {"logits_to_keep": 1, "check_ids": check_ids}
         if isinstance(self.cache, SinkKVCache):  # one token at a time; every cached one is real
             for i in range(tokens.shape[1]):
-                logits = forward(tokens[:, i : i + 1], cache=self.cache, **options).logits
-            return logits[:, -1].float()
-        output = forward(
-            tokens, attention_mask=self.mask, position_ids=self.positions, cache=self.cache,
-            **options,
-        )  # fmt: skip
-        return output.logits[:, -1].float()
+                output = forward(tokens[:, i : i + 1], cache=self.cache, **options)
+        else:
+            output = forward(
+                tokens, attention_mask=self.mask, position_ids=self.positions, cache=self.cache,
+                **options,
+            )  # fmt: skip
+        return Logits(output.logits[:, -1].float(), output.top_logit, output.top_token)
 
 
 class EncoderDecoderSteps:
@@ -98,10 +87,10 @@ class EncoderDecoderSteps:
         bos = model.config.bos_token_id
         self.start = torch.full((B, 1), bos, dtype=torch.long, device=self.memory.device)
 
-    def first(self) -> torch.Tensor:
+    def first(self) -> Logits:
         return self._logits(self.start)  # (B, V)
 
-    def next(self, choice: Choice) -> torch.Tensor:
+    def next(self, choice: Choice) -> Logits:
         if choice.prompts is not None:  # rows of one source share its memory's keys/values
             self.memory = self.memory[choice.prompts]
             if self.memory_mask is not None:
@@ -111,12 +100,12 @@ class EncoderDecoderSteps:
             self.cache.reorder_self_attention(choice.parents)
         return self._logits(choice.tokens.unsqueeze(1))
 
-    def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _logits(self, tokens: torch.Tensor) -> Logits:
         """Feed each row's newest token: logits of the token after it, (R, V), fp32."""
         logits = self.model.decode(
             tokens, self.memory, memory_mask=self.memory_mask, cache=self.cache
         )
-        return logits[:, -1].float()
+        return Logits(logits[:, -1].float())
 
 
 def make_cache(

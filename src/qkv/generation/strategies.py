@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from qkv.generation.loop import Choice
+from qkv.generation.loop import Choice, Logits
 from qkv.generation.sampling import next_token
 
 __all__ = ["BeamSearch", "TokenChoice"]
@@ -46,12 +46,13 @@ class TokenChoice:
         self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
         self.greedy = sampling.get("temperature", 0.0) == 0.0  # each row's argmax
 
-    def choose(self, logits: torch.Tensor, step: int) -> Choice:
-        return self.chosen(next_token(logits, **self.sampling, generator=self.generator))
-
-    def chosen(self, chosen: torch.Tensor) -> Choice:
-        """The choice of the tokens (B,) int64 drawn from a step's logits: finished rows get
-        the fill token."""
+    def choose(self, logits: Logits, step: int) -> Choice:
+        """The tokens (B,) drawn from a step's logits (greedy: their argmax, the step's own
+        where it has one); finished rows get the fill token."""
+        if self.greedy and logits.argmax is not None:
+            chosen = logits.argmax
+        else:
+            chosen = next_token(logits.logits, **self.sampling, generator=self.generator)
         if self.eos_token_id is None:
             return Choice(chosen)
         chosen = torch.where(self.finished, self.fill_token_id, chosen)
@@ -79,9 +80,9 @@ class BeamSearch:
         self.done = torch.zeros(B, dtype=torch.bool, device=prompts.device)
         self.beam_scores = torch.zeros(B, 1, device=prompts.device)  # (B, K_cur): sum log-probs
 
-    def choose(self, logits: torch.Tensor, step: int) -> Choice:
+    def choose(self, logits: Logits, step: int) -> Choice:
         B, K_cur = self.beam_scores.shape
-        logprobs = torch.log_softmax(logits.float(), dim=-1)  # (B * K_cur, V)
+        logprobs = torch.log_softmax(logits.logits.float(), dim=-1)  # (B * K_cur, V)
         candidates = self.beam_scores[:, :, None] + logprobs.view(B, K_cur, -1)
         top_scores, parents, tokens, is_eos = self._top_candidates(candidates)  # (B, 2K) each
         self._add_finished(top_scores, parents, is_eos, length=step + 1)

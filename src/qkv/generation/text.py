@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -74,13 +74,13 @@ def stream_text(
     top_p: float | None = None,
     seed: int | None = None,
     sinks: tuple[int, int] | None = None,
-    compile: bool | str = "auto",
+    steps: Callable | None = None,
 ) -> Iterator[str]:
     """The continuation of `prompt`, as pieces of text in the order they are generated.
 
     The prompt is encoded with the tokenizer's own settings (special tokens included); the
     pieces join to `tokenizer.decode(new token ids)`. Arguments are checked when called.
-    `compile` is `qkv.generate`'s.
+    `steps` is `qkv.generate`'s.
     """
     if not isinstance(prompt, str):
         raise TypeError(f"prompt: expected a str, got {type(prompt).__name__}")
@@ -91,7 +91,7 @@ def stream_text(
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)  # (1, L)
     tokens = stream(
         model, input_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-        top_p=top_p, seed=seed, sinks=sinks, compile=compile,
+        top_p=top_p, seed=seed, sinks=sinks, steps=steps,
     )  # fmt: skip
     return incremental_text(tokenizer, (int(step[0]) for step in tokens))
 

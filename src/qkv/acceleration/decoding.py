@@ -1,0 +1,99 @@
+"""`decoding_steps(model)`: what runs a decoder-only model's decoding steps fast, chosen here.
+
+`qkv.generate(model, ids, steps=...)` calls its `steps` for every step after the prefill, as it
+would call the model; by default it calls the model, eager PyTorch. The steps returned here
+compute the same tokens faster, at the one-time cost of compiling (benchmarks/decode.py):
+
+    with qkv.acceleration.packed_linears(model):      # oneDNN products, fused projections
+        tokens = qkv.generate(model, ids, max_new_tokens=128,
+                              steps=qkv.acceleration.decoding_steps(model))
+
+mode="aot" (the default): the step exported and compiled ahead of time by AOTInductor into a
+    library whose C++ wrapper calls the kernels, no Python between them
+    (qkv.acceleration.exported); kept on disk for later processes (compile_store).
+mode="compiled": the model's forward compiled by torch.compile, its public API alone, every
+    guard checked at every step (qkv.acceleration.compiled).
+mode="eager": the model itself.
+mode="auto": "aot" where the model's step is compiled already (in memory, or stored by an
+    earlier process: a load of well under a second), else "eager": a call never waits tens of
+    seconds for a compilation it did not ask for. Decided from what is on disk, never timed.
+
+Each call goes to the fastest that serves it (`DecodingSteps`): the exported library for
+unpadded steps over a StaticKVCache, torch.compile's forward for padded ones, and the model
+itself for a StreamingLLM cache (whose window is re-rotated every step) and for the first steps
+over a cache of fewer than 2 tokens. Where torch.compile cannot build CPU kernels (no C++
+compiler), or off the CPU, every step is the model's (logged once).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from qkv import capabilities
+from qkv.acceleration.compiled import INDUCTOR_OPTIONS, CompiledForward
+from qkv.acceleration.exported import ExportedStep, ready
+from qkv.layers.kv_cache import SinkKVCache
+
+__all__ = ["MODES", "DecodingSteps", "decoding_steps"]
+
+logger = logging.getLogger(__name__)
+
+MODES = ("aot", "compiled", "eager", "auto")
+
+
+def decoding_steps(model: nn.Module, mode: str = "aot") -> DecodingSteps | nn.Module:
+    """The steps for `qkv.generate(..., steps=)` in `mode` (one of MODES, see the module doc):
+    a `DecodingSteps`, or the model itself for "eager" and where nothing can be compiled."""
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    if mode == "eager":
+        return model
+    parameter = next(model.parameters(), None)
+    if parameter is not None and parameter.device.type != "cpu":
+        _log_once(f"decoding_steps: eager steps for a model on {parameter.device.type}")
+        return model
+    support = capabilities.compiler()
+    if not support:
+        _log_once(f"decoding_steps: eager steps: {support.reason}")
+        return model
+    return DecodingSteps(model, mode)
+
+
+class DecodingSteps:
+    """A model's steps in mode "aot", "compiled" or "auto", each call sent to the fastest path
+    that serves it (see the module doc): called as the model is, returning its CausalLMOutput.
+    "auto" is decided at the first step, on the model as it then is (packed inside a
+    `packed_linears` block, whose library is another than the plain model's)."""
+
+    def __init__(self, model: nn.Module, mode: str) -> None:
+        self.model, self.mode = model, mode
+        self.exported = ExportedStep(model, INDUCTOR_OPTIONS) if mode != "compiled" else None
+        self.compiled = CompiledForward(model) if mode != "auto" else None
+
+    def __call__(self, input_ids: torch.Tensor, **kwargs):
+        if self.mode == "auto":
+            self.mode = "aot" if ready(self.model, INDUCTOR_OPTIONS) else "eager"
+            logger.info("decoding_steps(mode='auto'): %s steps", self.mode)
+            self.compiled = CompiledForward(self.model)
+        cache = kwargs.get("cache")
+        if self.mode == "eager" or isinstance(cache, SinkKVCache):
+            return self.model(input_ids, **kwargs)
+        if self.exported is not None:
+            output = self.exported.run(input_ids, kwargs)
+            if output is not None:
+                return output
+        if cache is not None and cache.length < 2:  # torch.compile would specialise on it
+            return self.model(input_ids, **kwargs)
+        return self.compiled(input_ids, **kwargs)
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        logger.warning("%s", message)
+        _LOGGED.add(message)
+
+
+_LOGGED: set[str] = set()
