@@ -19,14 +19,8 @@ Two measurements:
    causal query sees i + 1 keys, uniform mass k / (i + 1): early queries are excluded, for
    which any head puts much of its mass on token 0).
 2. The GPT, trained on sequences of L tokens, reads held-out streams many times longer, each
-   token's next-token loss computed under four policies (`qkv.studies.sinks_caches`):
-   dense        the whole stream as context (RoPE positions past L; identical to decoding with
-                a cache of every token, so one causal forward computes it);
-   window       `SinkKVCache(num_sinks=0, window=W)`, one token at a time;
-   sinks        `SinkKVCache(num_sinks, window=W - num_sinks)`: the same memory, the first
-                tokens kept;
-   recompute    a fresh forward over the last W tokens for every token (the quality
-                reference: no stale keys, positions 0 .. W - 1).
+   token's next-token loss computed under four cache policies: dense, window, sinks and
+   recompute (described in `qkv.studies.sinks_caches`).
 """
 
 from __future__ import annotations
