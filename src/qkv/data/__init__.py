@@ -10,6 +10,8 @@
 - `digit_video`: clips of those digits moving across a larger canvas, labelled with the digit
   and the direction of motion.
 - `prompts`: English phrasings of each digit ("a handwritten seven"), their WordPiece tokenizer.
+- `gguf_tokenizer`: the byte-level BPE tokenizer and the chat template a GGUF file carries
+  (SmolLM2's, for one), with the ids transformers gives and its chat template rendering.
 
 Every dataset is a plain indexable object (len and []), so any sampler can draw from it.
 """
@@ -31,6 +33,15 @@ from qkv.data.digits import (
     load_digits,
     shift_images,
     split_digits,
+)
+from qkv.data.gguf_tokenizer import (
+    GGUF_PRE_TOKENIZERS,
+    ChatFormat,
+    chat_format_from_metadata,
+    gguf_pre_tokenizer,
+    render_chat,
+    tokenizer_from_gguf,
+    tokenizer_from_metadata,
 )
 from qkv.data.lm import TokenBlocks, causal_lm_blocks, token_stream
 from qkv.data.mlm import IGNORE_INDEX, PretrainingCollator, mask_tokens, pad_examples
@@ -60,11 +71,13 @@ __all__ = [
     "BERT_SPECIAL_TOKENS",
     "DIGIT_WORDS",
     "END_OF_TEXT",
+    "GGUF_PRE_TOKENIZERS",
     "IGNORE_INDEX",
     "IS_NEXT",
     "NOT_NEXT",
     "NULL_PROMPT",
     "BertSpecialIds",
+    "ChatFormat",
     "DigitClips",
     "DigitVideoSplits",
     "DigitSplits",
@@ -74,6 +87,7 @@ __all__ = [
     "TokenBlocks",
     "bert_special_ids",
     "causal_lm_blocks",
+    "chat_format_from_metadata",
     "digit_clips",
     "digit_prompts",
     "digit_splits",
@@ -81,6 +95,7 @@ __all__ = [
     "documentation_sentences",
     "encode_prompts",
     "evaluation_prompt",
+    "gguf_pre_tokenizer",
     "load_digits",
     "load_tokenizer",
     "make_nsp_examples",
@@ -90,6 +105,7 @@ __all__ = [
     "prompt_corpus",
     "pydoc_documents",
     "pydoc_texts",
+    "render_chat",
     "save_tokenizer",
     "shift_images",
     "split_digits",
@@ -97,6 +113,8 @@ __all__ = [
     "text_file_documents",
     "text_file_texts",
     "token_stream",
+    "tokenizer_from_gguf",
+    "tokenizer_from_metadata",
     "train_bpe",
     "train_prompt_tokenizer",
     "train_validation_split",

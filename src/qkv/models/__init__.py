@@ -16,7 +16,8 @@
 One calling convention: `model(input_ids, attention_mask=None, ...)`, the mask (B, L) with
 1/True on real tokens; a small dataclass comes back (`qkv.models.outputs`).
 `from_pretrained(path)` reads a local Hugging Face directory and picks the class from its
-config.json; `save(model, path)` / `load(path)` are qkv's own safetensors + JSON checkpoints.
+config.json; `from_gguf(path)` reads llama.cpp's GGUF files; `save(model, path)` /
+`load(path)` are qkv's own safetensors + JSON checkpoints.
 """
 
 from qkv.models.bert import BertConfig, BertModel, mean_pool
@@ -25,6 +26,7 @@ from qkv.models.checkpoints import CheckpointError, from_pretrained, save_pretra
 from qkv.models.diffusion import DiffusionTransformer
 from qkv.models.diffusion_config import DiffusionConfig
 from qkv.models.encoder_decoder import Transformer, TransformerConfig, shift_right
+from qkv.models.gguf import GGUFError, from_gguf
 from qkv.models.gpt import GPT, GPTBlock
 from qkv.models.gpt_config import GPTConfig
 from qkv.models.rnn_seq2seq import RNNSeq2Seq, RNNSeq2SeqConfig
@@ -45,6 +47,7 @@ __all__ = [
     "DiffusionTransformer",
     "GPT",
     "GPTBlock",
+    "GGUFError",
     "GPTConfig",
     "ImageClassificationOutput",
     "RNNSeq2Seq",
@@ -57,6 +60,7 @@ __all__ = [
     "VideoClassifierConfig",
     "ViT",
     "ViTConfig",
+    "from_gguf",
     "from_pretrained",
     "load",
     "mean_pool",

@@ -23,6 +23,8 @@ from qkv.models.checkpoints.core import (
 from qkv.models.checkpoints.fields import architectures
 from qkv.models.checkpoints.registry import ARCHITECTURES, Architecture
 from qkv.models.checkpoints.weight_files import read_weights, remove_shards
+from qkv.models.gguf.model import from_gguf
+from qkv.models.gpt import GPT
 from qkv.models.pretrained import connect
 
 __all__ = ["from_pretrained", "save_pretrained"]
@@ -43,8 +45,14 @@ def from_pretrained(path: str | Path, *, expected: type[nn.Module] | None = None
     checkpoint of another architecture of that class is also accepted when its layout fits
     (BertModel from a BertForPreTraining checkpoint, the heads dropped).
     A path with nothing there (a Hub name such as "gpt2": nothing is downloaded) raises
-    NotAFolderError, which says how to make the folder.
+    NotAFolderError, which says how to make the folder. A `.gguf` file is read by
+    `qkv.models.gguf.from_gguf` (a GPT).
     """
+    if Path(path).suffix == ".gguf" and Path(path).is_file():
+        if expected is not None and not issubclass(GPT, expected):
+            raise CheckpointError(f"path: {path} is a GGUF file, which qkv reads as a GPT, "
+                                  f"not a {expected.__name__}")  # fmt: skip
+        return from_gguf(path)
     auto_class = _AUTO_CLASSES.get(getattr(expected, "__name__", ""), "AutoModelForCausalLM")
     check_local_folder(path, auto_class=auto_class)
     config = read_config(path)

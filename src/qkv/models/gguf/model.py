@@ -1,0 +1,151 @@
+"""A GGUF file -> a loaded `qkv.models.GPT`: `from_gguf(path)`.
+
+llama.cpp names a decoder's tensors by role (its convert_hf_to_gguf.py writes them):
+
+    token_embd.weight                 token_embedding.weight           (V, E)
+    position_embd.weight              position_embedding.weight        GPT-2 only
+    blk.{i}.attn_norm.*               blocks.{i}.attn_norm.*
+    blk.{i}.attn_{q,k,v}.*            blocks.{i}.self_attn.{q,k,v}_proj.*
+    blk.{i}.attn_qkv.*                the three above, fused [q | k | v] (GPT-2)
+    blk.{i}.attn_output.*             blocks.{i}.self_attn.out_proj.*
+    blk.{i}.ffn_norm.*                blocks.{i}.ffn_norm.*
+    blk.{i}.ffn_{gate,up,down}.*      blocks.{i}.ffn.{gate,up,down}_proj.*
+    output_norm.*                     final_norm.*
+    output.weight                     lm_head.weight                   absent when tied
+
+GGUF lists a tensor's dims innermost first, so a matrix of ne = [in, out] is PyTorch's
+(out, in): nn.Linear's layout, no transpose. For RoPE, llama.cpp's converter reorders the rows
+of attn_q and attn_k within each head so that its kernel rotates adjacent pairs (2j, 2j + 1);
+qkv rotates the half-split pairs (j, j + D/2), as transformers does, so those rows are put back
+with `interleaved_to_half_split`. The config comes from `gguf_config` (`qkv.models.gguf.config`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from qkv.models.checkpoints.core import CheckpointError, KeyMap, load_into
+from qkv.models.gguf.config import gguf_config
+from qkv.models.gguf.file import GGUFError, GGUFFile, read_gguf
+from qkv.models.gguf.quants import dequantize
+from qkv.models.gpt import GPT
+from qkv.positional import interleaved_to_half_split
+
+__all__ = ["from_gguf", "gguf_tensor_names", "load_gguf_tensors"]
+
+logger = logging.getLogger(__name__)
+
+_LAYER_NAMES = {  # GGUF name inside blk.{i}. -> qkv name inside blocks.{i}. (weights and biases)
+    "attn_norm": "attn_norm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.out_proj",
+    "ffn_norm": "ffn_norm",
+    "ffn_gate": "ffn.gate_proj",
+    "ffn_up": "ffn.up_proj",
+    "ffn_down": "ffn.down_proj",
+}
+_TOP_NAMES = {
+    "token_embd": "token_embedding",
+    "position_embd": "position_embedding",
+    "output_norm": "final_norm",
+    "output": "lm_head",
+}
+
+
+def gguf_tensor_names(num_layers: int) -> dict[str, str]:
+    """Every GGUF tensor name qkv reads -> the qkv state_dict key it fills."""
+    names = {}
+    for kind in ("weight", "bias"):
+        names |= {f"{theirs}.{kind}": f"{ours}.{kind}" for theirs, ours in _TOP_NAMES.items()}
+        for i in range(num_layers):
+            for theirs, ours in _LAYER_NAMES.items():
+                names[f"blk.{i}.{theirs}.{kind}"] = f"blocks.{i}.{ours}.{kind}"
+    return names
+
+
+def from_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32) -> GPT:
+    """Load the GGUF file at `path` (llama or GPT-2 architecture) as a GPT in eval mode.
+
+    Quantized tensors are dequantized (`qkv.models.gguf.quants`) and the model holds them in
+    `dtype`. Anything qkv cannot read (another architecture, a ggml type without a
+    dequantizer, a missing or unexpected tensor) raises a GGUFError or CheckpointError that
+    names it, before the weights are dequantized.
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
+    file = read_gguf(path)
+    config = gguf_config(file)
+    model = GPT(config).to(dtype)
+    try:
+        load_into(model, load_gguf_tensors(file, model), KeyMap(_same, _same))
+    except CheckpointError as error:
+        raise CheckpointError(f"path: {file.path}: {error}") from error
+    logger.info("loaded %s: %s", file.path, config)
+    return model.eval()
+
+
+def _same(tensors: dict) -> dict:
+    return tensors
+
+
+def load_gguf_tensors(file: GGUFFile, model: GPT) -> dict[str, torch.Tensor]:
+    """The file's tensors under qkv's names, dequantized to the model's dtype, q/k rows in
+    qkv's RoPE layout, the head tied to the embedding when the file has no output.weight."""
+    config = model.config
+    names = gguf_tensor_names(config.num_layers)
+    unknown = sorted(set(file.tensors) - set(names) - _fused_names(config.num_layers))
+    if unknown:
+        raise GGUFError(f"path: {file.path} has tensors qkv does not read: {unknown[:10]}")
+    _check_shapes(file, model.state_dict(), names)
+    dtype = model.token_embedding.weight.dtype
+    tensors = {}
+    for name, tensor in file.tensors.items():
+        values = dequantize(tensor.raw, tensor.kind, tensor.shape).to(dtype)
+        tensors |= _renamed(name, values, names, config)
+    if config.tie_embeddings:
+        tensors["lm_head.weight"] = tensors["token_embedding.weight"]
+    return tensors
+
+
+def _fused_names(num_layers: int) -> set[str]:
+    return {f"blk.{i}.attn_qkv.{kind}" for i in range(num_layers) for kind in ("weight", "bias")}
+
+
+def _renamed(name: str, values: torch.Tensor, names: dict[str, str], config) -> dict:
+    """One GGUF tensor -> the qkv tensors it fills (three for a fused attn_qkv)."""
+    if ".attn_qkv." in name:  # GPT-2: rows [q | k | v]
+        prefix, kind = name.replace("blk.", "blocks.").split(".attn_qkv.")
+        parts = values.chunk(3, dim=0)  # (3E, E) -> three (E, E), or (3E,) -> three (E,)
+        return {f"{prefix}.self_attn.{p}_proj.{kind}": t for p, t in zip("qkv", parts, strict=True)}
+    ours = names[name]
+    if config.position == "rope" and ours.endswith(("q_proj.weight", "q_proj.bias")):
+        values = interleaved_to_half_split(values, config.num_heads)
+    elif config.position == "rope" and ours.endswith(("k_proj.weight", "k_proj.bias")):
+        values = interleaved_to_half_split(values, config.num_kv_heads or config.num_heads)
+    return {ours: values}
+
+
+def _check_shapes(file: GGUFFile, expected: dict, names: dict[str, str]) -> None:
+    """Missing and mis-shaped tensors, named, before anything is dequantized."""
+    given = {names[n] for n in file.tensors if n in names}
+    given |= {
+        n.replace("blk.", "blocks.").replace(".attn_qkv.", f".self_attn.{p}_proj.")
+        for n in file.tensors if ".attn_qkv." in n for p in "qkv"
+    }  # fmt: skip
+    tied = "lm_head.weight" if "output.weight" not in file.tensors else None
+    missing = sorted(set(expected) - given - {tied})
+    misshaped = [
+        f"{name}: file {tensor.shape}, model {tuple(expected[names[name]].shape)}"
+        for name, tensor in file.tensors.items()
+        if name in names and tuple(expected[names[name]].shape) != tensor.shape
+    ]
+    if missing or misshaped:
+        theirs = {ours: theirs for theirs, ours in names.items()}
+        missing = [theirs.get(key, key) for key in missing]
+        raise GGUFError(f"path: {file.path} does not fit the model its metadata describes: "
+                        f"missing {missing[:10]}, mis-shaped {misshaped[:10]}")  # fmt: skip
