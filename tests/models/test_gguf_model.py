@@ -14,6 +14,7 @@ import torch
 from qkv.data import chat_format_from_metadata, tokenizer_from_metadata
 from qkv.generation import generate
 from qkv.models import GPT, GPTConfig, from_gguf, from_pretrained
+from qkv.models.gguf import GGML_TYPES, read_gguf
 from qkv.models.gguf.writer import save_gguf
 
 TINY_LLAMA = GPTConfig(
@@ -179,3 +180,52 @@ def test_smollm2_file_is_read_with_every_tensor_and_key(smollm2_file):
     assert file.architecture == "llama"
     assert file.metadata["tokenizer.ggml.pre"] == "smollm"
     assert len(file.metadata["tokenizer.ggml.tokens"]) == 49152
+
+
+def _gguf_package_view(path) -> tuple[dict, dict]:
+    """The gguf package's own reading of a file: metadata as Python values, tensors by name."""
+
+    def plain(value):
+        if isinstance(value, list):
+            return [plain(item) for item in value]
+        return value.item() if isinstance(value, np.generic) else value
+
+    reader = gguf.GGUFReader(path)
+    fields = {k: plain(f.contents()) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    return fields, {tensor.name: tensor for tensor in reader.tensors}
+
+
+def _assert_read_as_the_gguf_package_reads(file) -> None:
+    fields, tensors = _gguf_package_view(file.path)
+    assert file.metadata == fields
+    assert set(file.tensors) == set(tensors)
+    for name, theirs in tensors.items():
+        ours = file.tensors[name]
+        assert ours.kind == theirs.tensor_type.name
+        assert ours.shape == tuple(int(d) for d in reversed(theirs.shape))
+        assert ours.raw.dtype == theirs.data.dtype and ours.raw.shape == theirs.data.shape
+        assert np.array_equal(ours.raw, theirs.data, equal_nan=ours.raw.dtype.kind == "f")
+
+
+def test_smollm2_metadata_and_tensors_are_what_the_gguf_package_reads(smollm2_file):
+    _assert_read_as_the_gguf_package_reads(smollm2_file)
+
+
+def test_every_value_type_is_read_as_the_gguf_package_reads_it(tmp_path):
+    extra = {
+        "test.flag": True, "test.count": 7, "test.big": -(2**40), "test.ratio": 0.1,
+        "test.text": "héllo ✓", "test.ints": [1, 2, 3], "test.floats": [0.5, -1.25],
+        "test.words": ["a", "", "ünï"], "test.flags": [True, False],
+    }  # fmt: skip
+    path = save_gguf(_random_model(TINY_GPT2), tmp_path / "values.gguf", weight_type="BF16",
+                     extra_metadata=extra)  # fmt: skip
+    file = read_gguf(path)
+    _assert_read_as_the_gguf_package_reads(file)
+    assert file.metadata["test.words"] == ["a", "", "ünï"]
+    assert file.metadata["test.flag"] is True and file.metadata["test.big"] == -(2**40)
+
+
+def test_the_ggml_type_table_is_the_gguf_package_table():
+    theirs = {kind.value: (kind.name, *sizes) for kind, sizes in gguf.GGML_QUANT_SIZES.items()}
+    assert {kind: theirs.get(kind) for kind in GGML_TYPES} == GGML_TYPES
+    assert len(GGML_TYPES) >= 34  # every type of gguf 0.19
