@@ -27,14 +27,14 @@ from pathlib import Path
 
 import torch
 
-from qkv.models.checkpoints.core import CheckpointError, KeyMap, load_into
+from qkv.models.checkpoints.core import CheckpointError
 from qkv.models.gguf.config import gguf_config
 from qkv.models.gguf.file import GGUFError, GGUFFile, read_gguf
-from qkv.models.gguf.quants import dequantize
+from qkv.models.gguf.quants import BLOCK_FORMATS, dequantize
 from qkv.models.gpt import GPT
 from qkv.positional import interleaved_to_half_split
 
-__all__ = ["from_gguf", "gguf_tensor_names", "load_gguf_tensors"]
+__all__ = ["from_gguf", "gguf_tensor_names", "load_gguf_tensors", "model_from_file"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,33 +76,47 @@ def from_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32) -> GPT:
     dequantizer, a missing or unexpected tensor) raises a GGUFError or CheckpointError that
     names it, before the weights are dequantized.
     """
+    return model_from_file(read_gguf(path), dtype=dtype)
+
+
+def model_from_file(file: GGUFFile, *, dtype: torch.dtype = torch.float32) -> GPT:
+    """`from_gguf` on a file already read by `read_gguf`: its metadata then also gives the
+    tokenizer and the chat template (`qkv.data.gguf_tokenizer`) without a second read."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
-    file = read_gguf(path)
     config = gguf_config(file)
-    model = GPT(config).to(dtype)
+    with torch.device("meta"):  # no memory, no random init: every weight comes from the file
+        model = GPT(config)
+    tensors = load_gguf_tensors(file, model, dtype=dtype)  # names and shapes checked first
     try:
-        load_into(model, load_gguf_tensors(file, model), KeyMap(_same, _same))
-    except CheckpointError as error:
+        model.load_state_dict(tensors, strict=True, assign=True)
+    except RuntimeError as error:
         raise CheckpointError(f"path: {file.path}: {error}") from error
+    if config.tie_embeddings:  # one (V, E) Parameter again, as GPT ties it
+        model.lm_head.weight = model.token_embedding.weight
     logger.info("loaded %s: %s", file.path, config)
     return model.eval()
 
 
-def _same(tensors: dict) -> dict:
-    return tensors
-
-
-def load_gguf_tensors(file: GGUFFile, model: GPT) -> dict[str, torch.Tensor]:
-    """The file's tensors under qkv's names, dequantized to the model's dtype, q/k rows in
-    qkv's RoPE layout, the head tied to the embedding when the file has no output.weight."""
+def load_gguf_tensors(
+    file: GGUFFile, model: GPT, *, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """The file's tensors under qkv's names, dequantized to `dtype`, q/k rows in qkv's RoPE
+    layout, the head tied to the embedding when the file has no output.weight. `model` (on any
+    device, "meta" included) gives the names and shapes, checked before anything is
+    dequantized."""
     config = model.config
     names = gguf_tensor_names(config.num_layers)
     unknown = sorted(set(file.tensors) - set(names) - _fused_names(config.num_layers))
     if unknown:
         raise GGUFError(f"path: {file.path} has tensors qkv does not read: {unknown[:10]}")
     _check_shapes(file, model.state_dict(), names)
-    dtype = model.token_embedding.weight.dtype
+    unreadable = sorted(
+        f"{n} ({t.kind})" for n, t in file.tensors.items() if t.kind not in BLOCK_FORMATS
+    )
+    if unreadable:
+        raise GGUFError(f"path: {file.path}: qkv has no dequantizer for {unreadable[:5]}; it "
+                        f"reads {sorted(BLOCK_FORMATS)}")  # fmt: skip
     tensors = {}
     for name, tensor in file.tensors.items():
         values = dequantize(tensor.raw, tensor.kind, tensor.shape).to(dtype)
