@@ -362,3 +362,20 @@ def test_command_errors_name_the_argument(capsys, argv, named):
     code, out, err = _run_command(capsys, *argv)
     assert code == 1 and out == ""
     assert err.startswith(f"qkv cost: error: {named}: ")
+
+
+# --- a real model: SmolLM2-135M-Instruct from its GGUF file -------------------------------------
+
+
+def test_smollm2_from_its_gguf_header_equals_the_loaded_model_and_its_cache(smollm2):
+    """`qkv cost smollm2` reads the packaged file's header only; its parameters are those of
+    the loaded model (the tied head counted once), its KV cache (GQA, 3 of 9 heads) that of
+    the cache generation fills, one third of the MHA variant's."""
+    report = cost_report("smollm2", context=512, dtype="fp32", batch=2)
+    unique = {id(p): p.numel() for p in smollm2.parameters()}
+    assert report.parameters == sum(unique.values()) == 134_515_008
+    cache = make_cache(smollm2, batch=2, max_length=512, dtype=torch.float32)
+    model_variant = next(v for v in report.kv_cache_variants if v.is_model)
+    mha = next(v for v in report.kv_cache_variants if v.name == "MHA")
+    assert cache.nbytes == report.kv_cache_bytes == 2 * 30 * 2 * 512 * 3 * 64 * 4
+    assert mha.bytes_per_sample == 3 * model_variant.bytes_per_sample

