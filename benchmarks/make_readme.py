@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.append(str(HERE))
 
-from readme import decoding, sections  # noqa: E402
+from readme import decoding, real_model, sections  # noqa: E402
 from readme.template import fill, get, is_number  # noqa: E402
 from readme.values import dtype_name, dtype_rank, machine_table, num, span  # noqa: E402
 
@@ -40,7 +40,8 @@ SINGLE = {
     "attention": sections.attention, "sparse": sections.sparse, "linear": sections.linear,
     "long_documents": sections.long_documents, "decode": decoding.decode,
     "decode_batch": decoding.decode_batch, "decode_breakdown": decoding.decode_breakdown,
-    "context_parallel": sections.context_parallel,
+    "context_parallel": sections.context_parallel, "parity_llama_cpp": real_model.parity,
+    "load_gguf": real_model.load,
 }  # fmt: skip
 # Any other result file is listed at the end; smoke runs (*_quick.json) are left out.
 KNOWN = {

@@ -12,7 +12,9 @@ Q4_1 products quantize the activations to 8 bits on the fly), so its logits are 
     under 1e-3 in either library) reported apart rather than counted;
   - 64 greedy tokens from each library's own loop, compared up to the first difference, which
     is reported with both libraries' top-2 margins there (a near-tie is a fair divergence).
-Written to results/parity_llama_cpp.json with the machine.
+Written to results/parity_llama_cpp.json with the machine. The logits of llama.cpp's quantized
+products differ from the dequantized model's by a few percent of their range, so an answer whose
+first tokens are close (a top-2 margin of a few tenths) may part at its first token.
 """
 
 from __future__ import annotations
@@ -91,8 +93,13 @@ def compare_prompt(llm, model, tokenizer, chat, prompt: str, eos: int) -> dict:
         "greedy_tokens": len(theirs_new), "max_abs_logit_diff": float(
             np.abs(ours_prompt - theirs_prompt).max()),
     }  # fmt: skip
-    if same is not None:
+    if same is not None:  # both libraries' top-2 margins where their answers part
         row["divergence_margin_llama_cpp"] = margin(steps[same])
+        prefix = torch.tensor([ids + ours_new[:same]])
+        with torch.no_grad():
+            row["divergence_margin_qkv"] = margin(model(prefix).logits[0, -1].numpy())
+        row["divergence_tokens"] = [tokenizer.id_to_token(ours_new[same]),
+                                    tokenizer.id_to_token(theirs_new[same])]  # fmt: skip
     log(f"{prompt!r}: {row}")
     return row
 
@@ -121,6 +128,8 @@ def main() -> None:
         "positions": sum(r["prompt_tokens"] for r in rows),
         "greedy_identical_prompts": sum(
             r["greedy_same_tokens"] == r["greedy_tokens"] for r in rows),
+        "greedy_tokens_before_first_difference": sum(r["greedy_same_tokens"] for r in rows),
+        "greedy_tokens": sum(r["greedy_tokens"] for r in rows),
     }  # fmt: skip
     log(f"summary: {summary}")
     payload = {"machine": machine_info("cpu"), "model": path.name, "summary": summary, "rows": rows}
