@@ -12,6 +12,9 @@ The models are plain PyTorch; what is faster is swapped in or wrapped around the
   in for the length of a `with` block (training and decoding alike): `onednn_linears`
   (`OneDNNLinear`), `fused_losses` (`fused_cross_entropy`), `fast_rope`
   (`FastRotaryEmbedding`); `speed_up_choices()` says which, and why (`swaps`).
+- `quantize(model, "Q4_1")` and `quantized_from_gguf(path)`: linears whose weights stay GGUF
+  blocks (`QuantizedLinear`: Q4_0, Q4_1, Q8_0; `quantize_blocks`), multiplied by PyTorch's
+  int4 kernel or block by block in fp32; `explain_quantized(model)` says which, and why.
 
 Each asks `qkv.capabilities` what this CPU and PyTorch build support and falls back to the plain
 PyTorch op where they do not: the same results, slower.
@@ -26,6 +29,8 @@ from qkv.acceleration.fused_loss import LossInput, fused_cross_entropy, fused_lo
 from qkv.acceleration.onednn_linear import OneDNNLinear
 from qkv.acceleration.packing import PackedLinear
 from qkv.acceleration.plan import PackingPlan, can_pack, explain_packing
+from qkv.acceleration.quantized import QuantizedLinear, quantize_blocks
+from qkv.acceleration.quantized_models import explain_quantized, quantize, quantized_from_gguf
 from qkv.acceleration.shared_input import SharedInputGroup, SharedInputMember
 from qkv.acceleration.swaps import (
     onednn_linears,
@@ -44,16 +49,21 @@ __all__ = [
     "OneDNNLinear",
     "PackedLinear",
     "PackingPlan",
+    "QuantizedLinear",
     "SharedInputGroup",
     "SharedInputMember",
     "can_pack",
     "decoding_steps",
     "explain_packing",
+    "explain_quantized",
     "fast_rope",
     "fused_cross_entropy",
     "fused_losses",
     "onednn_linears",
     "packed_linears",
+    "quantize",
+    "quantize_blocks",
+    "quantized_from_gguf",
     "speed_up",
     "speed_up_choices",
     "swapped_classes",

@@ -1,4 +1,5 @@
-"""ggml's block formats (the tensor types of GGUF files) dequantized in PyTorch.
+"""ggml's block formats (the tensor types of GGUF files) dequantized in PyTorch, and quantized to
+Q4_0, Q4_1 and Q8_0 (`quantize_q4_0`, `quantize_q4_1`, `quantize_q8_0`), byte for byte as ggml.
 
 A GGUF tensor is stored row by row (a row: the innermost dimension, GGUF's ne[0]), and each
 row is cut into blocks of a fixed number of values; a block is a fixed number of bytes holding
@@ -56,7 +57,14 @@ from qkv.models.gguf.quants_k import (
     unpack_bits,
 )
 
-__all__ = ["BLOCK_FORMATS", "BlockFormat", "dequantize", "quantize_q8_0"]
+__all__ = [
+    "BLOCK_FORMATS",
+    "BlockFormat",
+    "dequantize",
+    "quantize_q4_0",
+    "quantize_q4_1",
+    "quantize_q8_0",
+]
 
 # values per chunk of blocks dequantized at once: bounds the temporaries to a few MiB
 CHUNK_VALUES = 1 << 20
@@ -233,20 +241,77 @@ def _quantize_q8_0_blocks(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((d.half().view(torch.uint8), q.view(torch.uint8)), dim=1)
 
 
+def _quantize_q4_0_blocks(x: torch.Tensor) -> torch.Tensor:
+    """(n_blocks, 32) float32 -> (n_blocks, 18) bytes: d = -(the value of largest magnitude) / 8,
+    q = min(15, trunc(x / d + 8.5)), so that the largest value maps to code 0 exactly."""
+    peak = x.gather(1, x.abs().argmax(dim=1, keepdim=True))  # (n_blocks, 1), first on ties
+    d = peak / -8
+    inverse = torch.where(d == 0, 0.0, 1.0 / d)
+    q = torch.trunc(x * inverse + 8.5).clamp_(0, 15).to(torch.uint8)
+    return torch.cat((d.half().view(torch.uint8), _pack_nibbles(q)), dim=1)
+
+
+def _quantize_q4_1_blocks(x: torch.Tensor) -> torch.Tensor:
+    """(n_blocks, 32) float32 -> (n_blocks, 20) bytes: m = min x, d = (max x - m) / 15,
+    q = min(15, trunc((x - m) / d + 0.5))."""
+    low = x.amin(dim=1, keepdim=True)  # (n_blocks, 1)
+    d = (x.amax(dim=1, keepdim=True) - low) / 15
+    inverse = torch.where(d == 0, 0.0, 1.0 / d)
+    q = torch.trunc((x - low) * inverse + 0.5).clamp_(0, 15).to(torch.uint8)
+    scales = torch.cat((d.half().view(torch.uint8), low.half().view(torch.uint8)), dim=1)
+    return torch.cat((scales, _pack_nibbles(q)), dim=1)
+
+
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """(n_blocks, 32) codes 0..15 -> (n_blocks, 16) bytes: value i low, value i + 16 high."""
+    return q[:, :16] | (q[:, 16:] << 4)
+
+
+_QUANTIZERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "Q4_0": _quantize_q4_0_blocks,
+    "Q4_1": _quantize_q4_1_blocks,
+    "Q8_0": _quantize_q8_0_blocks,
+}
+
+
+def _quantize(weight: torch.Tensor, name: str) -> torch.Tensor:
+    """(..., k) float -> (..., k // 32 * block bytes) uint8 in `name`'s blocks, in chunks."""
+    weight = torch.as_tensor(weight).detach()
+    if weight.ndim == 0 or weight.shape[-1] % 32:
+        raise ValueError(f"weight: the last dimension of {tuple(weight.shape)} is not a multiple "
+                         f"of the {name} block size 32")  # fmt: skip
+    if not weight.is_floating_point() or not torch.isfinite(weight).all():
+        raise ValueError(f"weight: {name} needs finite floating-point values")
+    nbytes = BLOCK_FORMATS[name].nbytes
+    blocks = weight.to(torch.float32).reshape(-1, 32)  # (n_blocks, 32)
+    out = torch.empty(blocks.shape[0], nbytes, dtype=torch.uint8, device=blocks.device)
+    step = CHUNK_VALUES // 32
+    for start in range(0, blocks.shape[0], step):
+        out[start : start + step] = _QUANTIZERS[name](blocks[start : start + step])
+    return out.view(*weight.shape[:-1], weight.shape[-1] // 32 * nbytes)
+
+
 def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
     """Quantize to Q8_0: (..., k) float -> (..., k // 32 * 34) uint8, k a multiple of 32.
 
     Byte for byte what ggml's quantize_row_q8_0_ref (and gguf.quants.quantize) writes.
     """
-    weight = torch.as_tensor(weight).detach()
-    if weight.ndim == 0 or weight.shape[-1] % 32:
-        raise ValueError(f"weight: the last dimension of {tuple(weight.shape)} is not a multiple "
-                         "of the Q8_0 block size 32")  # fmt: skip
-    if not weight.is_floating_point() or not torch.isfinite(weight).all():
-        raise ValueError("weight: Q8_0 needs finite floating-point values")
-    blocks = weight.to(torch.float32).reshape(-1, 32)  # (n_blocks, 32)
-    out = torch.empty(blocks.shape[0], 34, dtype=torch.uint8, device=blocks.device)
-    step = CHUNK_VALUES // 32
-    for start in range(0, blocks.shape[0], step):
-        out[start : start + step] = _quantize_q8_0_blocks(blocks[start : start + step])
-    return out.view(*weight.shape[:-1], weight.shape[-1] // 32 * 34)
+    return _quantize(weight, "Q8_0")
+
+
+def quantize_q4_0(weight: torch.Tensor) -> torch.Tensor:
+    """Quantize to Q4_0: (..., k) float -> (..., k // 32 * 18) uint8, k a multiple of 32.
+
+    Byte for byte what gguf.quants.quantize writes (the numpy port of ggml's
+    quantize_row_q4_0_ref): the products and sums rounded to float32 one by one, as there.
+    """
+    return _quantize(weight, "Q4_0")
+
+
+def quantize_q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """Quantize to Q4_1: (..., k) float -> (..., k // 32 * 20) uint8, k a multiple of 32.
+
+    Byte for byte what gguf.quants.quantize writes (the numpy port of ggml's
+    quantize_row_q4_1_ref).
+    """
+    return _quantize(weight, "Q4_1")

@@ -1,0 +1,331 @@
+"""Linear layers that stay quantized: the weight kept in GGUF's blocks, multiplied as such.
+
+A decoding step at batch 1 reads every weight once, so its speed is the bytes it reads (Pope et
+al. 2022, s2): a weight kept as 4-bit codes with a scale per block of 32 (ggml's Q4_0, Q4_1)
+reads 0.56-0.63 bytes per weight where fp32 reads 4. `QuantizedLinear` holds one linear's weight
+as GGUF blocks (`blocks`, the bytes a GGUF file stores; see `qkv.models.gguf.quants` for the
+formats) and computes x W^T + b with the first of these kernels that this machine supports:
+
+- "int4pack" (Q4_0, Q4_1): PyTorch's int4 weight-only product for the CPU
+  (`_weight_int4pack_mm_for_cpu`, groups of 32 along the input, a scale and a zero per group),
+  which computes w = (q - 8) * scale + zero. GGUF's x = d * (q - 8) (Q4_0) and x = d * q + m
+  (Q4_1) are that formula with scale = d and zero = 0, or zero = m + 8d. Its vectorised code
+  (AVX2, AVX-512) takes bf16 activations and bf16 scales, sums in fp32 and returns bf16: so the
+  activations, the outputs and each block's scale and zero are rounded to bf16 (a block's
+  values move by at most about 2^-8 of its largest magnitude); the codes are GGUF's.
+- "int8-blockwise" (Q8_0): the int8 codes (a view of the blocks) times their blocks' fp32
+  scales, dequantized a chunk of rows at a time into an fp32 scratch of 2 MiB that stays in
+  cache, each chunk multiplied by F.linear: fp32 throughout, the exact weights. PyTorch's
+  int8 product (`_weight_int8pack_mm`) takes one scale per output row, not per block of 32, so
+  it cannot hold Q8_0 without changing its values; bf16 copies would round every weight.
+- "dequantized" (the fallback): the weight dequantized once, at construction, to fp32, and
+  F.linear: correct everywhere, 4 bytes per weight.
+
+Which kernel serves is decided by what the PyTorch build and the CPU are (the ops present, the
+ISA PyTorch's kernels dispatch to), never by a timing (`quantized_kernel`). An input in another
+dtype is cast to the kernel's compute dtype and its output cast back (float64 is computed in
+float64 from the dequantized weight: a reference path for checks). Gradients flow to the input
+(the backward multiplies by the dequantized weight); the quantized weight is frozen.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qkv.capabilities import Support
+from qkv.models.gguf.quants import (
+    BLOCK_FORMATS,
+    dequantize,
+    quantize_q4_0,
+    quantize_q4_1,
+    quantize_q8_0,
+)
+
+__all__ = [
+    "INT4PACK_OPS",
+    "KINDS",
+    "QuantizedLinear",
+    "int4pack_products",
+    "quantize_blocks",
+    "quantized_kernel",
+]
+
+KINDS = ("Q4_0", "Q4_1", "Q8_0")
+BLOCK = 32  # values per block of every kind here, and int4pack's group size
+_QUANTIZERS = {"Q4_0": quantize_q4_0, "Q4_1": quantize_q4_1, "Q8_0": quantize_q8_0}
+INT4PACK_OPS = ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu")
+_VECTORISED = ("AVX2", "AVX512")  # the ISAs int4pack's CPU kernel has vector code for
+# fp32 values dequantized at once by the Q8_0 kernel: a scratch of 2 MiB, kept in cache
+SCRATCH_VALUES = 1 << 19
+
+
+def quantize_blocks(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """(out, in) float weight -> (out, in // 32 * block bytes) uint8 GGUF blocks of `kind`
+    ("Q4_0", "Q4_1" or "Q8_0"), byte for byte what gguf.quants.quantize writes."""
+    _check_kind(kind)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"weight: expected a 2-D (out_features, in_features) tensor, got {got}")
+    return _QUANTIZERS[kind](weight)
+
+
+def int4pack_products() -> Support:
+    """Can PyTorch's int4pack CPU kernel serve Q4_0/Q4_1 products here? The build must have
+    its ops, PyTorch's kernels must dispatch to AVX2 or AVX-512 (elsewhere, e.g. under
+    ATEN_CPU_CAPABILITY=default, the kernel is a scalar loop, tens of times slower than
+    F.linear), and one product on a tiny weight must be right."""
+    missing = [op for op in INT4PACK_OPS if not hasattr(torch.ops.aten, op)]
+    if missing:
+        return Support(False, f"this PyTorch build lacks the int4pack ops {missing}")
+    isa = torch.backends.cpu.get_cpu_capability()
+    if isa not in _VECTORISED:
+        return Support(False, f"PyTorch's kernels dispatch to {isa} here, and int4pack's CPU "
+                              "kernel is vectorised for AVX2 and AVX-512 only")  # fmt: skip
+    return _int4pack_proved()
+
+
+@functools.cache
+def _int4pack_proved() -> Support:
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(16, 2 * BLOCK, generator=generator)  # (out, in)
+    x = torch.randn(3, 2 * BLOCK, generator=generator)
+    blocks = quantize_q4_1(weight)
+    try:
+        y = _Int4Pack(blocks, "Q4_1", 16, 2 * BLOCK)(x)
+    except RuntimeError as error:
+        first_line = (str(error).strip().splitlines() or ["no message"])[0]
+        return Support(False, f"PyTorch's int4pack product failed here: {first_line}")
+    expected = F.linear(x, dequantize(blocks, "Q4_1", (16, 2 * BLOCK)))
+    if not torch.allclose(y.float(), expected, rtol=0.02, atol=0.05):
+        return Support(False, "PyTorch's int4pack product gave wrong results here")
+    isa = torch.backends.cpu.get_cpu_capability()
+    return Support(True, f"PyTorch's int4pack ops, with {isa} vector code")
+
+
+def quantized_kernel(kind: str) -> tuple[str, Support]:
+    """(kernel name, why) for a QuantizedLinear of `kind` built now on this machine."""
+    _check_kind(kind)
+    if kind == "Q8_0":
+        return "int8-blockwise", Support(True, "Q8_0: int8 codes times fp32 block scales, in "
+                                         "cache-sized chunks (public ops, any CPU)")  # fmt: skip
+    support = int4pack_products()
+    if support:
+        return "int4pack", support
+    return "dequantized", Support(False, f"{support.reason}: dequantized once to fp32, F.linear")
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T + b with W kept as GGUF blocks of `kind` (Q4_0, Q4_1, Q8_0): a frozen weight.
+
+    blocks: (out_features, in_features // 32 * block bytes) uint8 (a GGUF tensor's raw rows, or
+    `quantize_blocks`'s), a torch tensor or a numpy array (copied when read-only, as a file's
+    mapping is). bias: (out_features,) or None, a trainable Parameter as nn.Linear's.
+    (..., in_features) -> (..., out_features) in x's dtype; `kernel` names what computes it.
+    """
+
+    def __init__(
+        self, blocks: torch.Tensor | np.ndarray, kind: str, *, bias: torch.Tensor | None = None
+    ) -> None:
+        super().__init__()
+        _check_kind(kind)
+        blocks = _as_block_rows(blocks, kind)
+        self.kind = kind
+        self.out_features = blocks.shape[0]
+        self.in_features = blocks.shape[1] // BLOCK_FORMATS[kind].nbytes * BLOCK
+        self.register_buffer("blocks", blocks)
+        self.bias = None if bias is None else nn.Parameter(_checked_bias(bias, self.out_features))
+        self._prepare()
+        self.register_load_state_dict_post_hook(lambda module, _: module._prepare())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, kind: str = "Q4_1") -> QuantizedLinear:
+        """The linear's weight quantized to `kind` (`quantize_blocks`), its bias copied."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
+        _check_kind(kind)
+        if linear.in_features % BLOCK:
+            raise ValueError(f"linear: in_features={linear.in_features} is not a multiple of "
+                             f"the {kind} block size {BLOCK}")  # fmt: skip
+        bias = None if linear.bias is None else linear.bias.detach().float().clone()
+        module = cls(quantize_blocks(linear.weight.detach(), kind), kind, bias=bias)
+        if module.bias is not None:
+            module.bias.requires_grad_(linear.bias.requires_grad)
+        return module
+
+    def _prepare(self) -> None:
+        """Choose the kernel here (`quantized_kernel`) and lay the blocks out for it."""
+        self.kernel, self.kernel_reason = quantized_kernel(self.kind)
+        shape = (self.out_features, self.in_features)
+        if self.kernel == "int4pack":
+            self._product = _Int4Pack(self.blocks, self.kind, *shape)
+        elif self.kernel == "int8-blockwise":
+            self._product = _Int8Blockwise(self.blocks, *shape)
+        else:
+            self._product = _Dequantized(self.dequantized_weight())
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the kernel computes in (inputs are cast to it, outputs cast back)."""
+        return torch.bfloat16 if self.kernel == "int4pack" else torch.float32
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A new (out_features, in_features) tensor: the blocks dequantized (bit-exact)."""
+        shape = (self.out_features, self.in_features)
+        return dequantize(self.blocks, self.kind, shape).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1:] != (self.in_features,) or x.device.type != "cpu":
+            raise ValueError(f"x: expected a CPU tensor (..., {self.in_features}), got "
+                             f"{tuple(x.shape)} on {x.device}")  # fmt: skip
+        if torch.is_grad_enabled() and x.requires_grad:
+            y = _QuantizedProduct.apply(x, self)
+        else:
+            y = self.product(x)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T with no bias and no autograd: (..., in) -> (..., out) in x's dtype."""
+        rows = x.reshape(-1, self.in_features)  # (N, in)
+        if x.dtype == torch.float64:  # no kernel takes float64: the reference product
+            y = F.linear(rows, self.dequantized_weight(torch.float64))
+        else:
+            y = self._product(rows)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def requires_grad_(self, requires_grad: bool = True) -> QuantizedLinear:
+        """The bias follows; the quantized weight cannot: refused when `requires_grad`."""
+        if requires_grad:
+            raise ValueError(
+                f"requires_grad: the {self.kind} weight of this QuantizedLinear is frozen (GGUF "
+                "blocks have no gradient); train its bias with bias.requires_grad_(), or a "
+                "float copy of the layer"
+            )
+        return super().requires_grad_(False)
+
+    def __getattr__(self, name: str):
+        if name == "weight":
+            raise AttributeError(
+                f"weight: a QuantizedLinear holds its weight as {self.kind} blocks (`blocks`, "
+                "frozen); dequantized_weight() gives a float copy"
+            )
+        return super().__getattr__(name)
+
+    def extra_repr(self) -> str:
+        sizes = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{sizes}, kind={self.kind}, bias={self.bias is not None}, kernel={self.kernel}"
+
+
+class _QuantizedProduct(torch.autograd.Function):
+    """x W^T through the module's kernel; the input's gradient is grad W (dequantized)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, module: QuantizedLinear) -> torch.Tensor:
+        return module.product(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.module = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
+        weight = ctx.module.dequantized_weight(dtype)  # (out, in)
+        return (grad.to(dtype) @ weight).to(grad.dtype), None  # (..., in)
+
+
+class _Int4Pack:
+    """Q4_0/Q4_1 blocks packed for `_weight_int4pack_mm_for_cpu` (layout of this process's ISA).
+
+    The output rows are padded to a multiple of 16, as the packing requires (scale 0, zero 0)."""
+
+    def __init__(self, blocks: torch.Tensor, kind: str, out_features: int, in_features: int):
+        self.out_features = out_features
+        groups = in_features // BLOCK
+        fields = blocks.reshape(out_features, groups, BLOCK_FORMATS[kind].nbytes)
+        d = _f16(fields, 0)  # (out, groups)
+        zero = _f16(fields, 2) + 8 * d if kind == "Q4_1" else torch.zeros_like(d)  # exact: f64
+        codes = fields[..., -BLOCK // 2 :]  # (out, groups, 16): value i low, value i + 16 high
+        q = torch.cat((codes & 15, codes >> 4), dim=-1).reshape(out_features, in_features)
+        padding = -out_features % 16
+        q = F.pad(q.to(torch.int32), (0, 0, 0, padding))  # (out + padding, in)
+        scales_and_zeros = F.pad(torch.stack((d, zero), dim=-1), (0, 0, 0, 0, 0, padding))
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        # (groups, out + padding, 2), each value rounded once from its exact float64
+        self.scales_and_zeros = scales_and_zeros.transpose(0, 1).contiguous().to(torch.bfloat16)
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        """(N, in) -> (N, out) bf16."""
+        x = rows.to(torch.bfloat16).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, BLOCK, self.scales_and_zeros)
+        return y[:, : self.out_features]
+
+
+class _Int8Blockwise:
+    """Q8_0: codes (a view of the blocks) times fp32 scales, a cache-sized chunk of rows at a
+    time, each chunk multiplied by F.linear in fp32: the exact weights, never all at once."""
+
+    def __init__(self, blocks: torch.Tensor, out_features: int, in_features: int):
+        fields = blocks.reshape(out_features, in_features // BLOCK, 34)
+        self.codes = fields[..., 2:].view(torch.int8)  # (out, groups, 32), no copy
+        self.scales = fields[..., :2].view(torch.float16).float()  # (out, groups, 1)
+        self.rows_per_chunk = max(16, SCRATCH_VALUES // in_features)
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        """(N, in) -> (N, out) fp32."""
+        rows = rows.float()
+        out_features, groups = self.codes.shape[:2]
+        y = rows.new_empty(rows.shape[0], out_features)
+        step = self.rows_per_chunk
+        scratch = rows.new_empty(min(step, out_features), groups, BLOCK)
+        for start in range(0, out_features, step):
+            stop = min(start + step, out_features)
+            weight = scratch[: stop - start].copy_(self.codes[start:stop])  # int8 -> fp32
+            weight.mul_(self.scales[start:stop])  # (rows, groups, 32): dequantize's values
+            y[:, start:stop] = F.linear(rows, weight.view(stop - start, -1))
+        return y
+
+
+class _Dequantized:
+    """The fallback: F.linear on the weight dequantized once, in fp32."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight  # (out, in)
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(rows.float(), self.weight)
+
+
+def _f16(fields: torch.Tensor, offset: int) -> torch.Tensor:
+    """(out, groups, bytes) blocks -> (out, groups) float64: the f16 field at byte `offset`."""
+    return fields[..., offset : offset + 2].contiguous().view(torch.float16).squeeze(-1).double()
+
+
+def _check_kind(kind: object) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
+
+
+def _as_block_rows(blocks: torch.Tensor | np.ndarray, kind: str) -> torch.Tensor:
+    """(out, row bytes) uint8 blocks as a torch tensor, their size checked against `kind`."""
+    if isinstance(blocks, np.ndarray):
+        blocks = torch.from_numpy(blocks if blocks.flags.writeable else blocks.copy())
+    if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.uint8 or blocks.dim() != 2:
+        got = f"{blocks.dtype} {tuple(blocks.shape)}" if hasattr(blocks, "shape") else blocks
+        raise ValueError(f"blocks: expected 2-D uint8 (out_features, row bytes), got {got}")
+    nbytes = BLOCK_FORMATS[kind].nbytes
+    if blocks.shape[1] == 0 or blocks.shape[1] % nbytes:
+        raise ValueError(f"blocks: rows of {blocks.shape[1]} bytes are not whole {kind} blocks "
+                         f"of {nbytes} bytes")  # fmt: skip
+    return blocks.detach().contiguous()
+
+
+def _checked_bias(bias: torch.Tensor, out_features: int) -> torch.Tensor:
+    if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (out_features,):
+        got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(f"bias: expected shape ({out_features},), got {got}")
+    return bias.detach().float()

@@ -1,0 +1,208 @@
+"""Whole models with quantized linears: `quantize(model)`, `quantized_from_gguf(path)`, and
+`explain_quantized(model)`, which says what computes them here.
+
+    model = qkv.acceleration.quantized_from_gguf(path)   # the file's blocks, never dequantized
+    print(qkv.acceleration.explain_quantized(model))
+    tokens = qkv.generate(model, prompt, max_new_tokens=64)
+
+`quantize(model, "Q4_1")` quantizes a float model's linears in place (`QuantizedLinear`). The
+model's own modules are replaced for good, so that their float weights can be freed; the
+layers and models themselves stay plain PyTorch and know nothing of it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from qkv import capabilities
+from qkv.acceleration.quantized import (
+    BLOCK,
+    INT4PACK_OPS,
+    KINDS,
+    QuantizedLinear,
+    quantized_kernel,
+)
+from qkv.models.gguf.config import gguf_config
+from qkv.models.gguf.file import GGUFError, GGUFFile, GGUFTensor, read_gguf
+from qkv.models.gguf.model import gguf_tensor_names
+from qkv.models.gguf.quants import BLOCK_FORMATS, dequantize
+from qkv.models.gpt import GPT, GPTConfig
+from qkv.positional import interleaved_to_half_split
+
+__all__ = ["explain_quantized", "quantize", "quantized_from_gguf"]
+
+logger = logging.getLogger(__name__)
+
+
+def quantize(model: nn.Module, kind: str = "Q4_1", *, head_kind: str | None = "Q8_0") -> nn.Module:
+    """Replace every `nn.Linear` of `model` (that very class) by a `QuantizedLinear` of `kind`,
+    in place, and return the model. A linear whose in_features is not a multiple of 32 (a
+    block) is left as it is, and logged. The model's `lm_head` (a GPT's output layer, tied to
+    the embedding or not) gets `head_kind` instead: Q8_0 by default, as llama.cpp keeps the
+    output layer at a higher precision than the rest; None leaves it as it is. A tied head is
+    untied: the embedding keeps its float weight. A linear shared by several parents becomes
+    one QuantizedLinear."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    for name, value in (("kind", kind), ("head_kind", head_kind)):
+        if value not in KINDS and not (name == "head_kind" and value is None):
+            raise ValueError(f"{name}: expected one of {KINDS}, got {value!r}")
+    done: dict[nn.Linear, QuantizedLinear] = {}
+    left = []
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            label = f"{parent_name}.{name}" if parent_name else name
+            wanted = head_kind if parent is model and name == "lm_head" else kind
+            reason = _why_not(child, wanted)
+            if reason:
+                if type(child) is nn.Linear:
+                    left.append(f"{label} ({reason})")
+                continue
+            if child not in done:
+                done[child] = QuantizedLinear.from_linear(child, wanted)
+            setattr(parent, name, done[child])
+    logger.info("quantize: %d linears quantized; left as nn.Linear: %s", len(done),
+                "; ".join(left) or "none")  # fmt: skip
+    return model
+
+
+def _why_not(child: nn.Module, kind: str | None) -> str:
+    """Why `child` is not quantized to `kind` ("" when it is)."""
+    if type(child) is not nn.Linear:
+        return "not an nn.Linear"
+    if kind is None:
+        return "head_kind=None"
+    if child.weight.device.type != "cpu" or not child.weight.is_floating_point():
+        return f"a {child.weight.dtype} weight on {child.weight.device}; the kernels are CPU ones"
+    if child.in_features % BLOCK:
+        return f"in_features={child.in_features} is not a multiple of the block size {BLOCK}"
+    return ""
+
+
+def quantized_from_gguf(source: str | Path | GGUFFile) -> GPT:
+    """The GGUF file at `source` (a path, or a file read by `qkv.models.gguf.read_gguf`) as a
+    GPT in eval mode whose linears stored as Q4_0, Q4_1 or Q8_0 are `QuantizedLinear`s on the
+    file's blocks, never dequantized (q/k rows reordered for qkv's RoPE layout, as
+    `qkv.models.from_gguf` does). Embeddings, norms, biases and linears of other types are
+    dequantized to fp32, as `from_gguf` does. A tied output layer (no output.weight) is a
+    QuantizedLinear on the embedding's own blocks when they are one of those types (the
+    embedding keeps its dequantized copy for the lookup), else it shares the embedding's
+    fp32 weight."""
+    file = source if isinstance(source, GGUFFile) else read_gguf(source)
+    config = gguf_config(file)
+    with torch.device("meta"):  # no memory, no random init: every weight comes from the file
+        model = GPT(config)
+    dense, quantized = _file_tensors(file, model)
+    tied = config.tie_embeddings and "output.weight" not in file.tensors
+    embedding = file.tensors.get("token_embd.weight")
+    if tied and embedding is not None and embedding.kind in KINDS:
+        quantized["lm_head"] = (_block_rows(embedding), embedding.kind)
+    for path, (blocks, kind) in quantized.items():
+        bias = dense.pop(f"{path}.bias", None)
+        parent, _, name = path.rpartition(".")
+        model.get_submodule(parent).register_module(name, QuantizedLinear(blocks, kind, bias=bias))
+    result = model.load_state_dict(dense, strict=False, assign=True)
+    if tied and "lm_head" not in quantized:
+        model.lm_head.weight = model.token_embedding.weight  # one fp32 (V, E) matrix
+    missing = [
+        key for key in result.missing_keys
+        if key.rpartition(".")[0] not in quantized and not (tied and key == "lm_head.weight")
+    ]  # fmt: skip
+    if result.unexpected_keys or missing:
+        unexpected = result.unexpected_keys[:10]
+        raise GGUFError(
+            f"path: {file.path} does not fit the model its metadata describes: missing "
+            f"{missing[:10]}, unexpected {unexpected}"
+        )
+    logger.info("loaded %s: %d quantized linears; %s", file.path, len(quantized), config)
+    return model.eval()
+
+
+def _file_tensors(file: GGUFFile, model: GPT) -> tuple[dict, dict]:
+    """({qkv key: fp32 tensor}, {linear path: (blocks (out, row bytes), kind)}): the file's
+    tensors under qkv's names, q/k rows in qkv's RoPE layout, each checked against the (meta)
+    model's shape. A linear weight of one of KINDS stays blocks; the rest is dequantized."""
+    config = model.config
+    names = gguf_tensor_names(config.num_layers)
+    expected = model.state_dict()
+    linears = {f"{n}.weight" for n, m in model.named_modules() if type(m) is nn.Linear}
+    dense, quantized = {}, {}
+    for name, tensor in file.tensors.items():
+        keys = _keys(name, names, file)
+        if any(key not in expected for key in keys):
+            raise GGUFError(f"path: {file.path} has a tensor qkv does not read: {name}")
+        shape = (tensor.shape[0] // len(keys), *tensor.shape[1:])  # of each part
+        if any(tuple(expected[key].shape) != shape for key in keys):
+            wanted = tuple(expected[keys[0]].shape)
+            raise GGUFError(
+                f"path: {file.path}: {name} has shape {tensor.shape}, the model {wanted} "
+                f"per part of {len(keys)}"
+            )
+        blocks = tensor.kind in KINDS and keys[0] in linears
+        if not blocks and tensor.kind not in BLOCK_FORMATS:
+            raise GGUFError(f"path: {file.path}: qkv has no dequantizer for {name} "
+                            f"({tensor.kind})")  # fmt: skip
+        values = (
+            _block_rows(tensor) if blocks else dequantize(tensor.raw, tensor.kind, tensor.shape)
+        )
+        for key, part in zip(keys, values.chunk(len(keys), dim=0), strict=True):
+            part = _rope_layout(key, part, config)
+            if blocks:
+                quantized[key.removesuffix(".weight")] = (part, tensor.kind)
+            else:
+                dense[key] = part
+    return dense, quantized
+
+
+def _keys(name: str, names: dict[str, str], file: GGUFFile) -> list[str]:
+    """The qkv keys one GGUF tensor fills: three for GPT-2's fused attn_qkv (rows [q | k | v])."""
+    if ".attn_qkv." in name:
+        prefix, kind = name.replace("blk.", "blocks.").split(".attn_qkv.")
+        return [f"{prefix}.self_attn.{p}_proj.{kind}" for p in "qkv"]
+    if name not in names:
+        raise GGUFError(f"path: {file.path} has a tensor qkv does not read: {name}")
+    return [names[name]]
+
+
+def _rope_layout(key: str, values: torch.Tensor, config: GPTConfig) -> torch.Tensor:
+    """q/k rows (weights, biases or their blocks) from llama.cpp's RoPE layout to qkv's."""
+    if config.position == "rope" and ".q_proj." in key:
+        return interleaved_to_half_split(values, config.num_heads)
+    if config.position == "rope" and ".k_proj." in key:
+        return interleaved_to_half_split(values, config.num_kv_heads or config.num_heads)
+    return values
+
+
+def _block_rows(tensor: GGUFTensor) -> torch.Tensor:
+    """A GGUF matrix's blocks, (out, row bytes) uint8, copied out of the file's mapping."""
+    return torch.from_numpy(tensor.raw.reshape(tensor.shape[0], -1).copy())
+
+
+def explain_quantized(model: nn.Module) -> str:
+    """Which kernel computes each kind of QuantizedLinear in `model`, and why; the linears left
+    as nn.Linear; the facts the choice rests on (the int4pack ops, the CPU's ISA)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    modules = dict(model.named_modules(remove_duplicate=True))
+    quantized = {n: m for n, m in modules.items() if isinstance(m, QuantizedLinear)}
+    counts = Counter((m.kind, m.kernel, m.kernel_reason.reason) for m in quantized.values())
+    lines = [f"{len(quantized)} quantized linears"]
+    for (kind, kernel, reason), count in sorted(counts.items()):
+        dtype = "bf16" if kernel == "int4pack" else "fp32"
+        lines.append(f"  {count} {kind} by {kernel} ({dtype} compute): {reason}")
+    plain = [n for n, m in modules.items() if type(m) is nn.Linear]
+    lines.append(f"left as nn.Linear: {', '.join(plain) if plain else 'none'}")
+    for kind in KINDS:
+        kernel, why = quantized_kernel(kind)
+        lines.append(f"a new {kind} layer here: {kernel} ({why.reason})")
+    ops = ", ".join(f"{op}: {'yes' if hasattr(torch.ops.aten, op) else 'no'}"
+                    for op in INT4PACK_OPS)  # fmt: skip
+    isa = capabilities.cpu_isa()
+    cpu = ", ".join(f"{name}={value}" for name, value in isa.items() if value is not None)
+    lines.append(f"ops: {ops}; CPU: {cpu}")
+    return "\n".join(lines)

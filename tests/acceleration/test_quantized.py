@@ -1,0 +1,234 @@
+"""Quantized linears (qkv.acceleration.quantized) against the outside references: the gguf
+package's quantizers (bytes), F.linear on the bit-exact dequantized weight (outputs, within
+twice the error PyTorch's own dense product makes in the kernel's dtype), and the fp32 model
+read from the same GGUF file (SmolLM2-135M-Instruct's greedy tokens)."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from qkv.acceleration import (
+    QuantizedLinear,
+    explain_quantized,
+    quantize,
+    quantize_blocks,
+    quantized_from_gguf,
+)
+from qkv.acceleration import quantized as quantized_module
+from qkv.capabilities import Support
+from qkv.data import chat_format_from_metadata, tokenizer_from_metadata
+from qkv.generation import generate
+from qkv.models import GPT, GPTConfig
+
+KINDS = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One thread: on two shared cores, a second one waits a time slice at every small op."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def reference_blocks(weight: torch.Tensor, kind: str) -> np.ndarray:
+    with warnings.catch_warnings():  # float16 overflow of a huge scale, as in ggml
+        warnings.simplefilter("ignore")
+        return gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType[kind])
+
+
+def edge_rows(generator: torch.Generator) -> torch.Tensor:
+    """(8, 96): random rows, and rows of zeros, a constant, one huge value (beyond float16's
+    range), one large value, all negative, +-1 ties, tiny values."""
+    weight = torch.randn(8, 96, generator=generator)
+    weight[0] = 0.0
+    weight[1] = 0.75
+    weight[2, 5] = 1e6
+    weight[3, 40] = -3e3
+    weight[4] = -weight[4].abs()
+    weight[5, :32] = torch.tensor([1.0, -1.0] * 16)
+    weight[6] *= 1e-3
+    return weight
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_blocks_are_ggufs_byte_for_byte_on_edge_rows(kind):
+    weight = edge_rows(torch.Generator().manual_seed(0))
+    ours = quantize_blocks(weight, kind)
+    assert ours.dtype == torch.uint8
+    np.testing.assert_array_equal(ours.numpy(), reference_blocks(weight, kind))
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    kind=st.sampled_from(KINDS),
+    rows=st.integers(1, 5),
+    groups=st.integers(1, 4),
+    scale=st.sampled_from([1e-2, 1.0, 300.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_blocks_are_ggufs_byte_for_byte(kind, rows, groups, scale, seed):
+    weight = torch.randn(rows, 32 * groups, generator=torch.Generator().manual_seed(seed)) * scale
+    np.testing.assert_array_equal(
+        quantize_blocks(weight, kind).numpy(), reference_blocks(weight, kind)
+    )
+
+
+def dense_error_bound(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> float:
+    """Twice the largest error of PyTorch's dense product in `dtype` against float64, or a few
+    ulps of the output's size where that error happens to be 0."""
+    exact = F.linear(x.double(), weight.double())
+    dense = F.linear(x.to(dtype), weight.to(dtype)).double()
+    floor = 4 * torch.finfo(dtype).eps * exact.abs().max().item()
+    return max(2 * (dense - exact).abs().max().item(), floor)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", [(7, 96), (2, 5, 96), (1, 96)])
+def test_outputs_are_the_dequantized_product_in_the_kernels_dtype(kind, shape):
+    generator = torch.Generator().manual_seed(1)
+    linear = nn.Linear(96, 40)  # 40 rows: int4pack pads them to 48
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(40, 96, generator=generator) * 0.1)
+        linear.bias.copy_(torch.randn(40, generator=generator))
+    layer = QuantizedLinear.from_linear(linear, kind)
+    weight = layer.dequantized_weight()
+    x = torch.randn(shape, generator=generator)
+    y = layer(x)
+    assert y.dtype == torch.float32 and y.shape == (*shape[:-1], 40)
+    exact = F.linear(x.double(), weight.double(), linear.bias.double())
+    bound = dense_error_bound(x.reshape(-1, 96), weight, layer.compute_dtype)
+    assert (y.double() - exact).abs().max().item() <= bound
+    expected_kernel = "int8-blockwise" if kind == "Q8_0" else "int4pack"
+    if quantized_module.int4pack_products() or kind == "Q8_0":
+        assert layer.kernel == expected_kernel
+    else:  # e.g. ATEN_CPU_CAPABILITY=default
+        assert layer.kernel == "dequantized"
+
+
+def test_a_width_that_is_not_whole_blocks_is_refused_by_name():
+    with pytest.raises(ValueError, match="in_features=50 is not a multiple"):
+        QuantizedLinear.from_linear(nn.Linear(50, 16), "Q4_1")
+    with pytest.raises(ValueError, match="blocks: rows of 19 bytes"):
+        QuantizedLinear(torch.zeros(4, 19, dtype=torch.uint8), "Q4_1")
+    with pytest.raises(ValueError, match="kind: expected one of"):
+        QuantizedLinear.from_linear(nn.Linear(64, 16), "Q5_0")
+    with pytest.raises(ValueError, match=r"x: expected a CPU tensor \(\.\.\., 64\)"):
+        QuantizedLinear.from_linear(nn.Linear(64, 16), "Q8_0")(torch.zeros(2, 63))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradients_flow_to_the_input_and_the_bias(kind):
+    generator = torch.Generator().manual_seed(2)
+    layer = QuantizedLinear.from_linear(nn.Linear(64, 32), kind)
+    x = torch.randn(3, 64, generator=generator, requires_grad=True)
+    upstream = torch.randn(3, 32, generator=generator)
+    (layer(x) * upstream).sum().backward()
+    torch.testing.assert_close(x.grad, upstream @ layer.dequantized_weight())
+    torch.testing.assert_close(layer.bias.grad, upstream.sum(0))
+    x64 = torch.randn(2, 64, generator=generator, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(layer, (x64,))
+
+
+def test_the_quantized_weight_cannot_be_trained():
+    layer = QuantizedLinear.from_linear(nn.Linear(64, 32), "Q4_1")
+    assert [name for name, _ in layer.named_parameters()] == ["bias"]
+    with pytest.raises(ValueError, match="requires_grad: the Q4_1 weight .* is frozen"):
+        layer.requires_grad_(True)
+    with pytest.raises(AttributeError, match="weight: .* as Q4_1 blocks"):
+        layer.weight  # noqa: B018
+    with pytest.raises(RuntimeError):  # integer blocks cannot hold a gradient
+        layer.blocks.requires_grad_(True)
+    layer.requires_grad_(False)
+    assert not layer.bias.requires_grad
+
+
+def test_the_fallback_gives_the_same_outputs(monkeypatch):
+    """With the int4pack kernel reported missing (qkv's check, not torch), Q4_0 layers dequantize
+    once and compute in fp32: the exact product up to fp32 rounding, and the int4pack outputs
+    within their bf16 bound."""
+    generator = torch.Generator().manual_seed(3)
+    linear = nn.Linear(128, 48)
+    x = torch.randn(4, 128, generator=generator)
+    served = QuantizedLinear.from_linear(linear, "Q4_0")
+    monkeypatch.setattr(quantized_module, "int4pack_products", lambda: Support(False, "masked"))
+    fallback = QuantizedLinear.from_linear(linear, "Q4_0")
+    assert fallback.kernel == "dequantized" and "masked" in fallback.kernel_reason.reason
+    weight = fallback.dequantized_weight()
+    exact = F.linear(x.double(), weight.double(), linear.bias.double())
+    ours = fallback(x).double()
+    assert (ours - exact).abs().max().item() <= dense_error_bound(x, weight, torch.float32)
+    bound = dense_error_bound(x, weight, served.compute_dtype)
+    assert (served(x).double() - ours).abs().max().item() <= 2 * bound
+    assert "dequantized" in explain_quantized(nn.Sequential(fallback))
+
+
+def test_a_state_dict_round_trip_repacks():
+    source = QuantizedLinear.from_linear(nn.Linear(64, 32), "Q4_1")
+    target = QuantizedLinear.from_linear(nn.Linear(64, 32), "Q4_1")
+    target.load_state_dict(source.state_dict())
+    x = torch.randn(2, 64)
+    assert torch.equal(target(x), source(x))
+
+
+def test_quantize_swaps_the_linears_of_a_gpt_and_leaves_odd_widths(caplog):
+    config = GPTConfig(
+        vocab_size=96, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=80,
+        max_positions=32, tie_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = GPT(config).eval()
+    ids = torch.randint(0, 96, (1, 12))
+    with torch.no_grad():
+        expected = model(ids).logits
+    with caplog.at_level(logging.INFO, logger="qkv.acceleration.quantized_models"):
+        assert quantize(model, "Q4_0") is model
+    assert "blocks.0.ffn.down_proj (in_features=80 is not a multiple" in caplog.text
+    kinds = {n: m.kind for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert kinds["lm_head"] == "Q8_0" and kinds["blocks.1.self_attn.q_proj"] == "Q4_0"
+    assert type(model.blocks[0].ffn.down_proj) is nn.Linear and len(kinds) == 2 * 6 + 1
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert (logits - expected).abs().max() < 0.1 * expected.abs().max()  # 4-bit weights
+    text = explain_quantized(model)
+    assert "13 quantized linears" in text and "blocks.0.ffn.down_proj" in text
+
+
+def test_smollm2_quantized_loads_the_files_blocks_and_decodes_its_greedy_tokens(
+    smollm2, smollm2_file
+):
+    """The linears are the file's Q4_1 blocks (q/k rows in qkv's layout) and the tied head the
+    embedding's Q8_0 blocks; 32 greedy tokens of a chat are the fp32 model's argmax at every
+    step (so its greedy decoding makes the same tokens), or the first step where they are not
+    is a near-tie of the fp32 model (top-2 margin < 1e-2)."""
+    model = quantized_from_gguf(smollm2_file)
+    assert not [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    assert model.lm_head.kind == "Q8_0" and model.blocks[0].ffn.up_proj.kind == "Q4_1"
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "ffn.down_proj"):
+        ours = model.blocks[3].get_submodule(name).dequantized_weight()
+        assert torch.equal(ours, smollm2.blocks[3].get_submodule(name).weight)
+    assert torch.equal(model.lm_head.dequantized_weight(), smollm2.lm_head.weight)
+    text = chat_format_from_metadata(smollm2_file.metadata).render(
+        [{"role": "user", "content": "Write a haiku about the sea."}]
+    )
+    ids = torch.tensor([tokenizer_from_metadata(smollm2_file.metadata).encode(text).ids])
+    tokens = generate(model, ids, max_new_tokens=32)  # (1, L + 32)
+    ours = tokens[0, ids.shape[1] :]
+    with torch.no_grad():
+        logits = smollm2(tokens[:, :-1]).logits[0, ids.shape[1] - 1 :]  # (32, V)
+    different = (logits.argmax(-1) != ours).nonzero()
+    if len(different):
+        first = different[0].item()
+        top2 = logits[first].topk(2).values
+        assert top2[0] - top2[1] < 1e-2, f"token {first} differs with a margin of {top2}"
