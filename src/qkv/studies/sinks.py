@@ -21,6 +21,10 @@ Two measurements:
 2. The GPT, trained on sequences of L tokens, reads held-out streams many times longer, each
    token's next-token loss computed under four cache policies: dense, window, sinks and
    recompute (described in `qkv.studies.sinks_caches`).
+
+Both are also made on a real LLM, SmolLM2-135M-Instruct (Allal et al. 2025), on real English
+text (`qkv.studies.sinks_real`): where the small GPT forms no sinks, which disagrees with Xiao
+et al. 2024, the page says so and gives SmolLM2's figure beside it.
 """
 
 from __future__ import annotations
@@ -33,19 +37,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from qkv.analysis.inspection.attention_maps import record_attention
 from qkv.data import minilm_wordpiece, pydoc_texts
 from qkv.models.bert import BertModel
 from qkv.models.checkpoints.bundled import default_model_path
+from qkv.studies import sinks_real
 from qkv.studies.record import StudyResult
 from qkv.studies.sinks_caches import (
     POLICIES,
+    POLICY_NAMES,
     cached_losses,
     dense_losses,
     recomputed_losses,
     stream_losses,
     validation_streams,
 )
+from qkv.studies.sinks_real import FIRST_KS, SMOLLM2_SIZES, attention_masses, uniform_mass
 from qkv.training import TrainingConfig, train
 from qkv.training.tasks.gpt import GPTOptions, GPTTask
 
@@ -71,12 +77,6 @@ CLAIM = (
     "keeps a few of them beside a window of recent tokens stays close to recomputing each token "
     "over its window, where a window-only cache does not (Xiao et al. 2024, Figure 3)."
 )
-POLICY_NAMES = {
-    "dense": "dense (whole context)",
-    "window": "window only",
-    "sinks": "sinks + window",
-    "recompute": "window, recomputed",
-}
 
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {
@@ -84,63 +84,38 @@ SIZES: dict[str, dict[str, Any]] = {
         "ffn_dim": 64, "train_steps": 10, "batch_size": 8, "learning_rate": 2e-3,
         "mass_blocks": 4, "first_query": 4, "stream_length": 64, "num_streams": 1,
         "window": 16, "num_sinks": 4, "loss_bin": 8, "minilm_texts": 1, "minilm_length": 16,
+        **SMOLLM2_SIZES["tiny"],
     },
     "default": {
         "vocab_size": 1000, "train_length": 64, "embed_dim": 128, "num_layers": 4,
         "num_heads": 4, "ffn_dim": 384, "train_steps": 600, "batch_size": 16,
         "learning_rate": 2e-3, "mass_blocks": 64, "first_query": 16, "stream_length": 1024,
         "num_streams": 4, "window": 64, "num_sinks": 4, "loss_bin": 16, "minilm_texts": 8,
-        "minilm_length": 128,
+        "minilm_length": 128, **SMOLLM2_SIZES["default"],
     },
 }  # fmt: skip
-FIRST_KS = (1, 4)  # mass on the first k tokens
 
 
 def run(settings: dict[str, Any], *, seed: int) -> StudyResult:
-    """Both measurements at `settings` (see SIZES); seed: the data split, initialisation and
-    data order of the GPT."""
+    """Both measurements at `settings` (see SIZES) on MiniLM, the GPT and SmolLM2; seed: the
+    data split, initialisation and data order of the GPT."""
     if settings["window"] <= settings["num_sinks"]:
         raise ValueError(
             f"window: expected more than num_sinks={settings['num_sinks']} (sinks + window "
             f"keeps num_sinks + (window - num_sinks) tokens), got {settings['window']}"
         )
+    sinks_real.check_smollm2_settings(settings)  # before the training, not after it
     minilm = measure_minilm(settings)
     task, model, metrics = train_gpt(settings, seed=seed)
     gpt = measure_gpt(task, model, settings)
     streams = validation_streams(task, settings)
-    losses = stream_losses(model, streams, settings)
-    return _result(settings, minilm, gpt, losses, metrics, task.unigram_entropy)
+    losses = stream_losses(model, streams, window=settings["window"],
+                           num_sinks=settings["num_sinks"])  # fmt: skip
+    smollm2 = sinks_real.measure_smollm2(settings)
+    return _result(settings, (minilm, gpt, smollm2), losses, metrics, task.unigram_entropy)
 
 
 # --- 1. attention mass on the first tokens -----------------------------------------------------
-
-
-def attention_masses(
-    model: nn.Module, input_ids: torch.Tensor, keys: dict[str, list[int]], *, first_query: int = 0
-) -> dict[str, torch.Tensor]:
-    """Share of attention on chosen keys, per layer and head, averaged over the batch and the
-    queries at positions >= first_query: {name: (layers, heads)} for each `keys[name]`, a list
-    of key positions (negative ones count from the end). input_ids (B, L), no padding."""
-    L = input_ids.shape[1]
-    rows = list(range(first_query, L))
-    with record_attention(model, rows=rows) as recording, torch.no_grad():
-        model(input_ids)
-    maps = sorted(recording, key=lambda recorded: recorded.layer)
-    weights = torch.stack([recorded.weights for recorded in maps])  # (layers, B, H, rows, L)
-    return {
-        name: weights[..., positions].sum(dim=-1).mean(dim=(1, 3))  # (layers, H)
-        for name, positions in keys.items()
-    }
-
-
-def uniform_mass(k: int, length: int, *, first_query: int = 0, causal: bool) -> float:
-    """The mass on the first k keys if every query spread its attention evenly over the keys
-    it sees: k / L (bidirectional), or the mean over i >= first_query of min(k, i + 1) / (i + 1)
-    (causal), the baseline that `attention_masses` is compared with."""
-    if not causal:
-        return k / length
-    shares = [min(k, i + 1) / (i + 1) for i in range(first_query, length)]
-    return sum(shares) / len(shares)
 
 
 def measure_minilm(settings: dict[str, Any]) -> dict[str, Any]:
@@ -202,7 +177,9 @@ def measure_gpt(task: GPTTask, model: nn.Module, settings: dict[str, Any]) -> di
 # --- the result --------------------------------------------------------------------------------
 
 
-def _result(settings, minilm, gpt, losses, metrics, unigram_entropy) -> StudyResult:
+def _result(settings, measured, losses, metrics, unigram_entropy) -> StudyResult:
+    """The table, series and findings; measured: (MiniLM's, the GPT's, SmolLM2's)."""
+    minilm, gpt, smollm2 = measured
     window, bin_size = settings["window"], settings["loss_bin"]
     past = {name: _perplexity(value[:, window - 1 :]) for name, value in losses.items()}
     binned = {name: _binned(value.mean(dim=0), bin_size) for name, value in losses.items()}
@@ -217,13 +194,14 @@ def _result(settings, minilm, gpt, losses, metrics, unigram_entropy) -> StudyRes
             "max": math.exp(max(binned[name][window // bin_size :], default=float("nan"))),
             "baseline": math.exp(unigram_entropy),
         })  # fmt: skip
+    rows += sinks_real.smollm2_rows(smollm2)
     series = {
         "minilm": minilm, "gpt": gpt, "train_length": settings["train_length"],
         "window": window, "num_sinks": settings["num_sinks"], "loss_bin": bin_size,
         "loss_positions": [i * bin_size for i in range(len(binned["dense"]))],
         "loss": binned, "perplexity_past_window": past,
         "valid_perplexity": metrics.get("valid_perplexity"),
-        "unigram_perplexity": math.exp(unigram_entropy),
+        "unigram_perplexity": math.exp(unigram_entropy), "smollm2": smollm2,
     }  # fmt: skip
     return StudyResult(
         name="sinks", title=TITLE, claim=CLAIM,
@@ -260,7 +238,13 @@ def _binned(losses: torch.Tensor, bin_size: int) -> list[float]:
 
 
 def _findings(series: dict[str, Any], settings: dict[str, Any]) -> list[str]:
-    return [*_mass_findings(series), _cache_finding(series, settings)]
+    smollm2 = sinks_real.smollm2_findings(series["smollm2"])
+    return [*_mass_findings(series), _cache_finding(series, settings), *smollm2]
+
+
+def _has_sink(gpt: dict[str, Any]) -> bool:
+    """Whether some head of the GPT puts more than twice the uniform share on token 0."""
+    return max(map(max, gpt["masses"]["first_1"])) > 2 * gpt["uniform"]["first_1"]
 
 
 def _mass_findings(series: dict[str, Any]) -> list[str]:
@@ -275,6 +259,11 @@ def _mass_findings(series: dict[str, Any]) -> list[str]:
             f"{label} puts {heads.mean():.2f} of its attention on the first token on average "
             f"over its {heads.numel()} heads, {ratio:.1f} times the uniform {uniform:.3f}; "
             f"{half} heads put more than half of it there (most: {heads.max():.2f})."
+        )
+    if not _has_sink(series["gpt"]):  # the small model's result against the paper's
+        findings[-1] += (
+            " The GPT forms no attention sink: this disagrees with Xiao et al. 2024, who find "
+            f"sinks in every LLM they measure; {sinks_real.sink_figure(series['smollm2'])}."
         )
     sep = torch.tensor(series["minilm"]["masses"]["sep"])  # (layers, H)
     by_layer = sep.mean(dim=1)
@@ -297,26 +286,29 @@ def _cache_finding(series: dict[str, Any], settings: dict[str, Any]) -> str:
         f"{past['sinks']:.1f} with {sinks} sinks + window, {past['recompute']:.1f} recomputed"
     )
     gain = past["window"] / past["sinks"]
-    gpt = series["gpt"]
-    has_sink = max(map(max, gpt["masses"]["first_1"])) > 2 * gpt["uniform"]["first_1"]
     if gain > 1.05:
         return f"{text}: keeping {sinks} sinks divides the window-only perplexity by {gain:.2f}."
-    if has_sink:
-        return f"{text}: despite heads that favour token 0, evicting it costs little here."
+    if _has_sink(series["gpt"]):
+        text += ": despite heads that favour token 0, evicting it costs little here"
+    else:
+        text += (": with no head favouring token 0 there is no sink to evict, and window only "
+                 f"does as well as sinks + window (ratio {gain:.2f})")  # fmt: skip
     return (
-        f"{text}: with no head favouring token 0 there is no sink to evict, and window only "
-        f"does as well as sinks + window (ratio {gain:.2f})."
+        f"{text}. This disagrees with Xiao et al. 2024 (Figure 3), where evicting the first "
+        f"tokens breaks the model: {sinks_real.cache_figure(series['smollm2'])}."
     )
 
 
 def figure(result: StudyResult):
     """Heat maps (layer x head) of the mass on the first token, MiniLM and the GPT, and the
-    loss of each cache policy against the position in the stream."""
+    loss of each cache policy against the position in the stream; below them, SmolLM2's."""
     from matplotlib.figure import Figure
 
     series = result.series
-    fig = Figure(figsize=(15, 4.2))
-    axes = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1.4, 0.8, 1.6]})
+    real = "masses" in series.get("smollm2", {})  # measured: the package is installed
+    fig = Figure(figsize=(15, 9.6 if real else 4.2))
+    grid = fig.add_gridspec(2 if real else 1, 3, width_ratios=[1.4, 0.8, 1.6])
+    axes = [fig.add_subplot(grid[0, column]) for column in range(3)]
     for ax, key, name in ((axes[0], "minilm", "all-MiniLM-L6-v2"), (axes[1], "gpt", "GPT")):
         masses = series[key]["masses"]["first_1"]
         image = ax.imshow(masses, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
@@ -335,5 +327,10 @@ def figure(result: StudyResult):
     ax.set(xlabel="position in the stream", ylabel=f"loss (mean over {series['loss_bin']} tokens)",
            title="next-token loss by cache policy")  # fmt: skip
     ax.legend(fontsize=8)
+    if real:
+        sinks_real.draw_smollm2(
+            fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1:]), series["smollm2"],
+            lambda image, ax: fig.colorbar(image, ax=ax, fraction=0.05),
+        )  # fmt: skip
     fig.tight_layout()
     return fig

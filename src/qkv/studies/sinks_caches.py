@@ -2,15 +2,16 @@
 study (`qkv.studies.sinks`; Xiao et al. 2024, "Efficient Streaming Language Models with
 Attention Sinks", Figure 3).
 
-A GPT trained on sequences of L tokens reads held-out streams many times longer, each token's
-next-token loss computed under four policies (POLICIES):
+A GPT trained on sequences of L tokens reads held-out streams many times longer (a real LLM
+reads a long text: `qkv.studies.sinks_real`), each token's next-token loss computed under four
+policies (POLICIES):
    dense        the whole stream as context (RoPE positions past L; identical to decoding with
                 a cache of every token, so one causal forward computes it);
    window       `SinkKVCache(num_sinks=0, window=W)`, one token at a time;
    sinks        `SinkKVCache(num_sinks, window=W - num_sinks)`: the same memory, the first
                 tokens kept;
    recompute    a fresh forward over the last W tokens for every token (the quality
-                reference: no stale keys, positions 0 .. W - 1).
+                reference: no stale keys, positions 0 .. W - 1), or for every stride-th one.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from qkv.training.tasks.gpt import GPTTask
 
 __all__ = [
     "POLICIES",
+    "POLICY_NAMES",
     "cached_losses",
     "dense_losses",
     "recomputed_losses",
@@ -37,6 +39,12 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 POLICIES = ("dense", "window", "sinks", "recompute")
+POLICY_NAMES = {
+    "dense": "dense (whole context)",
+    "window": "window only",
+    "sinks": "sinks + window",
+    "recompute": "window, recomputed",
+}
 _RECOMPUTE_CHUNK = 256  # windows per forward pass
 
 
@@ -52,17 +60,19 @@ def validation_streams(task: GPTTask, settings: dict[str, Any]) -> torch.Tensor:
     return stream[: count * length].view(count, length)
 
 
-def stream_losses(model: nn.Module, streams: torch.Tensor, settings: dict[str, Any]) -> dict:
-    """Next-token losses (B, N - 1) of every policy (see the module docstring)."""
-    window, num_sinks = settings["window"], settings["num_sinks"]
+def stream_losses(
+    model: nn.Module, streams: torch.Tensor, *, window: int, num_sinks: int, stride: int = 1
+) -> dict[str, torch.Tensor]:
+    """Next-token losses (B, N - 1) of every policy (see the module docstring); recompute only
+    at every stride-th position past the window (NaN elsewhere, `recomputed_losses`)."""
     logger.info("reading %d streams of %d tokens: dense", *streams.shape)
     losses = {"dense": dense_losses(model, streams)}
     logger.info("window only (%d tokens), one token at a time", window)
     losses["window"] = cached_losses(model, streams, num_sinks=0, window=window)
     logger.info("%d sinks + window of %d, one token at a time", num_sinks, window - num_sinks)
     losses["sinks"] = cached_losses(model, streams, num_sinks=num_sinks, window=window - num_sinks)
-    logger.info("recomputing every token over its last %d tokens", window)
-    losses["recompute"] = recomputed_losses(model, streams, window=window)
+    logger.info("recomputing every %d-th token over its last %d tokens", stride, window)
+    losses["recompute"] = recomputed_losses(model, streams, window=window, stride=stride)
     return losses
 
 
@@ -98,20 +108,28 @@ def cached_losses(
 
 
 @torch.no_grad()
-def recomputed_losses(model: nn.Module, streams: torch.Tensor, *, window: int) -> torch.Tensor:
+def recomputed_losses(
+    model: nn.Module, streams: torch.Tensor, *, window: int, stride: int = 1
+) -> torch.Tensor:
     """Each token's loss from a fresh forward over its last `window` tokens (positions 0 ..
     window - 1): losses (B, N - 1). Tokens t < window - 1 see their whole prefix, which one
-    forward over the first window tokens gives."""
+    forward over the first window tokens gives. Past them, with stride > 1, only every
+    stride-th entry (t = window - 1, window - 1 + stride, ...) is computed, the others NaN: a
+    forward over the window per token is the costly policy on a large model."""
     B, N = streams.shape
     head = dense_losses(model, streams[:, : min(window, N)])[:, : window - 1]  # (B, <= W - 1)
     if window >= N:  # every token sees its whole prefix
         return head
-    windows = streams[:, :-1].unfold(1, window, 1)  # (B, N - W, W): ends at t = W - 1 .. N - 2
-    targets = streams[:, window:]  # (B, N - W)
+    windows = streams[:, :-1].unfold(1, window, stride)  # (B, n, W): end at t = W - 1 + k * stride
+    targets = streams[:, window::stride]  # (B, n)
     flat_windows, flat_targets = windows.reshape(-1, window), targets.reshape(-1)
     tail = []
     for start in range(0, len(flat_windows), _RECOMPUTE_CHUNK):
         chunk = flat_windows[start : start + _RECOMPUTE_CHUNK]  # (C, W)
         logits = model(chunk, logits_to_keep=1, check_ids=False).logits[:, -1]  # (C, V)
         tail.append(_token_losses(logits, flat_targets[start : start + _RECOMPUTE_CHUNK]))
-    return torch.cat([head, torch.cat(tail).view(B, -1)], dim=1)  # (B, N - 1)
+    losses = torch.full(
+        (B, N - window), float("nan"), device=streams.device
+    )  # entries t = W - 1 .. N - 2
+    losses[:, ::stride] = torch.cat(tail).view(B, -1)
+    return torch.cat([head, losses], dim=1)  # (B, N - 1)
