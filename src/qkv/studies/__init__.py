@@ -35,8 +35,9 @@ Studies (`STUDIES`):
   with and without residuals at 2/6/12 layers; post-norm vs pre-norm with and without warm-up
   (Ioffe & Szegedy 2015; Ba et al. 2016; Zhang & Sennrich 2019; He et al. 2016; Xiong et al.
   2020).
-- sinks: attention mass on the first tokens, per layer and head, of a trained model and of
-  MiniLM; window-only vs sinks + window caches past the training length (Xiao et al. 2024).
+- sinks: attention mass on the first tokens, per layer and head, of a trained model, of
+  MiniLM and of the real SmolLM2; window-only vs sinks + window caches past the training
+  length or a window (Xiao et al. 2024).
 - softmax: saturation of the whole softmax Jacobian with and without the 1/sqrt(d_k) scale
   (Vaswani et al. 2017, s3.2.1); float16 overflow of softmax as written vs max-subtracted on
   MiniLM's real scores (Goodfellow et al. 2016, s4.1).
