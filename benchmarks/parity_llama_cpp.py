@@ -7,7 +7,8 @@ with its own tokenizer and chat template (`qkv.data.gguf_tokenizer`) and dequant
 to fp32 (`qkv.models.from_gguf`); llama.cpp computes with the quantized blocks themselves (its
 Q4_1 products quantize the activations to 8 bits on the fly), so its logits are not qkv's to
 1e-4, and the question is where that changes an answer. For 8 chat prompts:
-  - the prompt's token ids from both tokenizers (llama.cpp's `tokenize`, special tokens parsed);
+  - the prompt's token ids from both tokenizers (llama.cpp's `tokenize`, special tokens parsed),
+    and those of 10 hard texts (white space before numbers, Unicode, code, special tokens);
   - the top-1 token of the logits at every prompt position, compared, with ties (a top-2 margin
     under 1e-3 in either library) reported apart rather than counted;
   - 64 greedy tokens from each library's own loop, compared up to the first difference, which
@@ -44,6 +45,14 @@ PROMPTS = [
     "Name a famous painting by Vermeer.",
 ]
 TIE = 1e-3
+# text where tokenizers part: white space before numbers (SmolLM cuts every number character
+# off first, as llama.cpp does; transformers' GGUF tokenizer does not), Unicode, code, specials
+HARD_TEXTS = [
+    "x  1", "total:\n\n42", "values = [\n    1,\n    22,\n]\n\t\t7", "½ cup, x ², ٣٤ and ⅻ",
+    "1234567890123 3.14159 1,000,000 -42", "Café naïve résumé 東京は日本の首都です 👍🏽 🇫🇷",
+    "<|im_start|>user\nhi<|im_end|>", "   leading and trailing   ", "",
+    "def area(r):\n    return 3.14159 * r ** 2  # pi r^2\n",
+]  # fmt: skip
 
 
 def margin(logits: np.ndarray) -> float:
@@ -120,7 +129,13 @@ def main() -> None:
     eos = int(file.metadata["tokenizer.ggml.eos_token_id"])
     llm = Llama(model_path=str(path), n_ctx=1024, logits_all=True, verbose=False)
     rows = [compare_prompt(llm, model, tokenizer, chat, prompt, eos) for prompt in PROMPTS]
+    same_ids = [
+        tokenizer.encode(text).ids == llm.tokenize(text.encode(), add_bos=False, special=True)
+        for text in HARD_TEXTS
+    ]
     summary = {
+        "hard_texts": len(HARD_TEXTS),
+        "hard_texts_with_same_ids": sum(same_ids),
         "prompts_with_same_ids": sum(r["same_prompt_ids"] for r in rows),
         "top1_agree": sum(r["top1_agree"] for r in rows),
         "top1_ties": sum(r["top1_ties"] for r in rows),
