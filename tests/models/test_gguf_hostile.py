@@ -155,3 +155,10 @@ def test_a_missing_file_and_a_folder(tmp_path):
         read_gguf(tmp_path / "absent.gguf")
     with pytest.raises(GGUFError, match="no GGUF file"):
         read_gguf(tmp_path)
+
+
+def test_a_bias_the_model_has_no_place_for_is_named(tmp_path):
+    model = GPT(CONFIG)  # no biases; one given to out_proj is written as blk.0.attn_output.bias
+    model.blocks[0].self_attn.out_proj.bias = torch.nn.Parameter(torch.zeros(32))
+    data = save_gguf(model, tmp_path / "bias.gguf").read_bytes()
+    _refused(tmp_path, data, r"unexpected \['blk.0.attn_output.bias'\]")

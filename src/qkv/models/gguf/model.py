@@ -153,13 +153,16 @@ def _check_shapes(file: GGUFFile, expected: dict, names: dict[str, str]) -> None
     }  # fmt: skip
     tied = "lm_head.weight" if "output.weight" not in file.tensors else None
     missing = sorted(set(expected) - given - {tied})
+    unexpected = sorted(n for n in file.tensors if n in names and names[n] not in expected)
     misshaped = [
         f"{name}: file {tensor.shape}, model {tuple(expected[names[name]].shape)}"
         for name, tensor in file.tensors.items()
-        if name in names and tuple(expected[names[name]].shape) != tensor.shape
-    ]
-    if missing or misshaped:
+        if name in names and names[name] in expected
+        and tuple(expected[names[name]].shape) != tensor.shape
+    ]  # fmt: skip
+    if missing or unexpected or misshaped:
         theirs = {ours: theirs for theirs, ours in names.items()}
         missing = [theirs.get(key, key) for key in missing]
         raise GGUFError(f"path: {file.path} does not fit the model its metadata describes: "
-                        f"missing {missing[:10]}, mis-shaped {misshaped[:10]}")  # fmt: skip
+                        f"missing {missing[:10]}, unexpected {unexpected[:10]} (a model "
+                        f"without biases), mis-shaped {misshaped[:10]}")  # fmt: skip
