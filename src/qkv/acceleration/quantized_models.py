@@ -29,10 +29,9 @@ from qkv.acceleration.quantized import (
 )
 from qkv.models.gguf.config import gguf_config
 from qkv.models.gguf.file import GGUFError, GGUFFile, GGUFTensor, read_gguf
-from qkv.models.gguf.model import gguf_tensor_names
+from qkv.models.gguf.model import gguf_keys, gguf_tensor_names, rope_rows_to_qkv
 from qkv.models.gguf.quants import BLOCK_FORMATS, dequantize
-from qkv.models.gpt import GPT, GPTConfig
-from qkv.positional import interleaved_to_half_split
+from qkv.models.gpt import GPT
 
 __all__ = ["explain_quantized", "quantize", "quantized_from_gguf"]
 
@@ -151,7 +150,7 @@ def _file_tensors(file: GGUFFile, model: GPT) -> tuple[dict, dict]:
             _block_rows(tensor) if blocks else dequantize(tensor.raw, tensor.kind, tensor.shape)
         )
         for key, part in zip(keys, values.chunk(len(keys), dim=0), strict=True):
-            part = _rope_layout(key, part, config)
+            part = rope_rows_to_qkv(key, part, config)
             if blocks:
                 quantized[key.removesuffix(".weight")] = (part, tensor.kind)
             else:
@@ -160,22 +159,10 @@ def _file_tensors(file: GGUFFile, model: GPT) -> tuple[dict, dict]:
 
 
 def _keys(name: str, names: dict[str, str], file: GGUFFile) -> list[str]:
-    """The qkv keys one GGUF tensor fills: three for GPT-2's fused attn_qkv (rows [q | k | v])."""
-    if ".attn_qkv." in name:
-        prefix, kind = name.replace("blk.", "blocks.").split(".attn_qkv.")
-        return [f"{prefix}.self_attn.{p}_proj.{kind}" for p in "qkv"]
-    if name not in names:
+    keys = gguf_keys(name, names)
+    if not keys:
         raise GGUFError(f"path: {file.path} has a tensor qkv does not read: {name}")
-    return [names[name]]
-
-
-def _rope_layout(key: str, values: torch.Tensor, config: GPTConfig) -> torch.Tensor:
-    """q/k rows (weights, biases or their blocks) from llama.cpp's RoPE layout to qkv's."""
-    if config.position == "rope" and ".q_proj." in key:
-        return interleaved_to_half_split(values, config.num_heads)
-    if config.position == "rope" and ".k_proj." in key:
-        return interleaved_to_half_split(values, config.num_kv_heads or config.num_heads)
-    return values
+    return keys
 
 
 def _block_rows(tensor: GGUFTensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from qkv.commands._sampling import add_sampling_arguments
 from qkv.commands._text_input import check_arguments
 
 if TYPE_CHECKING:
@@ -120,10 +121,5 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     chat.add_argument(
         "--max-new-tokens", type=int, default=256, help="the longest answer, in tokens (256)"
     )
-    chat.add_argument(
-        "--temperature", type=float, default=0.0, help="0 = greedy (default), > 0 samples"
-    )
-    chat.add_argument("--top-k", type=int, help="sample from the K most likely tokens")
-    chat.add_argument("--top-p", type=float, help="nucleus sampling: smallest set of mass P")
-    chat.add_argument("--seed", type=int, help="seed of the sampling generator")
+    add_sampling_arguments(chat)
     chat.set_defaults(run=_chat)

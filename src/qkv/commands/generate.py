@@ -11,6 +11,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from qkv.commands._sampling import add_sampling_arguments
 from qkv.commands._text_input import check_arguments
 
 if TYPE_CHECKING:
@@ -179,12 +180,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     generate.add_argument(
         "--max-new-tokens", type=int, default=50, help="tokens to generate (default 50)"
     )
-    generate.add_argument(
-        "--temperature", type=float, default=0.0, help="0 = greedy (default), > 0 samples"
-    )
-    generate.add_argument("--top-k", type=int, help="sample from the K most likely tokens")
-    generate.add_argument("--top-p", type=float, help="nucleus sampling: smallest set of mass P")
-    generate.add_argument("--seed", type=int, help="seed of the sampling generator")
+    add_sampling_arguments(generate)
     generate.add_argument(
         "--sinks",
         type=int,

@@ -32,9 +32,17 @@ from qkv.models.gguf.config import gguf_config
 from qkv.models.gguf.file import GGUFError, GGUFFile, read_gguf
 from qkv.models.gguf.quants import BLOCK_FORMATS, dequantize
 from qkv.models.gpt import GPT
+from qkv.models.gpt_config import GPTConfig
 from qkv.positional import interleaved_to_half_split
 
-__all__ = ["from_gguf", "gguf_tensor_names", "load_gguf_tensors", "model_from_file"]
+__all__ = [
+    "from_gguf",
+    "gguf_keys",
+    "gguf_tensor_names",
+    "load_gguf_tensors",
+    "model_from_file",
+    "rope_rows_to_qkv",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -132,16 +140,28 @@ def _fused_names(num_layers: int) -> set[str]:
 
 def _renamed(name: str, values: torch.Tensor, names: dict[str, str], config) -> dict:
     """One GGUF tensor -> the qkv tensors it fills (three for a fused attn_qkv)."""
-    if ".attn_qkv." in name:  # GPT-2: rows [q | k | v]
+    keys = gguf_keys(name, names)
+    parts = values.chunk(len(keys), dim=0)  # GPT-2's (3E, E) -> three (E, E), (3E,) -> (E,)
+    return {key: rope_rows_to_qkv(key, part, config) for key, part in zip(keys, parts, strict=True)}
+
+
+def gguf_keys(name: str, names: dict[str, str]) -> list[str]:
+    """The qkv keys one GGUF tensor fills (`names`: `gguf_tensor_names`): three for GPT-2's
+    fused attn_qkv (rows [q | k | v]), none for a tensor qkv does not read."""
+    if ".attn_qkv." in name:
         prefix, kind = name.replace("blk.", "blocks.").split(".attn_qkv.")
-        parts = values.chunk(3, dim=0)  # (3E, E) -> three (E, E), or (3E,) -> three (E,)
-        return {f"{prefix}.self_attn.{p}_proj.{kind}": t for p, t in zip("qkv", parts, strict=True)}
-    ours = names[name]
-    if config.position == "rope" and ours.endswith(("q_proj.weight", "q_proj.bias")):
-        values = interleaved_to_half_split(values, config.num_heads)
-    elif config.position == "rope" and ours.endswith(("k_proj.weight", "k_proj.bias")):
-        values = interleaved_to_half_split(values, config.num_kv_heads or config.num_heads)
-    return {ours: values}
+        return [f"{prefix}.self_attn.{p}_proj.{kind}" for p in "qkv"]
+    return [names[name]] if name in names else []
+
+
+def rope_rows_to_qkv(key: str, values: torch.Tensor, config: GPTConfig) -> torch.Tensor:
+    """q/k rows (weights, biases, or their quantized blocks) from llama.cpp's adjacent-pair
+    RoPE layout to qkv's half-split one; any other tensor as it is."""
+    if config.position == "rope" and ".q_proj." in key:
+        return interleaved_to_half_split(values, config.num_heads)
+    if config.position == "rope" and ".k_proj." in key:
+        return interleaved_to_half_split(values, config.num_kv_heads or config.num_heads)
+    return values
 
 
 def _check_shapes(file: GGUFFile, expected: dict, names: dict[str, str]) -> None:
