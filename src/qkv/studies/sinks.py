@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from qkv.analysis.inspection.sinks import attention_masses, uniform_mass
 from qkv.data import minilm_wordpiece, pydoc_texts
 from qkv.models.bert import BertModel
 from qkv.models.checkpoints.bundled import default_model_path
@@ -51,7 +52,7 @@ from qkv.studies.sinks_caches import (
     stream_losses,
     validation_streams,
 )
-from qkv.studies.sinks_real import FIRST_KS, SMOLLM2_SIZES, attention_masses, uniform_mass
+from qkv.studies.sinks_real import FIRST_KS, SMOLLM2_SIZES
 from qkv.training import TrainingConfig, train
 from qkv.training.tasks.gpt import GPTOptions, GPTTask
 
@@ -59,13 +60,11 @@ __all__ = [
     "CLAIM",
     "SIZES",
     "TITLE",
-    "attention_masses",
     "cached_losses",
     "dense_losses",
     "figure",
     "recomputed_losses",
     "run",
-    "uniform_mass",
 ]
 
 logger = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
-from qkv.analysis.inspection.attention_maps import record_attention
+from qkv.analysis.inspection.sinks import attention_masses, uniform_mass
 from qkv.data import tokenizer_from_gguf
 from qkv.models import GPT, from_gguf
 from qkv.models.checkpoints.bundled import smollm2_path
@@ -48,7 +48,6 @@ __all__ = [
     "FIRST_KS",
     "SMOLLM2",
     "SMOLLM2_SIZES",
-    "attention_masses",
     "load_smollm2",
     "cache_figure",
     "check_smollm2_settings",
@@ -59,7 +58,6 @@ __all__ = [
     "smollm2_findings",
     "smollm2_masses",
     "smollm2_rows",
-    "uniform_mass",
 ]
 
 logger = logging.getLogger(__name__)
@@ -80,37 +78,6 @@ SMOLLM2_SIZES: dict[str, dict[str, int]] = {
         "smollm2_bin": 32,
     },
 }  # fmt: skip
-
-
-# --- attention mass on the first tokens (any qkv model) ----------------------------------------
-
-
-def attention_masses(
-    model: nn.Module, input_ids: torch.Tensor, keys: dict[str, list[int]], *, first_query: int = 0
-) -> dict[str, torch.Tensor]:
-    """Share of attention on chosen keys, per layer and head, averaged over the batch and the
-    queries at positions >= first_query: {name: (layers, heads)} for each `keys[name]`, a list
-    of key positions (negative ones count from the end). input_ids (B, L), no padding."""
-    L = input_ids.shape[1]
-    rows = list(range(first_query, L))
-    with record_attention(model, rows=rows) as recording, torch.no_grad():
-        model(input_ids)
-    maps = sorted(recording, key=lambda recorded: recorded.layer)
-    weights = torch.stack([recorded.weights for recorded in maps])  # (layers, B, H, rows, L)
-    return {
-        name: weights[..., positions].sum(dim=-1).mean(dim=(1, 3))  # (layers, H)
-        for name, positions in keys.items()
-    }
-
-
-def uniform_mass(k: int, length: int, *, first_query: int = 0, causal: bool) -> float:
-    """The mass on the first k keys if every query spread its attention evenly over the keys
-    it sees: k / L (bidirectional), or the mean over i >= first_query of min(k, i + 1) / (i + 1)
-    (causal), the baseline that `attention_masses` is compared with."""
-    if not causal:
-        return k / length
-    shares = [min(k, i + 1) / (i + 1) for i in range(first_query, length)]
-    return sum(shares) / len(shares)
 
 
 # --- SmolLM2-135M-Instruct ---------------------------------------------------------------------

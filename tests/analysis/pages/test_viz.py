@@ -147,6 +147,29 @@ def test_page_in_headless_chromium(browser, pair_page, tmp_path):
     assert problems == []
 
 
+def test_a_sink_head_is_marked_in_the_legend_and_the_head_selector(browser, tmp_path):
+    L = 12
+    weights = torch.zeros(1, 2, L, L)  # (B, H, L, L): head 0 uniform, head 1 a sink (0.8)
+    for i in range(L):
+        weights[0, 0, i, : i + 1] = 1 / (i + 1)
+        weights[0, 1, i, : i + 1] = 0.2 / i if i else 1.0
+        weights[0, 1, i, 0] = 0.8 if i else 1.0
+    recorded = AttentionMap("blocks.0.self", "blocks.0.attn", "self", 0, (0, 1),
+                            tuple(range(L)), weights)  # fmt: skip
+    tokens = [f"t{i}" for i in range(L)]
+    layer = view_data([recorded], tokens)["stacks"][0]["layers"][0]
+    assert layer["sinks"] == [False, True] and layer["first_key"][1] == 800
+    path = tmp_path / "sinks.html"
+    path.write_text(attention_view_html([recorded], tokens), encoding="utf-8")
+    page, problems = _open(browser, path)
+    options = page.eval_on_selector_all("#head option", "os => os.map(o => o.textContent)")
+    assert options == ["all heads", "head 0",
+                       "head 1 (sink: 0.80 of its attention on the first token)"]  # fmt: skip
+    classes = page.eval_on_selector_all("#legend span", "ss => ss.map(s => s.className.trim())")
+    assert classes == ["", "sink"]
+    assert problems == []
+
+
 def test_text_page_with_the_real_minilm(browser, tmp_path):
     out = tmp_path / "minilm.html"
     assert _run_cli("Attention is all you need.", "--out", str(out)) == 0
@@ -263,3 +286,15 @@ def test_smollm2_maps_are_transformers_attentions_and_the_page_has_every_head(
     page = viz.text_attention_html(model, tokenizer, text)
     (stack,) = _page_data(page)["stacks"]
     assert len(stack["layers"]) == 30 and len(stack["layers"][0]["heads"]) == 9
+    # sink heads, from transformers' weights: mean attention on token 0 over the queries after
+    # it, above 0.3 and above twice the uniform causal share (Gu et al. 2024's rule)
+    L = ids.shape[1]
+    uniform = sum(1 / (i + 1) for i in range(1, L)) / (L - 1)
+    expected = [(reference[0, :, 1:, 0].mean(dim=-1) > max(0.3, 2 * uniform)).tolist()
+                for reference in theirs]  # fmt: skip
+    assert [layer["sinks"] for layer in stack["layers"]] == expected
+    marked = sum(map(sum, expected))
+    assert 0 < marked < 30 * 9  # a real LLM has sink heads, and other heads
+    for layer, reference in zip(stack["layers"], theirs, strict=True):
+        masses = (reference[0, :, 1:, 0].mean(dim=-1) * 1000).tolist()
+        assert layer["first_key"] == pytest.approx(masses, abs=0.51)  # thousandths, rounded

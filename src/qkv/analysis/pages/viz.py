@@ -10,6 +10,9 @@ are inline: the page loads nothing, so it works offline and can be mailed as one
 
 The weights come from `qkv.analysis.record_attention`, exact from whatever backend the model
 runs (`qkv.analysis.plots.attention_heatmaps` draws the same per-head maps as heat maps).
+Sink heads (`qkv.analysis.inspection.sinks.sink_heads`: a mean attention on the first token
+above 0.3 and twice what uniform attention would put there, after Gu et al. 2024) are marked
+in the legend and the head selector with their share of attention on the first token.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch import nn
 
 import qkv.models as models
 from qkv.analysis.inspection.attention_maps import AttentionMap, record_attention
+from qkv.analysis.inspection.sinks import sink_heads
 from qkv.applications.chat import load_chat_model
 from qkv.applications.embed import SentenceEncoder
 from qkv.data.tokenizers import load_tokenizer
@@ -74,7 +78,8 @@ def view_data(
     batch_index: int = 0,
 ) -> dict:
     """What the page draws: {"stacks": [{"name", "tokens_q", "tokens_k", "layers": [{"name",
-    "heads", "rows", "weights": [head][row][key] in thousandths}]}]}."""
+    "heads", "rows", "weights": [head][row][key] in thousandths, "first_key": [head] the mean
+    weight on key 0 in thousandths, "sinks": [head] whether it is a sink head}]}]}."""
     maps = list(maps)
     if not maps or not all(isinstance(m, AttentionMap) for m in maps):
         raise ValueError(f"maps: expected a non-empty list of AttentionMap, got {len(maps)} items")
@@ -208,11 +213,14 @@ def _layer_data(recorded: AttentionMap, queries: list, keys: list, batch_index: 
         )
     thousandths = (weights[batch_index].float() * PER_MILLE).round().to(torch.int32)
     name = recorded.name if recorded.call == 0 else f"{recorded.name} (call {recorded.call})"
+    sinks = sink_heads(recorded, batch_index=batch_index)
     return {
         "name": name,
         "heads": list(recorded.heads),
         "rows": list(recorded.rows),
         "weights": thousandths.tolist(),  # [head][row][key]
+        "first_key": [round(head.mass * PER_MILLE) for head in sinks],
+        "sinks": [head.is_sink for head in sinks],
     }
 
 
