@@ -25,6 +25,7 @@ from qkv.acceleration import (
     quantized_from_gguf,
 )
 from qkv.acceleration import quantized as quantized_module
+from qkv.acceleration.quantized_embedding import QuantizedEmbedding
 from qkv.capabilities import Support
 from qkv.data import chat_format_from_metadata, tokenizer_from_metadata
 from qkv.generation import generate
@@ -219,6 +220,14 @@ def test_smollm2_quantized_loads_the_files_blocks_and_decodes_its_greedy_tokens(
         ours = model.blocks[3].get_submodule(name).dequantized_weight()
         assert torch.equal(ours, smollm2.blocks[3].get_submodule(name).weight)
     assert torch.equal(model.lm_head.dequantized_weight(), smollm2.lm_head.weight)
+    # the tied table once: the embedding's lookup and the output layer read the same blocks
+    assert isinstance(model.token_embedding, QuantizedEmbedding)
+    assert model.token_embedding.blocks.data_ptr() == model.lm_head.blocks.data_ptr()
+    some = torch.tensor([[0, 1, 49151], [17, 17, 3]])
+    assert torch.equal(model.token_embedding(some), smollm2.token_embedding(some))
+    assert "embeddings kept as blocks" in explain_quantized(model)
+    with pytest.raises(IndexError, match="input_ids: expected ids in \\[0, 49152\\)"):
+        model.token_embedding(torch.tensor([49152]))
     text = chat_format_from_metadata(smollm2_file.metadata).render(
         [{"role": "user", "content": "Write a haiku about the sea."}]
     )
@@ -232,3 +241,26 @@ def test_smollm2_quantized_loads_the_files_blocks_and_decodes_its_greedy_tokens(
         first = different[0].item()
         top2 = logits[first].topk(2).values
         assert top2[0] - top2[1] < 1e-2, f"token {first} differs with a margin of {top2}"
+
+
+def test_quantized_pays_for_q4_files_where_int4pack_runs_and_not_for_q8_0(
+    smollm2_file, tmp_path, monkeypatch
+):
+    """`quantized_pays` (what `qkv chat` decides by default) from the file and the kernels:
+    SmolLM2's Q4_1 linears where int4pack serves them; a Q8_0 file (qkv's writer) never; and
+    the Q4_1 file where int4pack is reported missing."""
+    from qkv.acceleration.quantized_models import quantized_pays
+    from qkv.models.gguf.writer import save_gguf
+
+    pays = quantized_pays(smollm2_file)
+    assert bool(pays) == bool(quantized_module.int4pack_products())
+    if pays:
+        assert pays.reason.startswith("210 Q4_1 linear weights (")
+    config = GPTConfig(vocab_size=64, embed_dim=64, num_layers=1, num_heads=2, ffn_dim=128,
+                       position="rope", norm="rmsnorm", ffn="swiglu", bias=False)  # fmt: skip
+    path = save_gguf(GPT(config), tmp_path / "tiny.gguf", weight_type="Q8_0")
+    refused = quantized_pays(path)
+    assert not refused and refused.reason.startswith("Q8_0 linear weights: 0% of the file")
+    monkeypatch.setattr(quantized_module, "int4pack_products", lambda: Support(False, "masked"))
+    masked = quantized_pays(smollm2_file)
+    assert not masked and "masked" in masked.reason and "Q4_1" in masked.reason

@@ -96,7 +96,7 @@ def _int4pack_proved() -> Support:
     x = torch.randn(3, 2 * BLOCK, generator=generator)
     blocks = quantize_q4_1(weight)
     try:
-        y = _Int4Pack(blocks, "Q4_1", 16, 2 * BLOCK)(x)
+        y = _int4pack_product(x, *_int4pack_layout(blocks, "Q4_1", 16, 2 * BLOCK), 16)
     except RuntimeError as error:
         first_line = (str(error).strip().splitlines() or ["no message"])[0]
         return Support(False, f"PyTorch's int4pack product failed here: {first_line}")
@@ -158,15 +158,23 @@ class QuantizedLinear(nn.Module):
         return module
 
     def _prepare(self) -> None:
-        """Choose the kernel here (`quantized_kernel`) and lay the blocks out for it."""
+        """Choose the kernel here (`quantized_kernel`) and lay the blocks out for it, in
+        buffers that are not saved (the state dict holds the blocks alone) but that
+        torch.export sees, so that the exported decoding step reads them as the model's."""
         self.kernel, self.kernel_reason = quantized_kernel(self.kind)
         shape = (self.out_features, self.in_features)
         if self.kernel == "int4pack":
-            self._product = _Int4Pack(self.blocks, self.kind, *shape)
+            packed, scales_and_zeros = _int4pack_layout(self.blocks, self.kind, *shape)
+            laid_out = {"packed": packed, "scales_and_zeros": scales_and_zeros}
         elif self.kernel == "int8-blockwise":
-            self._product = _Int8Blockwise(self.blocks, *shape)
+            codes, scales = _int8_layout(self.blocks, *shape)
+            laid_out = {"codes": codes, "scales": scales}
         else:
-            self._product = _Dequantized(self.dequantized_weight())
+            laid_out = {"dense_weight": self.dequantized_weight()}
+        for name in _LAID_OUT:
+            self._buffers.pop(name, None)
+        for name, tensor in laid_out.items():
+            self.register_buffer(name, tensor, persistent=False)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -194,8 +202,16 @@ class QuantizedLinear(nn.Module):
         if x.dtype == torch.float64:  # no kernel takes float64: the reference product
             y = F.linear(rows, self.dequantized_weight(torch.float64))
         else:
-            y = self._product(rows)
+            y = self._kernel_product(rows)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def _kernel_product(self, rows: torch.Tensor) -> torch.Tensor:
+        """(N, in) -> (N, out), in the kernel's compute dtype."""
+        if self.kernel == "int4pack":
+            return _int4pack_product(rows, self.packed, self.scales_and_zeros, self.out_features)
+        if self.kernel == "int8-blockwise":
+            return _int8_blockwise_product(rows, self.codes, self.scales)
+        return F.linear(rows.float(), self.dense_weight)
 
     def requires_grad_(self, requires_grad: bool = True) -> QuantizedLinear:
         """The bias follows; the quantized weight cannot: refused when `requires_grad`."""
@@ -238,66 +254,63 @@ class _QuantizedProduct(torch.autograd.Function):
         return (grad.to(dtype) @ weight).to(grad.dtype), None  # (..., in)
 
 
-class _Int4Pack:
-    """Q4_0/Q4_1 blocks packed for `_weight_int4pack_mm_for_cpu` (layout of this process's ISA).
-
-    The output rows are padded to a multiple of 16, as the packing requires (scale 0, zero 0)."""
-
-    def __init__(self, blocks: torch.Tensor, kind: str, out_features: int, in_features: int):
-        self.out_features = out_features
-        groups = in_features // BLOCK
-        fields = blocks.reshape(out_features, groups, BLOCK_FORMATS[kind].nbytes)
-        d = _f16(fields, 0)  # (out, groups)
-        zero = _f16(fields, 2) + 8 * d if kind == "Q4_1" else torch.zeros_like(d)  # exact: f64
-        codes = fields[..., -BLOCK // 2 :]  # (out, groups, 16): value i low, value i + 16 high
-        q = torch.cat((codes & 15, codes >> 4), dim=-1).reshape(out_features, in_features)
-        padding = -out_features % 16
-        q = F.pad(q.to(torch.int32), (0, 0, 0, padding))  # (out + padding, in)
-        scales_and_zeros = F.pad(torch.stack((d, zero), dim=-1), (0, 0, 0, 0, 0, padding))
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        # (groups, out + padding, 2), each value rounded once from its exact float64
-        self.scales_and_zeros = scales_and_zeros.transpose(0, 1).contiguous().to(torch.bfloat16)
-
-    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        """(N, in) -> (N, out) bf16."""
-        x = rows.to(torch.bfloat16).contiguous()
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, BLOCK, self.scales_and_zeros)
-        return y[:, : self.out_features]
+_LAID_OUT = ("packed", "scales_and_zeros", "codes", "scales", "dense_weight")
 
 
-class _Int8Blockwise:
-    """Q8_0: codes (a view of the blocks) times fp32 scales, a cache-sized chunk of rows at a
-    time, each chunk multiplied by F.linear in fp32: the exact weights, never all at once."""
-
-    def __init__(self, blocks: torch.Tensor, out_features: int, in_features: int):
-        fields = blocks.reshape(out_features, in_features // BLOCK, 34)
-        self.codes = fields[..., 2:].view(torch.int8)  # (out, groups, 32), no copy
-        self.scales = fields[..., :2].view(torch.float16).float()  # (out, groups, 1)
-        self.rows_per_chunk = max(16, SCRATCH_VALUES // in_features)
-
-    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        """(N, in) -> (N, out) fp32."""
-        rows = rows.float()
-        out_features, groups = self.codes.shape[:2]
-        y = rows.new_empty(rows.shape[0], out_features)
-        step = self.rows_per_chunk
-        scratch = rows.new_empty(min(step, out_features), groups, BLOCK)
-        for start in range(0, out_features, step):
-            stop = min(start + step, out_features)
-            weight = scratch[: stop - start].copy_(self.codes[start:stop])  # int8 -> fp32
-            weight.mul_(self.scales[start:stop])  # (rows, groups, 32): dequantize's values
-            y[:, start:stop] = F.linear(rows, weight.view(stop - start, -1))
-        return y
+def _int4pack_layout(
+    blocks: torch.Tensor, kind: str, out_features: int, in_features: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_0/Q4_1 blocks packed for `_weight_int4pack_mm_for_cpu` (the layout of this process's
+    ISA): (packed codes, (groups, out + padding, 2) bf16 scales and zeros). The output rows are
+    padded to a multiple of 16, as the packing requires (scale 0, zero 0)."""
+    groups = in_features // BLOCK
+    fields = blocks.reshape(out_features, groups, BLOCK_FORMATS[kind].nbytes)
+    d = _f16(fields, 0)  # (out, groups)
+    zero = _f16(fields, 2) + 8 * d if kind == "Q4_1" else torch.zeros_like(d)  # exact: f64
+    codes = fields[..., -BLOCK // 2 :]  # (out, groups, 16): value i low, value i + 16 high
+    q = torch.cat((codes & 15, codes >> 4), dim=-1).reshape(out_features, in_features)
+    padding = -out_features % 16
+    q = F.pad(q.to(torch.int32), (0, 0, 0, padding))  # (out + padding, in)
+    scales_and_zeros = F.pad(torch.stack((d, zero), dim=-1), (0, 0, 0, 0, 0, padding))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    # each value rounded once from its exact float64
+    return packed, scales_and_zeros.transpose(0, 1).contiguous().to(torch.bfloat16)
 
 
-class _Dequantized:
-    """The fallback: F.linear on the weight dequantized once, in fp32."""
+def _int4pack_product(
+    rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int
+) -> torch.Tensor:
+    """(N, in) -> (N, out) bf16."""
+    x = rows.to(torch.bfloat16).contiguous()
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, BLOCK, scales_and_zeros)
+    return y[:, :out_features]
 
-    def __init__(self, weight: torch.Tensor):
-        self.weight = weight  # (out, in)
 
-    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        return F.linear(rows.float(), self.weight)
+def _int8_layout(
+    blocks: torch.Tensor, out_features: int, in_features: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 blocks -> (codes (out, groups, 32) int8, a view of the blocks; scales (out,
+    groups, 1) fp32)."""
+    fields = blocks.reshape(out_features, in_features // BLOCK, 34)
+    return fields[..., 2:].view(torch.int8), fields[..., :2].view(torch.float16).float()
+
+
+def _int8_blockwise_product(
+    rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor:
+    """Q8_0: codes times fp32 scales, a cache-sized chunk of rows at a time, each chunk
+    multiplied by F.linear in fp32: the exact weights, never all at once. (N, in) -> (N, out)."""
+    rows = rows.float()
+    out_features, groups = codes.shape[:2]
+    y = rows.new_empty(rows.shape[0], out_features)
+    step = max(16, SCRATCH_VALUES // (groups * BLOCK))
+    scratch = rows.new_empty(min(step, out_features), groups, BLOCK)
+    for start in range(0, out_features, step):
+        stop = min(start + step, out_features)
+        weight = scratch[: stop - start].copy_(codes[start:stop])  # int8 -> fp32
+        weight.mul_(scales[start:stop])  # (rows, groups, 32): dequantize's values
+        y[:, start:stop] = F.linear(rows, weight.view(stop - start, -1))
+    return y
 
 
 def _f16(fields: torch.Tensor, offset: int) -> torch.Tensor:

@@ -27,13 +27,20 @@ from qkv.acceleration.quantized import (
     QuantizedLinear,
     quantized_kernel,
 )
+from qkv.acceleration.quantized_embedding import QuantizedEmbedding
 from qkv.models.gguf.config import gguf_config
 from qkv.models.gguf.file import GGUFError, GGUFFile, GGUFTensor, read_gguf
 from qkv.models.gguf.model import gguf_keys, gguf_tensor_names, rope_rows_to_qkv
 from qkv.models.gguf.quants import BLOCK_FORMATS, dequantize
 from qkv.models.gpt import GPT
 
-__all__ = ["explain_quantized", "quantize", "quantized_from_gguf"]
+__all__ = ["explain_quantized", "quantize", "quantized_from_gguf", "quantized_pays"]
+
+EMBEDDING = "token_embedding.weight"
+# the kinds whose kernel here decodes faster than the fp32 model, where it is the kernel chosen
+# (benchmarks/decode_smollm2.py): int4pack reads a quarter of the bytes of bf16; Q8_0's exact
+# int8-blocks product reads its int8 codes but writes fp32 chunks, no faster than fp32 itself
+FASTER_THAN_FP32 = {"Q4_0": "int4pack", "Q4_1": "int4pack"}
 
 logger = logging.getLogger(__name__)
 
@@ -87,30 +94,33 @@ def quantized_from_gguf(source: str | Path | GGUFFile) -> GPT:
     """The GGUF file at `source` (a path, or a file read by `qkv.models.gguf.read_gguf`) as a
     GPT in eval mode whose linears stored as Q4_0, Q4_1 or Q8_0 are `QuantizedLinear`s on the
     file's blocks, never dequantized (q/k rows reordered for qkv's RoPE layout, as
-    `qkv.models.from_gguf` does). Embeddings, norms, biases and linears of other types are
-    dequantized to fp32, as `from_gguf` does. A tied output layer (no output.weight) is a
-    QuantizedLinear on the embedding's own blocks when they are one of those types (the
-    embedding keeps its dequantized copy for the lookup), else it shares the embedding's
-    fp32 weight."""
+    `qkv.models.from_gguf` does). A token embedding of one of those types is a
+    `QuantizedEmbedding` on its blocks (each lookup dequantizes its rows), and a tied output
+    layer (no output.weight) a QuantizedLinear on the same blocks: the table is in memory once.
+    Norms, biases and tensors of other types are dequantized to fp32, as `from_gguf` does; a
+    tied output layer then shares the embedding's fp32 weight."""
     file = source if isinstance(source, GGUFFile) else read_gguf(source)
     config = gguf_config(file)
     with torch.device("meta"):  # no memory, no random init: every weight comes from the file
         model = GPT(config)
     dense, quantized = _file_tensors(file, model)
     tied = config.tie_embeddings and "output.weight" not in file.tensors
-    embedding = file.tensors.get("token_embd.weight")
-    if tied and embedding is not None and embedding.kind in KINDS:
-        quantized["lm_head"] = (_block_rows(embedding), embedding.kind)
+    embedding = quantized.pop("token_embedding", None)  # (blocks, kind) or None: dense
+    if embedding is not None:
+        model.token_embedding = QuantizedEmbedding(*embedding)
+        if tied:  # one table in memory, read by the lookup and by the output layer
+            quantized["lm_head"] = (model.token_embedding.blocks, embedding[1])
     for path, (blocks, kind) in quantized.items():
         bias = dense.pop(f"{path}.bias", None)
         parent, _, name = path.rpartition(".")
         model.get_submodule(parent).register_module(name, QuantizedLinear(blocks, kind, bias=bias))
     result = model.load_state_dict(dense, strict=False, assign=True)
-    if tied and "lm_head" not in quantized:
+    if tied and embedding is None:
         model.lm_head.weight = model.token_embedding.weight  # one fp32 (V, E) matrix
+    kept = {*quantized, "token_embedding"} if embedding is not None else set(quantized)
     missing = [
         key for key in result.missing_keys
-        if key.rpartition(".")[0] not in quantized and not (tied and key == "lm_head.weight")
+        if key.rpartition(".")[0] not in kept and not (tied and key == "lm_head.weight")
     ]  # fmt: skip
     if result.unexpected_keys or missing:
         unexpected = result.unexpected_keys[:10]
@@ -120,6 +130,29 @@ def quantized_from_gguf(source: str | Path | GGUFFile) -> GPT:
         )
     logger.info("loaded %s: %d quantized linears; %s", file.path, len(quantized), config)
     return model.eval()
+
+
+def quantized_pays(source: str | Path | GGUFFile) -> capabilities.Support:
+    """Should the GGUF file at `source` decode with its blocks kept (`quantized_from_gguf`)
+    rather than dequantized to fp32? Yes where most of its linear weights (by bytes) are of a
+    kind whose kernel here is faster than fp32 (`FASTER_THAN_FP32`: Q4_0, Q4_1 by int4pack).
+    Decided from the file and what this machine's PyTorch can run, never from a timing."""
+    file = source if isinstance(source, GGUFFile) else read_gguf(source)
+    names = gguf_tensor_names(gguf_config(file).num_layers)
+    linear = [t for name, t in file.tensors.items()
+              if t.kind in KINDS and len(t.shape) == 2 and name != "token_embd.weight"
+              and gguf_keys(name, names)]  # fmt: skip
+    fast = [t for t in linear if quantized_kernel(t.kind)[0] == FASTER_THAN_FP32.get(t.kind)]
+    total = sum(t.raw.nbytes for t in file.tensors.values())
+    share = sum(t.raw.nbytes for t in fast) / max(1, total)
+    kinds = ", ".join(sorted({t.kind for t in linear})) or "no Q4_0, Q4_1 or Q8_0"
+    if share > 0.5:
+        return capabilities.Support(True, f"{len(fast)} {kinds} linear weights ({share:.0%} of "
+                                          "the file) by PyTorch's int4pack kernel")  # fmt: skip
+    why = f"{kinds} linear weights: {share:.0%} of the file has a kernel faster than fp32 here"
+    if any(t.kind in FASTER_THAN_FP32 for t in linear):
+        why += f" ({quantized_kernel('Q4_1')[1].reason})"
+    return capabilities.Support(False, why)
 
 
 def _file_tensors(file: GGUFFile, model: GPT) -> tuple[dict, dict]:
@@ -142,7 +175,7 @@ def _file_tensors(file: GGUFFile, model: GPT) -> tuple[dict, dict]:
                 f"path: {file.path}: {name} has shape {tensor.shape}, the model {wanted} "
                 f"per part of {len(keys)}"
             )
-        blocks = tensor.kind in KINDS and keys[0] in linears
+        blocks = tensor.kind in KINDS and (keys[0] in linears or keys[0] == EMBEDDING)
         if not blocks and tensor.kind not in BLOCK_FORMATS:
             raise GGUFError(f"path: {file.path}: qkv has no dequantizer for {name} "
                             f"({tensor.kind})")  # fmt: skip
@@ -151,7 +184,7 @@ def _file_tensors(file: GGUFFile, model: GPT) -> tuple[dict, dict]:
         )
         for key, part in zip(keys, values.chunk(len(keys), dim=0), strict=True):
             part = rope_rows_to_qkv(key, part, config)
-            if blocks:
+            if blocks:  # an embedding's rows are blocks as a linear's are
                 quantized[key.removesuffix(".weight")] = (part, tensor.kind)
             else:
                 dense[key] = part
@@ -182,6 +215,10 @@ def explain_quantized(model: nn.Module) -> str:
     for (kind, kernel, reason), count in sorted(counts.items()):
         dtype = "bf16" if kernel == "int4pack" else "fp32"
         lines.append(f"  {count} {kind} by {kernel} ({dtype} compute): {reason}")
+    tables = [f"{n} ({m.kind})" for n, m in modules.items() if isinstance(m, QuantizedEmbedding)]
+    if tables:
+        tables_text = ", ".join(tables)
+        lines.append(f"  embeddings kept as blocks, rows dequantized at lookup: {tables_text}")
     plain = [n for n, m in modules.items() if type(m) is nn.Linear]
     lines.append(f"left as nn.Linear: {', '.join(plain) if plain else 'none'}")
     for kind in KINDS:
