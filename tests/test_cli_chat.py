@@ -20,6 +20,8 @@ from tokenizers import AddedToken, Tokenizer, models
 
 import qkv.applications.chat as chat_module
 import qkv.commands.chat as chat_command
+from qkv.acceleration.quantized import QuantizedLinear
+from qkv.acceleration.quantized_models import quantized_pays
 from qkv.applications.chat import (
     Chat,
     ChatModel,
@@ -51,7 +53,7 @@ def tiny(loaded) -> ChatModel:
 
 def _serve(monkeypatch, model: ChatModel) -> list[list[dict]]:
     """The commands get `model` for any spec; returns the history each answer is asked of."""
-    monkeypatch.setattr(chat_module, "load_chat_model", lambda spec, argument="spec": model)
+    monkeypatch.setattr(chat_module, "load_chat_model", lambda spec, argument, weights: model)
     asked, answer = [], Chat.answer
 
     def recorded(self, on_text):
@@ -97,13 +99,26 @@ def test_generate_chat_answers_one_message(loaded, capsys, monkeypatch):
     assert captured.err.startswith("8 tokens in ")  # seven and <|im_end|>
 
 
-def test_generate_loads_the_packaged_model_by_name(capsys):
-    """The one test that loads the GGUF file itself: the raw continuation, no template."""
+def test_generate_loads_the_packaged_model_by_name(capsys, smollm2_path):
+    """The one test that loads the GGUF file itself: the raw continuation, no template; its Q4_1
+    linears kept quantized where PyTorch's int4pack kernel runs (`quantized_pays`), said on
+    stderr."""
     prompt = "The capital of France is"
     status = main(["generate", "--model", "smollm2", prompt, "--max-new-tokens", "6", "--no-pack"])
     captured = capsys.readouterr()
     assert status == 0 and captured.err.startswith("6 tokens in ")
     assert captured.out.startswith(prompt) and len(captured.out) > len(prompt) + 2
+    pays = quantized_pays(smollm2_path)
+    held = "quantized" if pays else "dequantized to fp32"
+    assert f"weights {held}: {pays.reason}" in captured.err
+
+
+def test_weights_of_a_gguf_file_are_kept_quantized_or_made_fp32_as_asked(smollm2_path):
+    quantized = load_chat_model(smollm2_path, weights="quantized")
+    assert isinstance(quantized.model.blocks[0].ffn.up_proj, QuantizedLinear)
+    assert quantized.weights == "weights quantized, as asked"
+    with pytest.raises(ValueError, match="weights: expected one of .*'auto'.*, got 'int4'"):
+        load_chat_model(smollm2_path, weights="int4")
 
 
 @pytest.mark.parametrize("command", [["chat"], ["generate", "The cat"]])

@@ -4,9 +4,11 @@ conversation kept within the model's context.
 - `load_chat_model(spec)`: a `ChatModel` (model in eval mode, `tokenizers.Tokenizer`, the chat
   template as a `ChatFormat`, None where the source has none) from the short name of a packaged
   model ("smollm2", `PACKAGED_MODELS`), a GGUF file, or a checkpoint folder. A GGUF file is read
-  once: its weights, tokenizer and template come from the same `GGUFFile`. A folder is read by
-  `qkv.generation.text.load_for_generation`; its template is chat_template.jinja, else
-  tokenizer_config.json's "chat_template", as transformers saves them.
+  once: its weights, tokenizer and template come from the same `GGUFFile`; its Q4_0 and Q4_1
+  weights stay quantized where that decodes faster here (`weights="auto"`, see
+  `load_chat_model`). A folder is read by `qkv.generation.text.load_for_generation`; its
+  template is chat_template.jinja, else tokenizer_config.json's "chat_template", as
+  transformers saves them.
 - `trim_history(messages, count_tokens, budget)`: the oldest turns dropped until the prompt
   fits, the system message and the question being asked kept.
 - `Chat`: a conversation. Each answer continues the whole history, rendered by the template with
@@ -27,6 +29,7 @@ import torch
 from jinja2 import TemplateError
 from torch import nn
 
+from qkv.acceleration.quantized_models import quantized_from_gguf, quantized_pays
 from qkv.data.gguf_tokenizer import ChatFormat, chat_format_from_metadata, tokenizer_from_metadata
 from qkv.generation.generate import DecodeOptions, stream
 from qkv.generation.text import incremental_text, load_for_generation
@@ -49,37 +52,58 @@ class ChatModel:
     model: nn.Module
     tokenizer: object
     chat_format: ChatFormat | None
+    weights: str = ""  # how a GGUF file's weights are held, and why ("" for other sources)
 
 
-def load_chat_model(spec: str | os.PathLike, *, argument: str = "spec") -> ChatModel:
+WEIGHTS = ("auto", "quantized", "dequantized")
+
+
+def load_chat_model(
+    spec: str | os.PathLike, *, argument: str = "spec", weights: str = "auto"
+) -> ChatModel:
     """The model `spec` names: a packaged model's short name (`PACKAGED_MODELS`), a GGUF file, or
     a checkpoint folder (Hugging Face or qkv's own, with its tokenizer.json).
+
+    weights (a GGUF file): "quantized" keeps the file's Q4_0, Q4_1 and Q8_0 linear weights as
+    blocks (`qkv.acceleration.quantized_from_gguf`), "dequantized" makes every weight fp32
+    (`qkv.models.from_gguf`), "auto" (the default) quantized where
+    `qkv.acceleration.quantized_pays` says so: Q4_0 and Q4_1 files on a CPU where PyTorch's
+    int4pack kernel runs (faster decoding than fp32 in a third of the memory:
+    benchmarks/decode_smollm2.py), else fp32.
 
     Raises ValueError naming `argument` for a spec that is none of these, FileNotFoundError (with
     how to install it) for a packaged model whose package is missing, and what the readers raise
     for a file or folder they cannot read."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights: expected one of {WEIGHTS}, got {weights!r}")
     if isinstance(spec, str) and spec in PACKAGED_MODELS:
-        return _from_gguf(packaged_model_path(spec))
+        return _from_gguf(packaged_model_path(spec), weights)
     path = Path(spec)
     if path.is_dir():
         model, tokenizer = load_for_generation(path)
         return ChatModel(model, tokenizer, folder_chat_format(path))
     if path.is_file():
-        return _from_gguf(path)
+        return _from_gguf(path, weights)
     raise ValueError(
         f"{argument}: {str(spec)!r} is neither a packaged model nor a file or folder that exists; "
         f"expected one of {sorted(PACKAGED_MODELS)}, a .gguf file or a checkpoint folder"
     )
 
 
-def _from_gguf(path: Path) -> ChatModel:
+def _from_gguf(path: Path, weights: str) -> ChatModel:
     file = read_gguf(path)  # the slow part: read once for the weights, tokenizer and template
     metadata = file.metadata
-    model = model_from_file(file)
+    pays = quantized_pays(file) if weights == "auto" else None
+    if weights == "quantized" or pays:
+        model = quantized_from_gguf(file)
+        held = f"quantized: {pays.reason}" if pays else "quantized, as asked"
+    else:
+        model = model_from_file(file)
+        held = f"dequantized to fp32: {pays.reason}" if pays is not None else "fp32, as asked"
     chat_format = None
     if metadata.get("tokenizer.chat_template"):
         chat_format = chat_format_from_metadata(metadata)
-    return ChatModel(model, tokenizer_from_metadata(metadata), chat_format)
+    return ChatModel(model, tokenizer_from_metadata(metadata), chat_format, f"weights {held}")
 
 
 def folder_chat_format(path: str | os.PathLike) -> ChatFormat | None:

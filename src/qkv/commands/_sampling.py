@@ -1,4 +1,5 @@
-"""The sampling options that `qkv generate` and `qkv chat` share (`qkv.generate`'s fields)."""
+"""The options that `qkv generate` and `qkv chat` share: sampling (`qkv.generate`'s fields) and
+how a GGUF file's weights are held (`qkv.applications.chat.load_chat_model`'s `weights`)."""
 
 from __future__ import annotations
 
@@ -13,3 +14,13 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, help="sample from the K most likely tokens")
     parser.add_argument("--top-p", type=float, help="nucleus sampling: smallest set of mass P")
     parser.add_argument("--seed", type=int, help="seed of the sampling generator")
+
+
+def add_weights_argument(parser: argparse.ArgumentParser) -> None:
+    """--weights auto | quantized | dequantized."""
+    parser.add_argument(
+        "--weights", choices=("auto", "quantized", "dequantized"), default="auto",
+        help="a GGUF file's weights: kept as its Q4_0, Q4_1 or Q8_0 blocks (quantized), or fp32 "
+        "(dequantized); auto (the default): quantized where that decodes faster on this CPU "
+        "(Q4_0 and Q4_1 files where PyTorch's int4pack kernel runs), said on stderr",
+    )  # fmt: skip

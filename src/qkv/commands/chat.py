@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from qkv.commands._sampling import add_sampling_arguments
+from qkv.commands._sampling import add_sampling_arguments, add_weights_argument
 from qkv.commands._text_input import check_arguments
 
 if TYPE_CHECKING:
@@ -31,7 +31,9 @@ def _chat(args: argparse.Namespace) -> int:
     try:
         if args.system is not None:
             check_arguments("--system", [args.system])
-        loaded = load_chat_model(args.model, argument="--model")
+        loaded = load_chat_model(args.model, argument="--model", weights=args.weights)
+        if loaded.weights:
+            print(f"qkv chat: {loaded.weights}", file=sys.stderr)
         chat = Chat(
             loaded, system=args.system, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -122,4 +124,5 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--max-new-tokens", type=int, default=256, help="the longest answer, in tokens (256)"
     )
     add_sampling_arguments(chat)
+    add_weights_argument(chat)
     chat.set_defaults(run=_chat)

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from qkv.commands._sampling import add_sampling_arguments
+from qkv.commands._sampling import add_sampling_arguments, add_weights_argument
 from qkv.commands._text_input import check_arguments
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ def _generate(args: argparse.Namespace) -> int:
         check_arguments(prompt_argument, [prompt])
         if argument == "path" and spec not in PACKAGED_MODELS:
             check_local_folder(spec)  # a Hub name: say that nothing is downloaded, and how to
-        loaded = load_chat_model(spec, argument=argument)
+        loaded = load_chat_model(spec, argument=argument, weights=args.weights)
         with packed_linears(loaded.model) if args.pack else contextlib.nullcontext():
             # the steps of the model as packed: "auto" looks for a library of that form
             count, seconds = (_answer if args.chat else _continue)(loaded, prompt, args)
@@ -45,6 +45,8 @@ def _generate(args: argparse.Namespace) -> int:
     print()
     rate = f"{count / seconds:.0f}" if seconds > 0 else "-"
     print(f"{count} tokens in {seconds:.2f} s ({rate} tokens/s)", file=sys.stderr)
+    if loaded.weights:
+        print(loaded.weights, file=sys.stderr)
     return 0
 
 
@@ -181,6 +183,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--max-new-tokens", type=int, default=50, help="tokens to generate (default 50)"
     )
     add_sampling_arguments(generate)
+    add_weights_argument(generate)
     generate.add_argument(
         "--sinks",
         type=int,

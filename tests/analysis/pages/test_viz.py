@@ -280,7 +280,7 @@ def test_smollm2_maps_are_transformers_attentions_and_the_page_has_every_head(
     for ours, reference in zip(recording.maps, theirs, strict=True):
         torch.testing.assert_close(ours.weights, reference, rtol=0, atol=1e-5)
     loaded = ChatModel(smollm2, tokenizer, None)
-    monkeypatch.setattr(viz, "load_chat_model", lambda path, argument: loaded)
+    monkeypatch.setattr(viz, "load_chat_model", lambda path, argument, weights: loaded)
     model, got_tokenizer, target = viz.load_model_and_tokenizers("smollm2")
     assert model is smollm2 and got_tokenizer is tokenizer and target is None
     page = viz.text_attention_html(model, tokenizer, text)

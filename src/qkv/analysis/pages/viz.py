@@ -174,7 +174,8 @@ def load_model_and_tokenizers(path: str | Path | None = None) -> tuple[nn.Module
         encoder = SentenceEncoder.from_pretrained()
         return encoder.model.eval(), encoder.tokenizer, None
     if str(path) in PACKAGED_MODELS or (Path(path).suffix == ".gguf" and Path(path).is_file()):
-        loaded = load_chat_model(path, argument="--model")  # one read: model and tokenizer
+        # one read: model and tokenizer; fp32 weights, as transformers computes the maps
+        loaded = load_chat_model(path, argument="--model", weights="dequantized")
         return loaded.model, loaded.tokenizer, None
     folder = Path(path)
     if (folder / "source_tokenizer.json").is_file():
