@@ -41,7 +41,7 @@ SINGLE = {
     "long_documents": sections.long_documents, "decode": decoding.decode,
     "decode_batch": decoding.decode_batch, "decode_breakdown": decoding.decode_breakdown,
     "context_parallel": sections.context_parallel, "parity_llama_cpp": real_model.parity,
-    "load_gguf": real_model.load,
+    "load_gguf": real_model.load, "decode_smollm2": real_model.decode,
 }  # fmt: skip
 # Any other result file is listed at the end; smoke runs (*_quick.json) are left out.
 KNOWN = {

