@@ -150,7 +150,7 @@ def test_smollm2_greedy_tokens_equal_transformers_generate(
 def test_smollm2_greedy_tokens_are_transformers_argmax_on_eight_prompts(
     smollm2, smollm2_hf, smollm2_hf_tokenizer
 ):
-    """qkv decodes 64 tokens for 8 prompts in one left-padded batch; transformers, given each
+    """qkv decodes 32 tokens for 8 prompts in one left-padded batch; transformers, given each
     prefix, predicts the same next token at every step up to the end of the answer (so its
     greedy decoding makes the same text), near-ties (top-2 margin < 1e-3) reported apart."""
     eos = smollm2_hf_tokenizer.eos_token_id
@@ -158,12 +158,12 @@ def test_smollm2_greedy_tokens_are_transformers_argmax_on_eight_prompts(
     width = max(len(row) for row in rows)
     ids = torch.tensor([[eos] * (width - len(row)) + row for row in rows])  # (8, L), left-padded
     mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
-    ours = generate(smollm2, ids, attention_mask=mask, max_new_tokens=64, eos_token_id=eos)
-    new = ours[:, width:]  # (8, 64)
+    ours = generate(smollm2, ids, attention_mask=mask, max_new_tokens=32, eos_token_id=eos)
+    new = ours[:, width:]  # (8, 32)
     answering = torch.cumsum(new == eos, dim=1) - (new == eos).int() == 0  # up to the first EOS
     full_mask = torch.cat([mask, answering.int()], dim=1)
     with torch.no_grad():
-        logits = smollm2_hf(ours, attention_mask=full_mask).logits[:, width - 1 : -1]  # (8, 64, V)
+        logits = smollm2_hf(ours, attention_mask=full_mask).logits[:, width - 1 : -1]  # (8, 32, V)
     top2 = logits.topk(2, dim=-1).values
     tie = (top2[..., 0] - top2[..., 1]) < 1e-3
     disagree = (logits.argmax(-1) != new) & answering
