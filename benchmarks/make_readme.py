@@ -42,6 +42,7 @@ SINGLE = {
     "decode_batch": decoding.decode_batch, "decode_breakdown": decoding.decode_breakdown,
     "context_parallel": sections.context_parallel, "parity_llama_cpp": real_model.parity,
     "load_gguf": real_model.load, "decode_smollm2": real_model.decode,
+    "perplexity_smollm2": real_model.perplexity, "parity_llama_cpp_q8_0": real_model.parity_written,
 }  # fmt: skip
 # Any other result file is listed at the end; smoke runs (*_quick.json) are left out.
 KNOWN = {

