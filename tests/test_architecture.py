@@ -42,7 +42,7 @@ LAYERS = [
     ("data", ("qkv.data",)),
     ("training", ("qkv.training",)),
     ("applications", ("qkv.applications",)),
-    ("analysis", ("qkv.analysis",)),
+    ("analysis", ("qkv.analysis", "qkv.inspect")),
     ("studies", ("qkv.studies",)),
     ("commands", ("qkv.commands", "qkv.cli")),
 ]

@@ -1,14 +1,28 @@
 """Looking inside a model: exact attention maps from any backend, head importance and pruning
 (Michel et al. 2019), the sanity checks of `qkv check`, attention rollout (Abnar & Zuidema
-2020) with its map over a Vision Transformer's patches, and sink heads (Xiao et al. 2024)."""
+2020) with its map over a Vision Transformer's patches, sink heads (Xiao et al. 2024), and a
+GPT's named activation points, read, patched (Meng et al. 2022) or read out by the logit lens
+(nostalgebraist 2020)."""
 
+from qkv.analysis.inspection.hooks import (
+    ActivationCache,
+    activation_names,
+    hooks,
+    logit_lens,
+    run_with_cache,
+)
 from qkv.analysis.inspection.rollout import HEAD_FUSIONS, attention_rollout, vit_rollout_map
 from qkv.analysis.inspection.sinks import attention_masses, sink_heads, uniform_mass
 
 __all__ = [
     "HEAD_FUSIONS",
+    "ActivationCache",
+    "activation_names",
     "attention_masses",
     "attention_rollout",
+    "hooks",
+    "logit_lens",
+    "run_with_cache",
     "sink_heads",
     "uniform_mass",
     "vit_rollout_map",
