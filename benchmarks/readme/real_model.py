@@ -5,6 +5,8 @@ perplexity (results/perplexity_smollm2.json)."""
 
 from __future__ import annotations
 
+import textwrap
+
 from readme.template import fill
 from readme.values import machine_table
 
@@ -18,7 +20,8 @@ def parity(data: dict, stem: str = "parity_llama_cpp") -> str:
     )
     return fill(
         "real_model", "parity", model=f"`{data.get('model', '?')}`", prompts=len(rows),
-        on=f", {written} written by qkv" if written else "", written=note if written else "",
+        on=f", {written} by qkv" if written else "",
+        written=textwrap.fill(note, 100) if written else "",
         s=data.get("summary", {}), r=rows, machine=machine_table([(stem, data)]),
     )  # fmt: skip
 
