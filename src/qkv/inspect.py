@@ -13,6 +13,13 @@ Transformer Circuits"); editing them is activation patching (Vig et al. 2020; Me
 shapes and where each is taken are listed in `qkv.analysis.inspection.hooks`.
 """
 
+from qkv.analysis.inspection.attribution import (
+    AttentionAttribution,
+    LogitAttribution,
+    attention_vs_attribution,
+    direct_logit_attribution,
+    spearman,
+)
 from qkv.analysis.inspection.hooks import (
     ActivationCache,
     activation_names,
@@ -20,5 +27,20 @@ from qkv.analysis.inspection.hooks import (
     logit_lens,
     run_with_cache,
 )
+from qkv.analysis.inspection.patching import PatchSweep, ablate_heads, patch_sweep
 
-__all__ = ["ActivationCache", "activation_names", "hooks", "logit_lens", "run_with_cache"]
+__all__ = [
+    "ActivationCache",
+    "AttentionAttribution",
+    "LogitAttribution",
+    "PatchSweep",
+    "ablate_heads",
+    "activation_names",
+    "attention_vs_attribution",
+    "direct_logit_attribution",
+    "hooks",
+    "logit_lens",
+    "patch_sweep",
+    "run_with_cache",
+    "spearman",
+]

@@ -4,6 +4,13 @@
 GPT's named activation points, read, patched (Meng et al. 2022) or read out by the logit lens
 (nostalgebraist 2020)."""
 
+from qkv.analysis.inspection.attribution import (
+    AttentionAttribution,
+    LogitAttribution,
+    attention_vs_attribution,
+    direct_logit_attribution,
+    spearman,
+)
 from qkv.analysis.inspection.hooks import (
     ActivationCache,
     activation_names,
@@ -11,19 +18,28 @@ from qkv.analysis.inspection.hooks import (
     logit_lens,
     run_with_cache,
 )
+from qkv.analysis.inspection.patching import PatchSweep, ablate_heads, patch_sweep
 from qkv.analysis.inspection.rollout import HEAD_FUSIONS, attention_rollout, vit_rollout_map
 from qkv.analysis.inspection.sinks import attention_masses, sink_heads, uniform_mass
 
 __all__ = [
     "HEAD_FUSIONS",
     "ActivationCache",
+    "AttentionAttribution",
+    "LogitAttribution",
+    "PatchSweep",
+    "ablate_heads",
     "activation_names",
+    "attention_vs_attribution",
     "attention_masses",
     "attention_rollout",
+    "direct_logit_attribution",
     "hooks",
     "logit_lens",
+    "patch_sweep",
     "run_with_cache",
     "sink_heads",
+    "spearman",
     "uniform_mass",
     "vit_rollout_map",
 ]
