@@ -10,7 +10,15 @@ import warnings
 import pytest
 import torch
 
-from qkv.acceleration import compiled, decoding_steps, exported, packed_linears
+from qkv.acceleration import (
+    compiled,
+    decoding_steps,
+    exported,
+    packed_linears,
+    quantize,
+    quantize_blocks,
+)
+from qkv.acceleration.quantized_embedding import QuantizedEmbedding
 from qkv.generation import decode_steps, generate
 from tests.acceleration.new_process import decodes_from_the_store
 from tests.generation.reference_models import left_padded_prompts, qkv_model, redraw
@@ -172,6 +180,24 @@ def test_packed_products_are_served(store):
         got = generate(model, prompt, max_new_tokens=NEW_TOKENS, steps=decoding_steps(model))
     assert torch.equal(got, expected)
     assert len(store[1]) == compiled_before + 1
+
+
+def test_quantized_linears_are_served_with_the_constants_inductor_adds(store):
+    """Q4_1 linears (int4pack where it runs) and a Q8_0 embedding table: inductor's lowering of
+    the int4pack product adds a constant of its own (the group size), which the library records
+    and supplies itself; the eager tokens, through the library."""
+    model = quantize(redraw(qkv_model("tiny-llama"), seed=6), "Q4_1")
+    table = quantize_blocks(model.token_embedding.weight.detach(), "Q8_0")
+    model.token_embedding = QuantizedEmbedding(table, "Q8_0")
+    prompt = torch.arange(3, 9).unsqueeze(0)
+    expected = generate(model, prompt, max_new_tokens=NEW_TOKENS)
+    compiled_before = len(store[1])
+    steps = decoding_steps(model)
+    got = generate(model, prompt, max_new_tokens=NEW_TOKENS, steps=steps)
+    assert torch.equal(got, expected)
+    assert len(store[1]) == compiled_before + 1  # served by a library, not the eager fallback
+    (runner,) = steps.exported.runners.values()
+    assert runner is not None and set(runner.names) <= set(runner.constants)
 
 
 def test_a_new_process_loads_the_library_from_the_store(llama, store):

@@ -44,7 +44,12 @@ class QuantizedEmbedding(nn.Module):
         if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
             raise ValueError(f"input_ids: expected integer token ids, got {input_ids.dtype}")
         ids = input_ids.reshape(-1)  # (N,)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+        checked = not torch.compiler.is_compiling()  # a host check a traced graph cannot make
+        if (
+            checked
+            and ids.numel()
+            and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings)
+        ):
             raise IndexError(f"input_ids: expected ids in [0, {self.num_embeddings}), got "
                              f"[{int(ids.min())}, {int(ids.max())}]")  # fmt: skip
         rows = dequantize(self.blocks[ids], self.kind, (ids.numel(), self.embedding_dim))
