@@ -39,26 +39,17 @@ from pydoc_data.topics import topics
 import numpy as np
 import torch
 from common import format_table, log, machine_info, write_json
-from load_gguf import smollm2_file
+from load_gguf import smollm2_file, write_again
 
 from qkv.acceleration import decoding_steps, explain_quantized, quantized_from_gguf
 from qkv.data import chat_format_from_metadata, tokenizer_from_metadata
 from qkv.generation import generate
 from qkv.models.gguf import read_gguf
 from qkv.models.gguf.model import model_from_file
-from qkv.models.gguf.writer import save_gguf
 
 HERE = Path(__file__).resolve().parent
 PROMPT = "What is the capital of France?"
 PREFILL_TOKENS = 512
-
-
-def write_q8_0(path: Path, folder: Path) -> Path:
-    """The Q4_1 file's model (dequantized) written again as Q8_0, with its tokenizer's keys."""
-    file = read_gguf(path)
-    keys = {k: v for k, v in file.metadata.items() if k.startswith("tokenizer.")}
-    target = folder / "SmolLM2-135M-Instruct.Q8_0.gguf"
-    return save_gguf(model_from_file(file), target, weight_type="Q8_0", extra_metadata=keys)
 
 
 def weights_mb(model: torch.nn.Module) -> float:
@@ -141,7 +132,7 @@ def main() -> None:
     long_ids = tokenizer.encode(topics[max(topics, key=lambda n: len(topics[n]))]).ids
     long_ids = long_ids[:PREFILL_TOKENS]
     with tempfile.TemporaryDirectory(prefix="qkv-smollm2-") as folder:
-        q8_0 = write_q8_0(shipped, Path(folder))
+        q8_0 = write_again(shipped, Path(folder), "Q8_0")
         q4_1, q8_0_model = quantized_from_gguf(file), quantized_from_gguf(q8_0)
         candidates = {
             ("Q4_1", "llama.cpp"): LlamaCpp(shipped, threads),

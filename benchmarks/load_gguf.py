@@ -74,6 +74,19 @@ def smollm2_file() -> Path:
     return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def write_again(path: Path, folder: Path, weight_type: str) -> Path:
+    """The file's model (dequantized) written by qkv's GGUF writer as `weight_type` into
+    `folder`, its tokenizer's keys kept: a file that qkv quantized, for llama.cpp to run."""
+    from qkv.models.gguf import read_gguf
+    from qkv.models.gguf.model import model_from_file
+    from qkv.models.gguf.writer import save_gguf
+
+    file = read_gguf(path)
+    keys = {k: v for k, v in file.metadata.items() if k.startswith("tokenizer.")}
+    target = folder / f"{path.stem.rsplit('.', 1)[0]}.{weight_type}.gguf"
+    return save_gguf(model_from_file(file), target, weight_type=weight_type, extra_metadata=keys)
+
+
 def load_once(loader: str, path: Path) -> dict:
     done = subprocess.run(
         [sys.executable, "-c", _CHILD, str(path), loader],

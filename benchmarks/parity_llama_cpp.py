@@ -28,13 +28,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from common import log, machine_info, write_json
-from load_gguf import smollm2_file
+from load_gguf import smollm2_file, write_again
 
 from qkv.data import chat_format_from_metadata, tokenizer_from_metadata
 from qkv.generation import generate
 from qkv.models.gguf import read_gguf
 from qkv.models.gguf.model import model_from_file
-from qkv.models.gguf.writer import save_gguf
 
 HERE = Path(__file__).resolve().parent
 PROMPTS = [
@@ -133,14 +132,6 @@ def main() -> None:
         if args.written:
             path = write_again(path, Path(folder), args.written)
         compare(path, out, args.written)
-
-
-def write_again(path: Path, folder: Path, weight_type: str) -> Path:
-    """The file's model (dequantized) written by qkv as `weight_type`, its tokenizer's keys kept."""
-    file = read_gguf(path)
-    keys = {k: v for k, v in file.metadata.items() if k.startswith("tokenizer.")}
-    target = folder / f"{path.stem.rsplit('.', 1)[0]}.{weight_type}.gguf"
-    return save_gguf(model_from_file(file), target, weight_type=weight_type, extra_metadata=keys)
 
 
 def compare(path: Path, out: str, written: str | None) -> None:

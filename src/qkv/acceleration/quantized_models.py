@@ -150,8 +150,9 @@ def quantized_pays(source: str | Path | GGUFFile) -> capabilities.Support:
         return capabilities.Support(True, f"{len(fast)} {kinds} linear weights ({share:.0%} of "
                                           "the file) by PyTorch's int4pack kernel")  # fmt: skip
     why = f"{kinds} linear weights: {share:.0%} of the file has a kernel faster than fp32 here"
-    if any(t.kind in FASTER_THAN_FP32 for t in linear):
-        why += f" ({quantized_kernel('Q4_1')[1].reason})"
+    unserved = [t.kind for t in linear if t.kind in FASTER_THAN_FP32]
+    if unserved:  # Q4_0/Q4_1 weights whose int4pack kernel does not serve here: say why
+        why += f" ({quantized_kernel(unserved[0])[1].reason})"
     return capabilities.Support(False, why)
 
 
