@@ -26,6 +26,7 @@ import functools
 import torch
 
 from qkv import capabilities
+from qkv.attention.nan_rows import fill_nan_rows, nan_rows
 from qkv.attention.request import AttentionRequest
 from qkv.attention.tiles import TilePlan
 
@@ -204,7 +205,22 @@ def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:
         # blocks) stay two symbols instead of one that a later call fails (a recompile).
         with torch.fx.experimental._config.patch(use_duck_shape=False):
             output = compiled(*arguments, **options)
+    output = fill_nan_rows(output, _nan_rows(request))
     return output.to(request.q.dtype), None
+
+
+def _nan_rows(request: AttentionRequest) -> torch.Tensor:
+    """Bool (B, H, L_q, 1): the rows that qkv's NaN rule makes NaN and FlexAttention's
+    kernel returns as 0 (`qkv.attention.nan_rows`); rows with no visible key stay 0."""
+    visible = request.allowed()
+    additive = request.additive()
+    if additive is not None:
+        shown = ~torch.isneginf(additive)
+        visible = shown if visible is None else visible & shown
+    rows = nan_rows(request.q.detach(), request.k.detach(), visible)
+    if visible is None:
+        return rows
+    return rows & visible.any(dim=-1, keepdim=True)
 
 
 def _compute_dtype(request: AttentionRequest) -> torch.dtype:

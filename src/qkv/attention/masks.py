@@ -9,10 +9,11 @@ or +inf that a float mask or a bias adds to a score its query may see makes that
 output NaN, even where the rest of its row is -inf; a position that a bool mask, `causal` or
 `window` blocks is removed, NaN and all. Only a row whose every score is -inf is empty (output
 0). Masks are not searched for NaN: that would cost a pass over the mask and a host sync on
-every call. The same holds for NaN in q or k, with exceptions outside qkv's reach: PyTorch's
-fused CPU kernels, SDPA's (which `sdpa` calls when there is no mask at all) and FlexAttention's
-(`flex`), give 0 for a query row holding a NaN (inside a model the residual connection carries
-that NaN on).
+every call. The same holds for NaN in q or k: a NaN in a query row, or in a key the row may
+see, makes the row NaN, and a key the row cannot see is removed, NaN and all. PyTorch's fused
+kernels break this (0 for a row of only NaN scores; a masked NaN key still NaN), and `sdpa` and
+`flex` correct them (`qkv.attention.nan_rows`). A NaN in v reaches the rows that weight it,
+and on some backends rows that weight it 0 as well: v is not searched.
 
 PyTorch uses both polarities: `F.scaled_dot_product_attention` takes True = attend, while
 `nn.MultiheadAttention`'s `attn_mask` and `key_padding_mask` take True = blocked. The converters at

@@ -8,6 +8,8 @@ What this wrapper adds to the raw call, and nothing more:
 - a query row with no visible key gives output 0 and finite gradients, by unmasking that row
   for the kernel and zeroing its output afterwards (PyTorch's own behaviour here differs across
   versions and kernels: NaN on some, uniform weights on others);
+- a row with a NaN query or a NaN key in view gives NaN, where the kernel would return 0
+  (`qkv.attention.nan_rows`);
 - GQA/MQA via `enable_gqa` (torch >= 2.5), so K/V are not repeated where the kernel allows it;
 - one bf16/fp16 query on the CPU (a decoding step) runs in fp32, where PyTorch's CPU kernel is
   several times faster (see `_compute_dtype`);
@@ -23,6 +25,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from qkv.attention.nan_rows import fill_nan_rows, nan_rows, without_nan_keys
 from qkv.attention.request import AttentionRequest, structural_visibility
 from qkv.attention.sparse import Packed
 
@@ -126,12 +129,17 @@ def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:
             scale=request.scale,
             **gqa,
         )
+        causal = request.causal and _plain_causal(request)
+        output = fill_nan_rows(output, nan_rows(q, k, None, causal=causal))
         return _cast_back(output, request), None
     attn_mask, row_visible = _kernel_mask(request, dtype)
     output = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, dropout_p=request.dropout_p, scale=request.scale, **gqa
-    )
-    output = output * row_visible.to(output.dtype)  # rows with no visible key -> 0
+        q, without_nan_keys(k), v, attn_mask=attn_mask, dropout_p=request.dropout_p,
+        scale=request.scale, **gqa,
+    )  # fmt: skip
+    visible = attn_mask if attn_mask.dtype == torch.bool else ~torch.isneginf(attn_mask)
+    output = fill_nan_rows(output, nan_rows(q, k, visible & row_visible))
+    output = torch.where(row_visible, output, 0.0)  # rows with no visible key -> 0
     return _cast_back(output, request), None
 
 
@@ -182,13 +190,14 @@ def _repadded(request: AttentionRequest) -> torch.Tensor:
         v_rows = v_rows.repeat_interleave(request.group_size, dim=1)
     output = F.scaled_dot_product_attention(
         gather(q),
-        k_rows,
+        without_nan_keys(k_rows),
         v_rows,
         attn_mask=allowed,
         dropout_p=request.dropout_p,
         scale=request.scale,
         **gqa,
     )  # fmt: skip  (B * S, H, n_max, D_v)
+    output = fill_nan_rows(output, nan_rows(gather(q), k_rows, allowed))
     output = output.view(B, -1, H, n_max, output.shape[-1]).permute(0, 2, 1, 3, 4)
     keep = real.reshape(-1)  # (S * n_max,): the slots that hold a token
     return output.reshape(B, H, -1, output.shape[-1])[:, :, keep]  # (B, H, T, D_v)

@@ -1,0 +1,59 @@
+"""Which query rows must come out NaN: qkv's NaN rule for q and k on the fused kernels.
+
+The rule (`qkv.attention.masks`): a NaN in a query row, or in a key that row may see, makes
+that row's output NaN, as the softmax of the scores computes it (the reference backend). The
+fused kernels that `sdpa` and `flex` call (PyTorch's CPU flash kernel, FlexAttention's) break
+it where every score of a row is NaN (a NaN query, or only NaN keys in view): their running
+maximum skips NaN, finds no score above -inf and returns the row as empty, output 0. A model
+whose encoder went NaN would then cross-attend to zeros and decode on without a sign.
+
+And where a mask hides a NaN key, SDPA's kernel adds the mask to the NaN score (NaN - inf is
+NaN) instead of removing it, so rows that cannot see the key come out NaN too. Under a mask,
+`sdpa` gives the kernel `without_nan_keys(k)`: the NaN keys set to 0, which the mask removes
+where it should, while `nan_rows`, computed from the real k, marks the rows that see them.
+
+`nan_rows` finds those rows from q and k themselves (a pass over each, no host sync, so it
+traces into compiled steps), and the backends fill them with NaN after the kernel. Its cost
+is O(L (D + L_k)) beside the kernel's O(L L_k D): the key pass reads the K cache once per
+decoding step (a masked one also writes it once, for `without_nan_keys`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["fill_nan_rows", "nan_rows", "without_nan_keys"]
+
+
+def nan_rows(
+    q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor | None, *, causal: bool = False
+) -> torch.Tensor:
+    """Bool (B, H, L_q, 1): the rows holding a NaN in q or seeing a NaN key.
+
+    q (B, H, L_q, D); k (B, H_kv, L_k, D), H a multiple of H_kv (grouped-query heads share
+    their K/V head); visible: bool, broadcastable to (B, H, L_q, L_k), True where a row may
+    see a key, or None for every key (`causal` then means row i sees keys up to i, with
+    L_q == L_k: the kernels' own causal flag).
+    """
+    nan_query = torch.isnan(q).any(dim=-1, keepdim=True)  # (B, H, L_q, 1)
+    nan_key = torch.isnan(k).any(dim=-1)  # (B, H_kv, L_k)
+    group_size = q.shape[1] // k.shape[1]
+    if group_size > 1:
+        nan_key = nan_key.repeat_interleave(group_size, dim=1)  # (B, H, L_k)
+    if visible is not None:
+        seen = (visible & nan_key.unsqueeze(-2)).any(dim=-1, keepdim=True)  # (B, H, L_q, 1)
+    elif causal:  # row i sees keys 0..i: a NaN key at j reaches the rows from j on
+        seen = (nan_key.cumsum(dim=-1) > 0).unsqueeze(-1)  # (B, H, L_k = L_q, 1)
+    else:
+        seen = nan_key.any(dim=-1, keepdim=True).unsqueeze(-1)  # (B, H, 1, 1)
+    return nan_query | seen
+
+
+def fill_nan_rows(output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """output (B, H, L_q, D_v) with `rows` (broadcastable bool (B, H, L_q, 1)) set to NaN."""
+    return output.masked_fill(rows, float("nan"))
+
+
+def without_nan_keys(k: torch.Tensor) -> torch.Tensor:
+    """k (B, H_kv, L_k, D) with every key that holds a NaN set to 0 (for a masked kernel)."""
+    return k.masked_fill(torch.isnan(k).any(dim=-1, keepdim=True), 0.0)
