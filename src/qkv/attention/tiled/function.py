@@ -3,7 +3,7 @@
 The loops live in `kernels.py`; the masking of each tile in `tiles.py`. This file takes a
 checked `AttentionRequest`, converts to the row layout, and wires both loops into a
 `torch.autograd.Function` that saves only the inputs, the output and the log-sum-exp
-(FlashAttention-2, section 3.1).
+(FlashAttention-2, section 3.1), the latter with the low part its fp32 rounding drops.
 """
 
 from __future__ import annotations
@@ -143,8 +143,8 @@ class _FlashAttention(torch.autograd.Function):
         # captured: what settings.score_mod reads and needs a gradient; it reads them itself
         ctx.captured = captured
         problem = _problem(q, k, v, bias, settings)
-        out_rows, lse_rows = kernels.forward(problem, settings.trace)
-        ctx.save_for_backward(q, k, v, bias, out_rows, lse_rows)
+        out_rows, lse_rows, lse_low = kernels.forward_with_low(problem, settings.trace)
+        ctx.save_for_backward(q, k, v, bias, out_rows, lse_rows, lse_low)
         ctx.settings = settings
         output = kernels.from_rows(out_rows, problem.group).to(q.dtype)  # (B, H, L_q, D_v)
         lse = kernels.from_rows(lse_rows, problem.group).squeeze(-1)  # (B, H, L_q)
@@ -153,12 +153,17 @@ class _FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_output, _d_lse):
-        q, k, v, bias, out_rows, lse_rows = ctx.saved_tensors
+        q, k, v, bias, out_rows, lse_rows, lse_low = ctx.saved_tensors
         settings: Settings = ctx.settings
         problem = dataclasses.replace(_problem(q, k, v, bias, settings), captured=ctx.captured)
         d_out_rows = kernels.to_rows(d_output.to(out_rows.dtype), k.shape[1])
         d_q_rows, d_k, d_v, d_bias, d_captured = kernels.backward(
-            problem, out_rows, lse_rows, d_out_rows, need_bias_grad=ctx.needs_input_grad[3]
+            problem,
+            out_rows,
+            lse_rows,
+            d_out_rows,
+            need_bias_grad=ctx.needs_input_grad[3],
+            lse_low=lse_low,  # P as exact as the eager softmax's (kernels._unround_lse)
         )
         d_q = kernels.from_rows(d_q_rows * settings.scale, problem.group).to(q.dtype)
         if d_bias is not None:

@@ -10,7 +10,9 @@ then a plain batched matmul, (B, H_kv, bq * G, D) @ (B, H_kv, D, bk), viewed as
 
 Numbers. Tiles are computed in fp32 (fp64 stays fp64) whatever the input dtype; masked scores
 are -inf; a row that has seen no visible key keeps m = -inf, l = 0, and ends with output 0 and
-log-sum-exp -inf.
+log-sum-exp -inf. The backward's P = exp(s - lse) would carry the rounding of the fp32 lse
+into every probability of its row; `forward_with_low` keeps that rounding, and `backward`
+takes it out of the row (see `_unround_lse`).
 """
 
 from __future__ import annotations
@@ -200,10 +202,25 @@ def forward(
     `count_tile_traffic()` it records each slice it reads from or writes to those buffers and
     the inputs (`qkv.attention.tiled.traffic`).
     """
+    out_rows, lse_rows, _ = forward_with_low(problem, trace)
+    return out_rows, lse_rows
+
+
+def forward_with_low(
+    problem: Problem, trace: Callable[[TraceStep], None] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`forward`, plus lse_low (B, H_kv, L_q * G, 1): the true log-sum-exp minus lse_rows.
+
+    lse = m + log(l) is formed in fp64 from the row's running max and sum (O(L_q) work), so
+    lse_rows is the correctly rounded lse and lse_low the part its dtype cannot hold (0 on
+    rows with no visible key). `backward` uses it to recompute the probabilities as exactly as
+    the eager softmax exp(s - m) / l gives them.
+    """
     traffic = active_traffic()  # None unless counting: then one test per tile, nothing more
     q_rows, v, plan = problem.q_rows, problem.v, problem.plan
     out_rows = q_rows.new_zeros(*q_rows.shape[:-1], v.shape[-1])
     lse_rows = q_rows.new_full((*q_rows.shape[:-1], 1), float("-inf"))
+    lse_low = torch.zeros_like(lse_rows)
     if traffic is not None:
         _count_block(traffic, "write", None, out_rows, lse_rows)
     key_blocks, tiles_by_query_block = plan.key_blocks(), plan.tiles()
@@ -235,10 +252,12 @@ def forward(
                 trace(_trace_step(problem, qi, kj, tile, running_max, running_sum))
         empty = running_sum == 0  # no visible key: output 0, lse -inf
         out_rows[:, :, rows] = torch.where(empty, 0.0, acc / running_sum.masked_fill(empty, 1.0))
-        lse_rows[:, :, rows] = running_max + torch.log(running_sum)
+        exact = running_max.double() + torch.log(running_sum.double())
+        lse_rows[:, :, rows] = rounded = exact.to(lse_rows.dtype)
+        lse_low[:, :, rows] = torch.where(empty, 0.0, exact - rounded).to(lse_low.dtype)
         if traffic is not None:
             _count_block(traffic, "write", qi, out_rows[:, :, rows], lse_rows[:, :, rows])
-    return out_rows, lse_rows
+    return out_rows, lse_rows, lse_low
 
 
 def _count_block(traffic: TileTraffic, direction: str, qi: int | None, out, lse) -> None:
@@ -253,17 +272,22 @@ def backward(
     lse_rows: torch.Tensor,
     d_out_rows: torch.Tensor,
     need_bias_grad: bool,
+    lse_low: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, list]:
     """Recompute each tile's probabilities from the log-sum-exp (FlashAttention-2, Alg. 2).
 
     Returns d(q_rows) with respect to the *scaled* queries, dk, dv, d(bias) (or None), and the
     gradients of the score_mod's captured tensors (summed over tiles; None where unused).
+    lse_low, from `forward_with_low`, makes the gradients as accurate as the eager softmax's
+    (`_unround_lse`); without it P carries the rounding of lse_rows.
     """
     q_rows, k, v, plan = problem.q_rows, problem.k, problem.v, problem.plan
     d_q_rows, d_k, d_v = torch.zeros_like(q_rows), torch.zeros_like(k), torch.zeros_like(v)
     d_bias = torch.zeros_like(problem.bias) if need_bias_grad else None
     d_captured: list[torch.Tensor | None] = [None] * len(problem.captured)
     delta = (d_out_rows * out_rows).sum(dim=-1, keepdim=True)  # D_i = rowsum(dO * O)
+    if lse_low is not None:
+        d_out_rows, delta = _unround_lse(d_out_rows, delta, lse_low)
     lse_finite = lse_rows.masked_fill(lse_rows == float("-inf"), 0.0)  # empty rows: P = 0
     query_blocks = plan.query_blocks()
     by_key_block = _by_key_block(plan.tiles(), len(plan.key_blocks()))
@@ -289,6 +313,26 @@ def backward(
             if d_bias is not None:
                 _accumulate(tile_of(d_bias, q_start, q_end, k_start, k_end), d_bias_tile)
     return d_q_rows, d_k, d_v, d_bias, d_captured
+
+
+def _unround_lse(d_out_rows: torch.Tensor, delta: torch.Tensor, lse_low: torch.Tensor):
+    """(dO, D) scaled per row by exp(-lse_low): the tiles' P = exp(s - lse_rows) then gives
+    exactly the gradients of the true P = exp(s - lse_rows - lse_low), at O(L_q * D) cost.
+
+    Why: lse_i = m_i + log l_i is a few units (log of the visible keys plus the top score),
+    and rounded to fp32 it is off by up to half its ulp, 2.4e-7 at lse = 4. Every probability
+    of the row inherits that as a relative error, where the eager softmax exp(s - m) / l has
+    about one rounding; dV = P^T dO, dS = P * (dP - D) and through dS dQ and dK get it on
+    their largest entries, the keys with the most weight. The port of FlashAttention's tests
+    (Dao et al. 2022), which bound qkv's error by twice PyTorch's fp32 error, met it on a call
+    with 16 attention sinks (StreamingLLM, Xiao et al. 2024): dK off by 1.67e-6 against a
+    bound of 1.19e-6. The sinks only add keys to the row; their gradient is summed like any
+    key's, and calls without sinks had the same error. Since exp(-lse_low_i) is one factor
+    per row, it goes into the row's dO and D, never into a tile:
+    dV = P^T (c dO) and dS = P * ((c dO) V^T - c D), with c = exp(-lse_low).
+    """
+    scale = torch.exp(-lse_low)  # 1 to within a few ulps
+    return d_out_rows * scale, delta * scale
 
 
 def _by_key_block(tiles: list[list[tuple[int, Tile]]], num_key_blocks: int):
