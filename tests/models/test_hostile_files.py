@@ -179,7 +179,7 @@ CASES = [
     Case("rope_parameters is a list (Llama)", "llama", edit_config(rope_parameters=[1]), HF,
          BAD, r"rope_parameters is \[1\] \(list\); expected an object"),
     Case("num_hidden_layers is negative (BERT)", "bert", edit_config(num_hidden_layers=-1), HF,
-         BAD, r"config\.json: num_layers: expected a positive int, got -1"),
+         BAD, r"config\.json: num_hidden_layers: expected a positive int, got -1"),
     Case("id2label keys are not numbers (BERT classifier)", "bert",
          edit_config(architectures=["BertForSequenceClassification"], id2label={"a": "x"}), HF,
          BAD, r"id2label is \{'a': 'x'\}; expected an object from label ids"),

@@ -120,7 +120,7 @@ def test_a_config_json_transformers_wrote_gives_its_models_parameters_and_flops(
 
 @pytest.mark.parametrize(
     ("field", "value", "message"),
-    [("qkv_bias", False, "qkv_bias is false"), ("hidden_act", "relu", "hidden_act is 'relu'"),
+    [("qkv_bias", False, "qkv_bias is false"), ("hidden_act", "silu", "hidden_act"),
      ("patch_size", 5, "patch_size: 5 does not divide"), ("hidden_size", "48", "hidden_size")],
 )  # fmt: skip
 def test_a_vit_config_json_qkv_cannot_compute_is_refused_by_name(field, value, message, tmp_path):

@@ -18,6 +18,7 @@ function; config.json records `qkv_share_layers: true`, and reading checks all l
 from __future__ import annotations
 
 import logging
+import re
 
 import torch
 from torch import nn
@@ -147,7 +148,8 @@ _CONFIG_FIELDS = {
     "attention_probs_dropout_prob": "attention_dropout",
     "pad_token_id": "pad_token_id",
 }
-# what qkv's BERT computes; a config.json asking for anything else is refused, not approximated
+_FLOATS = ("layer_norm_eps", "hidden_dropout_prob", "attention_probs_dropout_prob")
+# written to config.json: what qkv's BERT computes (see _check_computable for reading)
 _REQUIRED = {
     "model_type": "bert",
     "hidden_act": "gelu",
@@ -158,20 +160,51 @@ _REQUIRED = {
 }
 
 
-def config_from_hf(hf: dict) -> BertConfig:
-    """A transformers BERT config.json (as a dict) -> BertConfig; CheckpointError if qkv's BERT
-    cannot compute what it describes."""
-    for field, value in _REQUIRED.items():
-        seen = hf.get(field, value if field != "model_type" else None)
-        if seen != value:
-            raise CheckpointError(f"config.json: {field} is {seen!r}; qkv's BERT expects {value!r}")
+def config_from_hf(hf: dict, *, tied_decoder: bool = False) -> BertConfig:
+    """A transformers BERT config.json (as a dict) -> BertConfig, read as transformers 5's
+    BertConfig reads it; CheckpointError if qkv's BERT cannot compute what it describes.
+    `tied_decoder`: the model has an MLM decoder tied to the embedding (BertForPreTraining),
+    so tie_word_embeddings must be true; the other models have no decoder to tie."""
+    _check_computable(hf, tied_decoder)
     defaults = BertConfig()
-    fields = {q: hf.get(c, getattr(defaults, q)) for c, q in _CONFIG_FIELDS.items()}
-    fields["share_layers"] = hf.get("qkv_share_layers", False)
+    values = {}
+    for key, ours in _CONFIG_FIELDS.items():
+        if key == "pad_token_id":
+            values[ours] = fields.optional_integer(hf, key) if key in hf else defaults.pad_token_id
+        else:
+            read = fields.number if key in _FLOATS else fields.integer
+            values[ours] = read(hf, key, getattr(defaults, ours))
+    values["share_layers"] = fields.boolean(hf, "qkv_share_layers", False)
     try:
-        return BertConfig(**fields)
-    except (TypeError, ValueError) as error:
-        raise CheckpointError(f"config.json: {error}") from error
+        return BertConfig(**values)
+    except (TypeError, ValueError) as error:  # named as config.json names the fields
+        message = str(error)
+        for key, ours in _CONFIG_FIELDS.items():
+            message = re.sub(rf"\b{ours}\b", key, message)
+        raise CheckpointError(f"config.json: {message}") from error
+
+
+def _check_computable(hf: dict, tied_decoder: bool) -> None:
+    model_type = hf.get("model_type", "bert")  # absent: BertConfig reads it all the same
+    if model_type != "bert":
+        raise CheckpointError(
+            f"config.json: model_type is {model_type!r}; qkv's BERT expects 'bert'"
+        )
+    fields.activation(hf, "hidden_act", "gelu", ("gelu",))
+    for field in ("is_decoder", "add_cross_attention"):
+        if fields.boolean(hf, field, False):
+            raise CheckpointError(f"config.json: {field} is True; qkv's BERT expects False")
+    if tied_decoder and not fields.boolean(hf, "tie_word_embeddings", True):
+        raise CheckpointError(
+            "config.json: tie_word_embeddings is False; qkv's BertForPreTraining expects True "
+            "(its MLM decoder is the word embedding matrix)"
+        )
+    position = hf.get("position_embedding_type", "absolute")
+    if position != "absolute":  # transformers 4 had relative_key(_query); 5 reads no such field
+        logger.warning(
+            "config.json: position_embedding_type=%r ignored: transformers 5's BERT (as qkv's) "
+            "has absolute positions only", position,
+        )  # fmt: skip
 
 
 def config_to_hf(config: BertConfig, architecture: str) -> dict:
@@ -185,16 +218,8 @@ def config_to_hf(config: BertConfig, architecture: str) -> dict:
 
 
 def _classifier_from_hf(hf: dict) -> BertForSequenceClassification:
-    id2label = fields.mapping(hf, "id2label")
-    if id2label:
-        if not all(key.isdigit() and isinstance(name, str) for key, name in id2label.items()):
-            raise CheckpointError(
-                f"config.json: id2label is {id2label!r:.80}; expected an object from label ids "
-                f'to names, such as {{"0": "NEGATIVE", "1": "POSITIVE"}}'
-            )
-        names = [id2label[k] for k in sorted(id2label, key=int)]
-        return BertForSequenceClassification(config_from_hf(hf), len(names), label_names=names)
-    return BertForSequenceClassification(config_from_hf(hf), fields.integer(hf, "num_labels", 2))
+    count, names = fields.labels(hf)
+    return BertForSequenceClassification(config_from_hf(hf), count, label_names=names)
 
 
 def _classifier_to_hf(model: BertForSequenceClassification) -> dict:
@@ -217,7 +242,7 @@ register(
     Architecture(
         name="BertForPreTraining",
         model_class=BertForPreTraining,
-        build=lambda hf: BertForPreTraining(config_from_hf(hf)),
+        build=lambda hf: BertForPreTraining(config_from_hf(hf, tied_decoder=True)),
         key_map=key_map,
         hf_config=lambda model: config_to_hf(model.config, "BertForPreTraining"),
     )

@@ -37,7 +37,6 @@ _LAYER_NAMES = {  # checkpoint name inside h.{i}. -> (qkv name inside blocks.{i}
     "mlp.c_fc": ("ffn.up_proj", True),
     "mlp.c_proj": ("ffn.down_proj", True),
 }
-_TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")  # both 0.5 x (1 + tanh(...)), our "gelu_tanh"
 
 
 def _names(num_layers: int) -> tuple[dict[str, str], set[str]]:
@@ -119,16 +118,18 @@ def _fuse_qkv(tensors: dict, num_layers: int) -> dict:
 
 
 def gpt_config_from_gpt2(config: dict) -> GPTConfig:
-    """config.json of a GPT-2 checkpoint -> GPTConfig; options qkv does not model raise."""
-    _refuse_unsupported(config)
-    embed_dim = fields.integer(config, "n_embd")
+    """config.json of a GPT-2 checkpoint -> GPTConfig, read as transformers 5's GPT2Config
+    reads it (its aliases, its defaults); options qkv does not model raise."""
+    sizes = _sizes(config)
+    embed_dim = sizes["n_embd"]
+    n_inner = fields.optional_integer(config, "n_inner")  # null: 4 * n_embd
     return GPTConfig(
-        vocab_size=fields.integer(config, "vocab_size"),
+        vocab_size=sizes["vocab_size"],
         embed_dim=embed_dim,
-        num_layers=fields.integer(config, "n_layer"),
-        num_heads=fields.integer(config, "n_head"),
-        ffn_dim=fields.optional_integer(config, "n_inner") or 4 * embed_dim,
-        max_positions=fields.integer(config, "n_positions"),
+        num_layers=sizes["n_layer"],
+        num_heads=sizes["n_head"],
+        ffn_dim=4 * embed_dim if n_inner is None else n_inner,
+        max_positions=sizes["n_positions"],
         position="learned",
         norm="layernorm",
         norm_eps=fields.number(config, "layer_norm_epsilon", 1e-5),
@@ -141,12 +142,31 @@ def gpt_config_from_gpt2(config: dict) -> GPTConfig:
     )
 
 
-def _refuse_unsupported(config: dict) -> None:
-    _require(config, ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"), "GPT-2")
+# GPT2Config's field -> (its attribute_map alias, its default)
+_SIZES = {
+    "vocab_size": (None, 50257),
+    "n_embd": ("hidden_size", 768),
+    "n_layer": ("num_hidden_layers", 12),
+    "n_head": ("num_attention_heads", 12),
+    "n_positions": ("max_position_embeddings", 1024),
+}
+
+
+def _sizes(config: dict) -> dict[str, int]:
+    """The sizes, each from its field or its alias (the alias wins, as in transformers), else
+    GPT2Config's default; for a config.json of another model_type (a GPT read from a checkpoint
+    of another family) GPT-2's own spellings are required, as nothing says it is a GPT-2.
+    Raises for what qkv cannot compute."""
+    present = {k: fields.aliased(config, k, a) if a else k for k, (a, _) in _SIZES.items()}
+    if config.get("model_type") != "gpt2":
+        missing = [key for key in _SIZES if key not in config]
+        if missing:
+            raise CheckpointError(
+                f"config.json: missing {missing}; expected a GPT-2 config, got model_type "
+                f"{config.get('model_type')!r}"
+            )
+    fields.activation(config, "activation_function", "gelu_new", ("gelu_tanh",))
     problems = []
-    activation = config.get("activation_function", "gelu_new")
-    if activation not in _TANH_GELUS:
-        problems.append(f"activation_function={activation!r} (expected one of {_TANH_GELUS})")
     for flag, want in (
         ("scale_attn_weights", True),
         ("scale_attn_by_inverse_layer_idx", False),
@@ -156,15 +176,7 @@ def _refuse_unsupported(config: dict) -> None:
             problems.append(f"{flag}={config[flag]!r} (expected {want})")
     if problems:
         raise CheckpointError("config.json: unsupported " + "; ".join(problems))
-
-
-def _require(config: dict, keys: tuple[str, ...], family: str) -> None:
-    missing = [key for key in keys if key not in config]
-    if missing:
-        raise CheckpointError(
-            f"config.json: missing {missing}; expected a {family} config, got model_type "
-            f"{config.get('model_type')!r}"
-        )
+    return {k: fields.integer(config, present[k], default) for k, (_, default) in _SIZES.items()}
 
 
 def gpt2_config(model: GPT) -> dict:

@@ -96,19 +96,25 @@ def llama_key_map(model: GPT) -> KeyMap:
 
 
 def gpt_config_from_llama(config: dict) -> GPTConfig:
-    """config.json of a Llama or Mistral checkpoint -> GPTConfig; unsupported options raise."""
-    _refuse_unsupported(config)
-    heads = fields.integer(config, "num_attention_heads")
-    attention_bias = fields.boolean(config, "attention_bias", False)
-    max_positions = fields.integer(config, "max_position_embeddings", 2048)
+    """config.json of a Llama or Mistral checkpoint -> GPTConfig, read as transformers 5's
+    LlamaConfig / MistralConfig (chosen by model_type) reads it; unsupported options raise."""
+    defaults = _defaults(config)
+    heads = fields.integer(config, "num_attention_heads", defaults["num_attention_heads"])
+    kv_heads = fields.optional_integer(config, "num_key_value_heads")
+    if "num_key_value_heads" not in config:
+        kv_heads = defaults["num_key_value_heads"]
+    bias = _bias(config)
+    max_positions = fields.integer(config, "max_position_embeddings", defaults["max_positions"])
     rope = _rope_parameters(config)
+    dropout = config.get("attention_dropout")  # LlamaConfig takes null: no dropout
+    window = _window(config, defaults["sliding_window"])
     return GPTConfig(
-        vocab_size=fields.integer(config, "vocab_size"),
-        embed_dim=fields.integer(config, "hidden_size"),
-        num_layers=fields.integer(config, "num_hidden_layers"),
+        vocab_size=fields.integer(config, "vocab_size", defaults["vocab_size"]),
+        embed_dim=fields.integer(config, "hidden_size", defaults["hidden_size"]),
+        num_layers=fields.integer(config, "num_hidden_layers", defaults["num_hidden_layers"]),
         num_heads=heads,
-        num_kv_heads=fields.optional_integer(config, "num_key_value_heads") or heads,
-        ffn_dim=fields.integer(config, "intermediate_size"),
+        num_kv_heads=kv_heads or heads,
+        ffn_dim=fields.integer(config, "intermediate_size", defaults["intermediate_size"]),
         max_positions=max_positions,
         position="rope",
         rope_base=fields.number(rope, "rope_theta"),
@@ -116,11 +122,83 @@ def gpt_config_from_llama(config: dict) -> GPTConfig:
         norm="rmsnorm",
         norm_eps=fields.number(config, "rms_norm_eps", 1e-6),
         ffn="swiglu",
-        bias=attention_bias,
+        bias=bias,
         tie_embeddings=fields.boolean(config, "tie_word_embeddings", False),
-        sliding_window=fields.optional_integer(config, "sliding_window"),
-        attention_dropout=fields.number(config, "attention_dropout", 0.0),
+        sliding_window=window,
+        attention_dropout=0.0 if dropout is None else fields.number(config, "attention_dropout"),
     )
+
+
+# transformers 5's defaults of the fields a config.json may leave out (LlamaConfig, MistralConfig)
+_LLAMA_DEFAULTS = {
+    "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": None,
+    "max_positions": 2048, "sliding_window": None,
+}  # fmt: skip
+_MISTRAL_DEFAULTS = _LLAMA_DEFAULTS | {
+    "intermediate_size": 14336, "num_key_value_heads": 8, "max_positions": 4096 * 32,
+    "sliding_window": 4096,
+}  # fmt: skip
+_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _defaults(config: dict) -> dict:
+    """The defaults of the config class transformers picks by model_type ("llama", "mistral");
+    for another or no model_type (a GPT read from a checkpoint of another family) the sizes
+    are required, as nothing says which defaults would hold. Raises for what qkv cannot compute."""
+    model_type = config.get("model_type")
+    if model_type not in ("llama", "mistral"):
+        missing = [key for key in (*_SIZES, "intermediate_size") if key not in config]
+        if missing:
+            raise CheckpointError(
+                f"config.json: missing {missing}; expected a Llama/Mistral config, got "
+                f"model_type {model_type!r}"
+            )
+    defaults = _MISTRAL_DEFAULTS if model_type == "mistral" else _LLAMA_DEFAULTS
+    fields.activation(config, "hidden_act", "silu", ("silu",))  # SwiGLU: silu(gate) * up
+    heads = fields.integer(config, "num_attention_heads", defaults["num_attention_heads"])
+    hidden = fields.integer(config, "hidden_size", defaults["hidden_size"])
+    head_dim = fields.optional_integer(config, "head_dim")
+    if head_dim is not None and head_dim != hidden // max(heads, 1):
+        raise CheckpointError(
+            f"config.json: unsupported head_dim={head_dim} (qkv's GPT computes "
+            f"hidden_size // num_attention_heads = {hidden // max(heads, 1)})"
+        )
+    return defaults
+
+
+def _window(config: dict, default: int | None) -> int | None:
+    """Mistral's sliding_window (MistralConfig: 4096 when absent; null: none). transformers'
+    Llama never reads it; a checkpoint of another model_type keeps it, as qkv wrote it."""
+    if config.get("model_type") != "llama":
+        window = config.get("sliding_window", default)
+        return None if window is None else fields.integer(config, "sliding_window", window)
+    if config.get("sliding_window") is not None:
+        logger.warning(
+            "config.json: sliding_window=%r ignored: transformers' Llama attends to every "
+            "earlier position (a window is a Mistral's)", config["sliding_window"],
+        )  # fmt: skip
+    return None
+
+
+def _bias(config: dict) -> bool:
+    """Llama: attention_bias on q/k/v/o_proj, mlp_bias on the MLP, which qkv's one `bias`
+    computes only when equal. Mistral has no biases: transformers ignores both fields."""
+    attention = fields.boolean(config, "attention_bias", False)
+    mlp = fields.boolean(config, "mlp_bias", False)
+    if config.get("model_type") == "mistral":
+        if attention or mlp:
+            logger.warning(
+                "config.json: attention_bias / mlp_bias ignored: transformers' Mistral has no "
+                "biases"
+            )
+        return False
+    if mlp != attention:
+        raise CheckpointError(
+            f"config.json: unsupported mlp_bias={mlp} with attention_bias={attention} (qkv has "
+            f"one `bias` for both; expected them equal)"
+        )
+    return attention
 
 
 def _rope_parameters(config: dict) -> dict:
@@ -157,28 +235,6 @@ def _rope_scaling(parameters: dict, max_positions: int) -> RopeScaling | None:
         return rope_scaling_from_hf(parameters, max_positions=max_positions)
     except (TypeError, ValueError) as error:
         raise CheckpointError(f"config.json: unsupported {error}") from error
-
-
-def _refuse_unsupported(config: dict) -> None:
-    required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
-    missing = [key for key in (*required, "intermediate_size") if key not in config]
-    if missing:
-        raise CheckpointError(
-            f"config.json: missing {missing}; expected a Llama/Mistral config, got model_type "
-            f"{config.get('model_type')!r}"
-        )
-    problems = []
-    if config.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act={config['hidden_act']!r} (expected 'silu': SwiGLU)")
-    head_dim = fields.optional_integer(config, "head_dim")
-    heads = fields.integer(config, "num_attention_heads")
-    expected_head_dim = fields.integer(config, "hidden_size") // max(heads, 1)
-    if head_dim is not None and head_dim != expected_head_dim:
-        problems.append(f"head_dim={head_dim} (expected hidden_size // num_attention_heads)")
-    if fields.boolean(config, "mlp_bias", False) != fields.boolean(config, "attention_bias", False):
-        problems.append("mlp_bias != attention_bias (qkv has one `bias` for both)")
-    if problems:
-        raise CheckpointError("config.json: unsupported " + "; ".join(problems))
 
 
 def _check_llama_layout(config: GPTConfig, *, windowed: bool) -> None:

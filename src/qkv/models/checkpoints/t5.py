@@ -104,27 +104,30 @@ def t5_key_map(model: T5Transformer) -> KeyMap:
 
 
 def t5_config_from_hf(config: dict) -> T5Config:
-    """config.json of a T5 checkpoint -> T5Config; another model type or FFN raises."""
+    """config.json of a T5 checkpoint -> T5Config, read as transformers 5's T5Config reads it
+    (its aliases, its defaults); another model type, or a function qkv does not compute, raises."""
     model_type = config.get("model_type", "t5")
     if model_type != "t5":
         raise CheckpointError(f"config.json: model_type is {model_type!r}; expected 't5'")
-    feed_forward_proj = config.get("feed_forward_proj", "relu")
-    if feed_forward_proj not in FEED_FORWARD_KINDS:
-        raise CheckpointError(
-            f"config.json: feed_forward_proj is {feed_forward_proj!r}; qkv reads "
-            f"{list(FEED_FORWARD_KINDS)} (T5 and T5 v1.1)"
-        )
-    tied = fields.boolean(config, "tie_word_embeddings", True)
+    feed_forward_proj = _feed_forward(config)
+    # transformers 5: scale_decoder_outputs = (tie_word_embeddings is not False), unless given
+    tied = config.get("tie_word_embeddings") is None or fields.boolean(
+        config, "tie_word_embeddings"
+    )
     pad = fields.integer(config, "pad_token_id", 0)
     start = fields.optional_integer(config, "decoder_start_token_id")
+    d_model, d_kv, num_heads, num_layers = (
+        fields.integer(config, fields.aliased(config, key, alias), default)
+        for key, alias, default in _ALIASED
+    )
     return T5Config(
-        vocab_size=fields.integer(config, "vocab_size"),
-        d_model=fields.integer(config, "d_model"),
-        d_kv=fields.integer(config, "d_kv"),
-        d_ff=fields.integer(config, "d_ff"),
-        num_layers=fields.integer(config, "num_layers"),
-        num_decoder_layers=fields.optional_integer(config, "num_decoder_layers"),
-        num_heads=fields.integer(config, "num_heads"),
+        vocab_size=fields.integer(config, "vocab_size", 32128),
+        d_model=d_model,
+        d_kv=d_kv,
+        d_ff=fields.integer(config, "d_ff", 2048),
+        num_layers=num_layers,
+        num_decoder_layers=_decoder_layers(config),
+        num_heads=num_heads,
         relative_attention_num_buckets=fields.integer(config, "relative_attention_num_buckets", 32),
         relative_attention_max_distance=fields.integer(
             config, "relative_attention_max_distance", 128
@@ -134,9 +137,60 @@ def t5_config_from_hf(config: dict) -> T5Config:
         feed_forward_proj=feed_forward_proj,
         tie_word_embeddings=fields.boolean(config, "scale_decoder_outputs", tied),
         pad_token_id=pad,
-        eos_token_id=fields.integer(config, "eos_token_id", 1),
+        eos_token_id=_eos(config),
         decoder_start_token_id=pad if start is None else start,
     )
+
+
+# T5Config's field, its attribute_map alias, its default
+_ALIASED = (
+    ("d_model", "hidden_size", 512),
+    ("d_kv", "head_dim", 64),
+    ("num_heads", "num_attention_heads", 8),
+    ("num_layers", "num_hidden_layers", 6),
+)
+
+
+def _decoder_layers(config: dict) -> int:
+    """num_decoder_layers; absent or null, T5Config's num_layers as it stands before its alias
+    num_hidden_layers is applied (transformers resolves it first)."""
+    layers = fields.optional_integer(config, "num_decoder_layers")
+    return fields.integer(config, "num_layers", 6) if layers is None else layers
+
+
+def _feed_forward(config: dict) -> str:
+    """feed_forward_proj parsed as T5Config parses it ("{act}" or "gated-{act}"; "gated-gelu"
+    is gelu_new) -> the FFN qkv computes: "relu" or "gated-gelu" (GEGLU, tanh GELU)."""
+    value = config.get("feed_forward_proj", "relu")
+    parts = value.split("-") if isinstance(value, str) else []
+    if not parts or len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated"):
+        raise CheckpointError(
+            f"config.json: feed_forward_proj is {value!r:.80}; expected '{{ACT_FN}}' or "
+            f"'gated-{{ACT_FN}}', such as 'relu' or 'gated-gelu'"
+        )
+    gated, act = len(parts) == 2, "gelu_new" if value == "gated-gelu" else parts[-1]
+    kind = {(False, "relu"): "relu", (True, "gelu_tanh"): "gated-gelu"}.get(
+        (gated, fields.ACTIVATIONS.get(act))
+    )
+    if kind not in FEED_FORWARD_KINDS:
+        raise CheckpointError(
+            f"config.json: feed_forward_proj is {value!r}; qkv computes 'relu' (T5) and "
+            f"'gated-gelu' (T5 v1.1; also 'gated-gelu_new', 'gated-gelu_pytorch_tanh')"
+        )
+    return kind
+
+
+def _eos(config: dict) -> int:
+    """eos_token_id (default 1); transformers also takes a list of ids, qkv a list of one."""
+    value = config.get("eos_token_id", 1)
+    if isinstance(value, list) and len(value) == 1:
+        return fields.integer({"eos_token_id": value[0]}, "eos_token_id")
+    if isinstance(value, list):
+        raise CheckpointError(
+            f"config.json: eos_token_id is {value!r:.80}; qkv's T5 stops at one id, expected an "
+            f"int or a list of one"
+        )
+    return fields.integer(config, "eos_token_id", 1)
 
 
 def t5_config(model: T5Transformer) -> dict:
