@@ -18,8 +18,10 @@ little room for training (gradients and optimizer moments take two to three time
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +40,7 @@ __all__ = [
     "SizePart",
     "can_size",
     "check_model_fits",
+    "config_of",
     "memory_bytes",
     "model_bytes",
     "parameter_count",
@@ -59,6 +62,15 @@ _CGROUP_LIMITS = (  # cgroup v2, then v1: a container may hold less than the mac
     Path("/sys/fs/cgroup/memory.max"),
     Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
 )
+
+
+_CAPTURING = contextvars.ContextVar("capturing_model_config", default=False)
+
+
+class _ConfigCaptured(Exception):  # noqa: N818 (a signal, not an error)
+    def __init__(self, config: object) -> None:
+        super().__init__("config captured")
+        self.config = config
 
 
 @dataclass(frozen=True)
@@ -123,6 +135,8 @@ def check_model_fits(
 ) -> None:
     """Raise ValueError when the model of `config` (plus `extra` parts, such as a classifier)
     needs more than `memory` bytes (default: `memory_bytes()` of the default device)."""
+    if _CAPTURING.get():
+        raise _ConfigCaptured(config)  # `config_of`: stop the constructor here
     if memory is None:
         if torch.get_default_device().type == "meta":
             return  # shapes only: nothing is allocated
@@ -138,6 +152,22 @@ def check_model_fits(
         f"parameters), more than the {memory / GIB:,.1f} GiB of memory here; expected a model "
         f"that fits"
     )
+
+
+def config_of(build: Callable[[], object]) -> object | None:
+    """The config that `build()` (such as a task's `build_model`) gives its model, with nothing
+    built: the model's constructor stops at its first line, `check_model_fits(config)`. None
+    when `build` returns without calling it (a model sized elsewhere, built on the "meta"
+    device here, so that nothing is allocated either)."""
+    token = _CAPTURING.set(True)
+    try:
+        with torch.device("meta"):
+            build()
+    except _ConfigCaptured as captured:
+        return captured.config
+    finally:
+        _CAPTURING.reset(token)
+    return None
 
 
 def memory_bytes(device: torch.device | None = None) -> int:

@@ -62,6 +62,7 @@ from qkv.training.divergence import (
     check_weights,
     clip_and_check_gradient,
 )
+from qkv.training.memory_check import check_step_fits
 from qkv.training.metrics import METRICS_NAME, RunLogger, Throughput
 from qkv.training.optim import build_optimizer
 from qkv.training.resume import recorded_kernels, resume_state
@@ -187,10 +188,14 @@ def _build(task: Task, config: TrainingConfig, device: torch.device) -> tuple:
     return (model, *_optimizer_for(model, config))
 
 
-def _check_batch(task: Task, config: TrainingConfig, context: Distributed) -> None:
+def _check_batch(
+    task: Task, config: TrainingConfig, context: Distributed, device: torch.device | None = None
+) -> None:
     """A global batch the task's examples can fill, of at least one example per process where
-    the processes share it by example: refused before anything is allocated for it (a batch
-    of 10^8 indices grew memory for minutes; fewer examples than processes left rank 1 none)."""
+    the processes share it by example, and whose step fits in the memory of `device` (default:
+    the CPU's; `qkv.training.memory_check`): refused before anything is allocated for it (a
+    batch of 10^8 indices grew memory for minutes; fewer examples than processes left rank 1
+    none; 10^5 blocks of a language model grew until the system killed the process)."""
     if config.batch_size > len(task):
         raise ValueError(
             f"batch_size: {config.batch_size} is more than the task's {len(task)} training "
@@ -201,6 +206,8 @@ def _check_batch(task: Task, config: TrainingConfig, context: Distributed) -> No
             f"batch_size: {config.batch_size} is smaller than the {context.world_size} "
             f"processes; expected at least one example per process"
         )
+    fsdp = config.fsdp and getattr(context, "enabled", False)
+    check_step_fits(task, config, context, device=device or torch.device("cpu"), fsdp=fsdp)
 
 
 def _optimizer_for(model: nn.Module, config: TrainingConfig) -> tuple:
@@ -225,7 +232,7 @@ def _train(
     context: Distributed,
     device: torch.device,
 ) -> TrainingResult:
-    _check_batch(task, config, context)
+    _check_batch(task, config, context, device)
     if config.bf16 and device.type == "cpu":
         capabilities.warn_if_bf16_is_emulated("training with bf16 autocast (bf16=True)")
     model, optimizer, scheduler = _build(task, config, device)
