@@ -7,9 +7,11 @@ Every figure of the page comes from a JSON file written by a benchmark script (t
 ranges are computed from the values in those files), so the page cannot drift from the
 measurements: after a benchmark run, run this script; the tests run it with --check. The text
 and the tables' columns are in readme/templates/, one Markdown template per section (page.md:
-the introduction, the headlines and the order of the sections); readme/sections.py and
-readme/decoding.py compute each section's figures and rows, and readme/template.py fills the
-templates. Only the standard library is used, so that the check takes a fraction of a second.
+the introduction, the headlines and the order of the sections); readme/sections.py,
+readme/decoding.py and readme/real_model.py compute each section's figures and rows (for most,
+the fields of its template: a table's columns name the keys of the rows or of the file), and
+readme/template.py fills the templates. Only the standard library is used, so that the check
+takes a fraction of a second.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,14 +36,20 @@ from readme.values import dtype_name, dtype_rank, machine_table, num, span  # no
 
 RESULTS = HERE / "results"
 README = HERE / "README.md"
-# The sections of one result file each; the others read several (patterns, flash, models).
+# The sections of one result file each: the function gives the fields of part "section" of
+# templates/STEM.md (or of the part named here) but its machine table; the sections of several
+# files (patterns, flash, gpu, models) render themselves.
 SINGLE = {
     "attention": sections.attention, "sparse": sections.sparse, "linear": sections.linear,
-    "long_documents": sections.long_documents, "decode": decoding.decode,
-    "decode_batch": decoding.decode_batch, "decode_breakdown": decoding.decode_breakdown,
-    "context_parallel": sections.context_parallel, "parity_llama_cpp": real_model.parity,
-    "load_gguf": real_model.load, "decode_smollm2": real_model.decode,
-    "perplexity_smollm2": real_model.perplexity, "parity_llama_cpp_q8_0": real_model.parity_written,
+    "long_documents": sections.long_documents, "context_parallel": sections.context_parallel,
+    "decode": decoding.decode, "decode_batch": decoding.decode_batch,
+    "decode_breakdown": decoding.decode_breakdown, "parity_llama_cpp": real_model.parity,
+    "parity_llama_cpp_q8_0": real_model.parity, "load_gguf": real_model.load,
+    "decode_smollm2": real_model.decode, "perplexity_smollm2": real_model.perplexity,
+}  # fmt: skip
+PARTS = {  # parts of templates/real_model.md
+    "parity_llama_cpp": "parity", "parity_llama_cpp_q8_0": "parity", "load_gguf": "load",
+    "decode_smollm2": "decode", "perplexity_smollm2": "perplexity",
 }  # fmt: skip
 # Any other result file is listed at the end; smoke runs (*_quick.json) are left out.
 KNOWN = {
@@ -62,7 +69,7 @@ def load_results(results: Path) -> dict[str, dict]:
 def render(results_dir: Path = RESULTS) -> str:
     """The whole README.md for the result files in `results_dir` (templates/page.md)."""
     results = load_results(Path(results_dir))
-    single = {stem: fn(results[stem]) if stem in results else "" for stem, fn in SINGLE.items()}
+    single = {stem: section(stem, results[stem]) if stem in results else "" for stem in SINGLE}
     others = [(stem, data) for stem, data in results.items() if stem not in KNOWN]
     page = fill(
         "page", "page", **single, headlines=headlines(results),
@@ -73,31 +80,28 @@ def render(results_dir: Path = RESULTS) -> str:
     return page + "\n"
 
 
+def section(stem: str, data: dict) -> str:
+    """The section of one result file, its machine table last or where its template puts it."""
+    name, part = ("real_model", PARTS[stem]) if stem in PARTS else (stem, "section")
+    return fill(name, part, machine=machine_table([(stem, data)]), **SINGLE[stem](data))
+
+
 def headlines(results: dict[str, dict]) -> str:
     """One figure from each benchmark."""
     items = []
-    rows = get(results, "attention", "rows", default=[]) or []
-    ratios = [x for r in rows if is_number(x := get(r, "ratio_vs_sdpa", "qkv"))]
-    if ratios:
-        median, worst = statistics.median(ratios), max(ratios)
-        items.append(fill("page", "attention", median=median, worst=worst, count=len(ratios)))
+    if attention := sections.qkv_over_sdpa(_rows(results, "attention")):
+        items.append(fill("page", "attention", **attention))
     flash = sections.merged_flash_rows(results)[0]
     for dtype in sorted({r["dtype"] for r in flash}, key=dtype_rank):
-        window = [r for r in flash if r["setting"] == "window" and r["dtype"] == dtype]
-        if window:
-            last = max(window, key=lambda r: r["L"])
-            speedup = get(last, "by", "sdpa", "fwd_s") / get(last, "by", "tiled", "fwd_s")
-            items.append(fill(
-                "page", "window", window=sections.WINDOW, L=last["L"], dtype=dtype_name(dtype),
-                speedup=speedup,
-            ))  # fmt: skip
+        if window := sections.window_speedup(flash, dtype):
+            items.append(fill("page", "window", **window))
     models = decoding.default_ratios(results)
     if models:
         avx2 = fill("page", "avx2") if "models_avx2" in results else ""
         items.append(fill(
             "page", "models", span=span(models, ".2f", "x"), count=len(models), avx2=avx2,
         ))  # fmt: skip
-    for r in _by_dtype(results, "decode"):
+    for r in _rows(results, "decode"):
         aot = get(r, "tokens_per_s", "qkv_aot") is not None  # the fastest path, if timed
         speed = get(r, "tokens_per_s", "qkv_aot" if aot else "qkv_compiled")
         hf = get(r, "tokens_per_s", "transformers")
@@ -107,18 +111,18 @@ def headlines(results: dict[str, dict]) -> str:
             path='qkv compile="aot"' if aot else "compiled qkv",
             ratio=num(speed / hf if speed and hf else None, ".2f"), llama_cpp=_llama_cpp(llama_cpp),
         ))  # fmt: skip
-    for r in _by_dtype(results, "decode_batch"):
-        fastest = r.get("qkv_fastest", "qkv_compiled")
+    for r in _rows(results, "decode_batch"):
+        speed = get(r, "tokens_per_s", r.get("qkv_fastest", "qkv_compiled"))
         items.append(fill(
             "page", "decode_batch", batch=r["batch"], dtype=dtype_name(r["dtype"]),
-            speed=num(get(r, "tokens_per_s", fastest), ".1f"),
-            ratio=num(get(r, "paired_ratios", "transformers"), ".2f"),
+            speed=num(speed, ".1f"), ratio=num(get(r, "paired_ratios", "transformers"), ".2f"),
             llama_cpp=_llama_cpp(get(r, "paired_ratios", "llama_cpp")),
         ))  # fmt: skip
     return "\n".join(items) or fill("page", "none")
 
 
-def _by_dtype(results: dict[str, dict], stem: str) -> list[dict]:
+def _rows(results: dict[str, dict], stem: str) -> list[dict]:
+    """The rows of results/STEM.json, in dtype order."""
     rows = get(results, stem, "rows", default=[]) or []
     return sorted(rows, key=lambda r: dtype_rank(r["dtype"]))
 

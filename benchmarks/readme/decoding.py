@@ -9,10 +9,19 @@ limit that the measured read bandwidth sets; `decode_batch` decodes several sequ
 from __future__ import annotations
 
 import statistics
-from typing import NamedTuple
 
 from .template import fill, get, is_number, wrap
-from .values import NOT_RECORDED, dtype_name, dtype_rank, machine_table, met, num, paired, span
+from .values import (
+    NOT_RECORDED,
+    dtype_name,
+    dtype_rank,
+    listing,
+    machine_table,
+    met,
+    num,
+    paired,
+    span,
+)
 
 # The default run, and the same run with PyTorch's kernels, oneDNN and MKL held to AVX2
 # (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2: the CPU kind
@@ -27,6 +36,7 @@ def default_ratios(results: dict[str, dict]) -> list[float]:
 
 
 def models(results: dict[str, dict]) -> str:
+    """The section of the default run and the subsection of the run held to AVX2."""
     found = [fill("models", part, figures=_models_figures(stem, results[stem]))
              for stem, part in zip(MODELS_FILES, ("section", "avx2"), strict=True)
              if stem in results]  # fmt: skip
@@ -34,6 +44,7 @@ def models(results: dict[str, dict]) -> str:
 
 
 def _best_ratio(r: dict) -> float | None:
+    """The faster of the default and the packed path's ratio to transformers."""
     found = [x for x in (r.get("ratio"), r.get("packed_ratio")) if is_number(x)]
     return max(found) if found else None
 
@@ -52,6 +63,7 @@ def _model_cell(r: dict | None) -> str:
 
 
 def _models_figures(stem: str, data: dict) -> str:
+    """One models file: the verdict, the summary (a cell per dtype) and every row."""
     modes = {"forward": 0, "train": 1}
     rows = sorted(data.get("rows", []), key=lambda r: (
         str(r.get("model")), modes.get(r.get("mode"), 2), dtype_rank(r.get("dtype"))))  # fmt: skip
@@ -64,10 +76,9 @@ def _models_figures(stem: str, data: dict) -> str:
             verdict=met(min(default) >= 1.0), best=span(best, ".3f", "x"),
         )  # fmt: skip
     if data.get("matmul_rate"):
-        by_dtype = sorted(data["matmul_rate"].items(), key=lambda kv: dtype_rank(kv[0]))
         fractions = [100 * x for r in rows for name in ("qkv", "transformers")
                      if is_number(x := get(r, "fraction_of_matmul", name))]  # fmt: skip
-        rates = ", ".join(f"{dtype_name(d)} {num(x / 1e9, '.0f')} GFLOP/s" for d, x in by_dtype)
+        rates = listing(data["matmul_rate"].items(), ".0f", " GFLOP/s", 1e9)
         rates = fill("models", "rates", rates=rates, fractions=span(fractions, ".0f", "%"))
     shown = [{
         **r, "dtype": dtype_name(r.get("dtype")), "shape": f"{r.get('batch')} x {r.get('length')}",
@@ -91,28 +102,21 @@ def _models_figures(stem: str, data: dict) -> str:
     )  # fmt: skip
 
 
-MODEL_CONFIG = {
-    "hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
-    "kv_heads": "num_key_value_heads", "intermediate": "intermediate_size", "vocab": "vocab_size",
-}  # fmt: skip
 FLOORS = ("matvec_floor", "packed_matvec_floor", "compiled_matvec_floor", "read_floor")
 
 
-def decode(data: dict) -> str:
-    config, params = get(data, "model", "config") or {}, get(data, "model", "parameters")
-    model = fill(
-        "decode", "model", **{field: config.get(key, "?") for field, key in MODEL_CONFIG.items()},
-        parameters=num(params / 1e6, ".1f") if isinstance(params, int) else "?",
-    )  # fmt: skip
+def decode(data: dict) -> dict:
+    """Batch-1 decoding: the model, the read probe, targets, the tables, peers, tokens."""
+    params = get(data, "model", "parameters")
+    params = num(params / 1e6, ".1f") if isinstance(params, int) else "?"
+    model = fill("decode", "model", c=get(data, "model", "config") or {}, parameters=params)
     rows = sorted(data.get("rows", []), key=lambda r: dtype_rank(r.get("dtype")))
     band = data.get("bandwidth") or {}
     probe_bytes = band.get("bytes") if isinstance(band.get("bytes"), int) else None
     setup = probe = ""
     if rows:
-        setup = fill(
-            "decode", "setup", batch=rows[0].get("batch"), prompt=rows[0].get("prompt"),
-            new=rows[0].get("new_tokens"), transformers=data.get("transformers", NOT_RECORDED),
-        )  # fmt: skip
+        transformers = data.get("transformers", NOT_RECORDED)
+        setup = fill("decode", "setup", r=rows[0], transformers=transformers)
     if band:
         samples = _gb_per_s(probe_bytes, band.get("read_samples_ms", []))
         probe = fill(
@@ -150,10 +154,10 @@ def decode(data: dict) -> str:
                      if is_number(weights) and is_number(x)},
             "probes": span(_gb_per_s(probe_bytes, r.get("bandwidth_probe_ms", [])), ".0f"),
         })  # fmt: skip
-    return fill(
-        "decode", "section", model=model, machine=machine_table([("decode", data)]), setup=setup,
-        probe=probe, targets="\n".join(targets), r=shown, peers=_peers(shown),
-        states=_by_memory_state(rows, probe_bytes), tokens="\n".join(map(_tokens, rows)),
+    return dict(
+        model=model, setup=setup, probe=probe, targets="\n".join(targets), r=shown,
+        peers=_peers(shown), states=_by_memory_state(rows, probe_bytes),
+        tokens="\n".join(map(_tokens, rows)),
     )  # fmt: skip
 
 
@@ -192,11 +196,7 @@ def _tokens(r: dict) -> str:
         found = [fill("decode", "parts" + packed, step=t.get("first_divergence_step"))]
         ours, theirs = (get(t, "at_divergence", f"{who}_logits") for who in ("qkv", "transformers"))
         if ours and theirs:
-            found.append(fill(
-                "decode", "margins", ours=ours.get("margin"), theirs=theirs.get("margin"),
-                ours_tied=ours.get("tied_at_max"),
-                theirs_tied=theirs.get("tied_at_max"),
-            ))  # fmt: skip
+            found.append(fill("decode", "margins", qkv=ours, hf=theirs))
     if t.get("compiled_equals_qkv"):
         found.append(fill("decode", "compiled_equal"))
     else:
@@ -208,56 +208,38 @@ def _tokens(r: dict) -> str:
 STATE_SPLIT = 1.25  # a row's fastest probe over its slowest: below this, one state only
 
 
-class Round(NamedTuple):
-    """One timing round of a row: its probe's read bandwidth (bytes/s), qkv's and llama.cpp's
-    tokens/s, and the limit in tokens/s that the probe sets."""
-
-    bandwidth: float
-    ours: float
-    theirs: float
-    limit: float
-
-
 def _by_memory_state(rows: list[dict], probe_bytes: int | None) -> str:
     """qkv's fastest path (compile="aot" where the row timed it, else compile=True) against
-    llama.cpp in the rounds whose probe read slow and in those whose probe read fast."""
+    llama.cpp in the rounds whose probe read slow and in those whose probe read fast: medians
+    over the rounds of each state, each round against the limit its own probe sets."""
     shown = []
     for r in rows if probe_bytes is not None else []:
         ours = "qkv_aot" if get(r, "timings", "qkv_aot", "samples_ms") else "qkv_compiled"
         rounds = _rounds(r, probe_bytes, ours)
-        speeds = [x.bandwidth for x in rounds]
+        speeds = [bandwidth for bandwidth, *_ in rounds]
         if not rounds or max(speeds) < STATE_SPLIT * min(speeds):
             continue
         middle = (min(speeds) + max(speeds)) / 2
-        for state, chosen in (
-            ("slow", [x for x in rounds if x.bandwidth < middle]),
-            ("fast", [x for x in rounds if x.bandwidth >= middle]),
-        ):
+        for state, chosen in (("slow", [x for x in rounds if x[0] < middle]),
+                              ("fast", [x for x in rounds if x[0] >= middle])):  # fmt: skip
+            columns = zip(ROUND, zip(*chosen, strict=True), strict=True)
+            medians = {key: statistics.median(x) for key, x in columns}
+            medians["bandwidth"] /= 1e9
             shown.append({
                 "dtype": dtype_name(r.get("dtype")), "path": ours.removeprefix("qkv_"),
-                "state": state, **_medians(chosen),
+                "state": state, "rounds": len(chosen), **medians,
             })  # fmt: skip
     return fill("decode", "states", s=shown) if shown else ""
 
 
-def _medians(chosen: list[Round]) -> dict[str, float]:
-    """The medians over the rounds of one memory state, each round against its own limit."""
-
-    def median(value) -> float:
-        return statistics.median(value(x) for x in chosen)
-
-    return {
-        "rounds": len(chosen), "bandwidth": median(lambda x: x.bandwidth) / 1e9,
-        "ours": median(lambda x: x.ours), "theirs": median(lambda x: x.theirs),
-        "ratio": median(lambda x: x.ours / x.theirs),
-        "ours_share": median(lambda x: x.ours / x.limit),
-        "theirs_share": median(lambda x: x.theirs / x.limit),
-    }  # fmt: skip
+# The figures of one timing round, in the order _rounds gives them.
+ROUND = ("bandwidth", "ours", "theirs", "ratio", "ours_share", "theirs_share")
 
 
-def _rounds(r: dict, probe_bytes: int, name: str) -> list[Round]:
-    """The row's timing rounds of qkv's candidate `name` and llama.cpp; [] where a sample is
-    missing."""
+def _rounds(r: dict, probe_bytes: int, name: str) -> list[tuple[float, ...]]:
+    """The row's timing rounds of qkv's candidate `name` and llama.cpp, each as the figures of
+    ROUND (bytes/s; tokens/s; shares of the limit that the round's probe sets); [] where a sample
+    is missing."""
     probes = r.get("bandwidth_probe_ms") or []
     ours = get(r, "timings", name, "samples_ms") or []
     theirs = get(r, "timings", "llama_cpp", "samples_ms") or []
@@ -267,70 +249,52 @@ def _rounds(r: dict, probe_bytes: int, name: str) -> list[Round]:
     rounds = []
     for probe_ms, our_ms, their_ms in zip(probes, ours, theirs, strict=True):
         bandwidth = probe_bytes / (probe_ms / 1e3)
-        rounds.append(Round(
-            bandwidth, tokens / (our_ms / 1e3), tokens / (their_ms / 1e3), bandwidth / per_token,
-        ))  # fmt: skip
+        us, them, limit = tokens / (our_ms / 1e3), tokens / (their_ms / 1e3), bandwidth / per_token
+        rounds.append((bandwidth, us, them, us / them, us / limit, them / limit))
     return rounds
 
 
-def decode_batch(data: dict) -> str:
+def decode_batch(data: dict) -> dict:
+    """Several sequences at once, against transformers and llama.cpp."""
     rows = sorted(data.get("rows", []), key=lambda r: dtype_rank(r.get("dtype")))
-    against = [x for r in rows if is_number(x := get(r, "paired_ratios", "llama_cpp"))]
+    against = [(dtype_name(r.get("dtype")), get(r, "paired_ratios", "llama_cpp")) for r in rows]
     verdict = ""
-    if against:
-        ratios = ", ".join(
-            f"{dtype_name(r.get('dtype'))} {num(get(r, 'paired_ratios', 'llama_cpp'), '.2f')}x"
-            for r in rows
-        )
-        verdict = fill("decode_batch", "verdict", ratios=ratios, verdict=met(min(against) >= 1.0))
+    if any(is_number(x) for _, x in against):
+        worst = min(x for _, x in against if is_number(x))
+        verdict = fill("decode_batch", "verdict", ratios=listing(against, ".2f", "x"),
+                       verdict=met(worst >= 1.0))  # fmt: skip
     shown = []
     for r in rows:
         equal = get(r, "peers", "tokens_vs_transformers") or {}
-        names = [name for name in ("qkv", "qkv_compiled", "transformers", "llama_cpp")
-                 if name in equal]  # fmt: skip
-        counts = ", ".join(f"{name} {get(equal, name, 'rows_equal')}" for name in names)
-        shown.append({**r, "dtype": dtype_name(r.get("dtype")), "equal": counts or "-"})
-    first = rows[0] if rows else {}
-    return fill(
-        "decode_batch", "section", prompt=first.get("prompt", "?"),
-        new=first.get("new_tokens", "?"), verdict=verdict, r=shown,
-        machine=machine_table([("decode_batch", data)]),
-    )  # fmt: skip
+        names = [x for x in ("qkv", "qkv_compiled", "transformers", "llama_cpp") if x in equal]
+        counts = [f"{name} {get(equal, name, 'rows_equal')}" for name in names]
+        shown.append({**r, "dtype": dtype_name(r.get("dtype")), "equal": ", ".join(counts) or "-"})
+    return dict(first=rows[0] if rows else {}, verdict=verdict, r=shown)
 
 
 PARTS = ("library", "into library", "after library", "outside steps", "total")
 
 
-def decode_breakdown(data: dict) -> str:
+def decode_breakdown(data: dict) -> dict:
+    """The parts of a decoding call's time; llama.cpp's whole call and one thread beside them."""
     rows, shown = data.get("rows", []), []
     for r in rows:
-        qkv, dtype = r.get("qkv_ms", {}), r.get("dtype")
+        qkv = r.get("qkv_ms", {})
         steps, total, library = qkv.get("steps") or 1, qkv.get("total"), qkv.get("library")
+        found = []  # (part, ms per call, ms per step, share of the call)
         for part in PARTS:
             value = qkv.get(part)
             per_step = value / steps if is_number(value) else None
             share = value / total if per_step is not None and total else None
-            shown.append({
-                "dtype": dtype, "part": part, "ms": value, "per_step": per_step,
-                "share": num(share, ".1%"),
-            })  # fmt: skip
-        llama = r.get("llama_cpp_ms")
+            found.append((part, value, per_step, num(share, ".1%")))
+        llama, one = r.get("llama_cpp_ms"), qkv.get("library, 1 thread")
         if is_number(llama) and total and library:
-            ratios = fill(
-                "decode_breakdown", "llama_cpp", qkv=llama / total, library=llama / library,
-            )  # fmt: skip
-            shown.append({
-                "dtype": dtype, "part": "llama.cpp, whole call", "ms": llama,
-                "per_step": llama / r.get("new_tokens", 1), "share": ratios,
-            })  # fmt: skip
-        one = qkv.get("library, 1 thread")
+            ratio = fill("decode_breakdown", "llama_cpp", qkv=llama / total,
+                         library=llama / library)  # fmt: skip
+            found.append(("llama.cpp, whole call", llama, llama / r.get("new_tokens", 1), ratio))
         if is_number(one) and library:
             faster = fill("decode_breakdown", "one_thread", ratio=one / library)
-            shown.append({
-                "dtype": dtype, "part": "library, 1 thread", "ms": one, "per_step": one / steps,
-                "share": faster,
-            })  # fmt: skip
-    return fill(
-        "decode_breakdown", "section", new=get(rows, 0, "new_tokens", default="?"), r=shown,
-        machine=machine_table([("decode_breakdown", data)]),
-    )  # fmt: skip
+            found.append(("library, 1 thread", one, one / steps, faster))
+        keys = ("part", "ms", "per_step", "share")
+        shown += [dict(zip(keys, x, strict=True), dtype=r.get("dtype")) for x in found]
+    return dict(new=get(rows, 0, "new_tokens", default="?"), r=shown)

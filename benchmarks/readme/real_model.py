@@ -1,66 +1,39 @@
-"""The sections of benchmarks/README.md on the real model, SmolLM2-135M-Instruct's GGUF file:
-parity with llama.cpp (results/parity_llama_cpp.json), load time (results/load_gguf.json) and
-decoding speed against llama.cpp (results/decode_smollm2.json) and what quantization costs in
-perplexity (results/perplexity_smollm2.json)."""
+"""The sections on the real model, SmolLM2-135M-Instruct's GGUF file (templates/real_model.md):
+parity with llama.cpp (parity_llama_cpp*.json), load time (load_gguf.json), decoding speed
+against llama.cpp (decode_smollm2.json) and what quantization costs in perplexity
+(perplexity_smollm2.json). Each function gives the fields of its part but the machine table;
+`d` is the result file, whose figures the template names."""
 
 from __future__ import annotations
 
-import textwrap
-
-from readme.template import fill
-from readme.values import machine_table
+from .template import fill
 
 
-def parity(data: dict, stem: str = "parity_llama_cpp") -> str:
-    rows = data.get("rows", [])
-    written = data.get("written")
-    note = (
-        f'This file was written by qkv\'s GGUF writer (`save_gguf`, weight_type="{written}") '
-        "from the shipped Q4_1 file's weights: a model quantized by qkv, run by llama.cpp."
-    )
-    return fill(
-        "real_model", "parity", model=f"`{data.get('model', '?')}`", prompts=len(rows),
+def parity(data: dict) -> dict:
+    """Token-for-token agreement; for a file written by qkv's GGUF writer, a note saying so."""
+    rows, written = data.get("rows", []), data.get("written")
+    return dict(
+        d=data, prompts=len(rows), s=data.get("summary", {}), r=rows,
         on=f", {written} by qkv" if written else "",
-        written=textwrap.fill(note, 100) if written else "",
-        s=data.get("summary", {}), r=rows, machine=machine_table([(stem, data)]),
+        written=fill("real_model", "written", written=written) if written else "",
     )  # fmt: skip
 
 
-def parity_written(data: dict) -> str:
-    return parity(data, "parity_llama_cpp_q8_0")
-
-
-def load(data: dict) -> str:
+def load(data: dict) -> dict:
+    """Load time and peak memory of each loader."""
     rows = [{"name": name, **row} for name, row in data.get("rows", {}).items()]
-    return fill(
-        "real_model", "load", model=f"`{data.get('model', '?')}`",
-        megabytes=data.get("model_bytes", 0) / 1e6, rounds=data.get("rounds", "?"), r=rows,
-        machine=machine_table([("load_gguf", data)]),
-    )  # fmt: skip
+    return dict(d=data, megabytes=data.get("model_bytes", 0) / 1e6, r=rows)
 
 
-def decode(data: dict) -> str:
+def decode(data: dict) -> dict:
+    """Decoding speed against llama.cpp, and the kernels behind qkv's quantized linears."""
     rows = data.get("rows", [])
-    kernels = [
-        f"- {kind} file: {line.strip()}"
-        for kind, text in data.get("kernels", {}).items()
-        for line in text.splitlines()
-        if line.startswith("  ")
-    ]
-    return fill(
-        "real_model", "decode", model=f"`{data.get('model', '?')}`",
-        prompt_tokens=data.get("prompt_tokens", "?"),
-        prefill_tokens=data.get("prefill_tokens", "?"),
-        new_tokens=rows[0]["new_tokens"] if rows else "?", threads=data.get("threads", "?"),
-        rounds=data.get("rounds", "?"), r=rows, kernels="\n".join(kernels),
-        machine=machine_table([("decode_smollm2", data)]),
-    )  # fmt: skip
+    kernels = [f"- {kind} file: {line.strip()}" for kind, text in data.get("kernels", {}).items()
+               for line in text.splitlines() if line.startswith("  ")]  # fmt: skip
+    new = rows[0]["new_tokens"] if rows else "?"
+    return dict(d=data, new_tokens=new, r=rows, kernels="\n".join(kernels))
 
 
-def perplexity(data: dict) -> str:
-    return fill(
-        "real_model", "perplexity", model=f"`{data.get('model', '?')}`",
-        tokens=data.get("tokens", "?"), windows=data.get("windows", "?"),
-        length=data.get("length", "?"), r=data.get("rows", []),
-        machine=machine_table([("perplexity_smollm2", data)]),
-    )  # fmt: skip
+def perplexity(data: dict) -> dict:
+    """Perplexity of each format against fp32."""
+    return dict(d=data, r=data.get("rows", []))

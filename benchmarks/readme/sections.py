@@ -1,8 +1,10 @@
 """The sections of the attention benchmarks: the figures and rows that fill their templates.
 
-One function per benchmark script, given its result file (or all of them), computes what the
-page shows of it (ratios, ranges, fitted exponents, verdicts against targets) and the rows of
-its tables, and fills `templates/<script>.md`, which holds the text and the tables' columns.
+One function per benchmark script computes what the page shows of it (ratios, ranges, fitted
+exponents, verdicts against targets) and the rows of its tables for `templates/<script>.md`,
+which holds the text and the tables' columns. A function given one result file returns the
+fields of its part "section" (make_readme.py adds the machine table and fills it); one given
+all the files (patterns, flash, gpu) fills its template itself.
 """
 
 from __future__ import annotations
@@ -11,27 +13,34 @@ import math
 import statistics
 
 from .template import fill, get, is_number
-from .values import NOT_RECORDED, dtype_name, dtype_rank, machine_table, met, num, paired, span
+from .values import (
+    NOT_RECORDED,
+    dtype_name,
+    dtype_rank,
+    listing,
+    machine_table,
+    met,
+    num,
+    paired,
+    span,
+)
 
 
-def attention(data: dict) -> str:
+def attention(data: dict) -> dict:
+    """qkv.attention against SDPA, naive math and FlexAttention: verdict, rates, every row."""
     target = data.get("target_qkv_over_sdpa", 1.05)
     rows = sorted(data.get("rows", []), key=lambda r: (
         dtype_rank(r.get("dtype")), bool(r.get("causal")), r.get("L", 0)))  # fmt: skip
-    ratios = [x for r in rows if is_number(x := get(r, "ratio_vs_sdpa", "qkv"))]
-    verdict = exact = rates = ""
-    if ratios:
-        verdict = fill(
-            "attention", "verdict", median=statistics.median(ratios), worst=max(ratios),
-            count=len(ratios), target=target, verdict=met(max(ratios) <= target),
-        )  # fmt: skip
+    summary, verdict, exact, rates = qkv_over_sdpa(rows), "", "", ""
+    if data.get("matmul_gflops"):
+        rates = listing(data["matmul_gflops"].items(), ".1f", " GFLOP/s")
+        rates = fill("attention", "rates", rates=rates)
+    if summary:
+        ok = met(summary["worst"] <= target)
+        verdict = fill("attention", "verdict", target=target, verdict=ok, **summary)
     if rows:
         same = sum(get(r, "max_abs_diff_vs_sdpa", "qkv") == 0 for r in rows)
         exact = fill("attention", "exact", exact=same, count=len(rows))
-    if data.get("matmul_gflops"):
-        by_dtype = sorted(data["matmul_gflops"].items(), key=lambda kv: dtype_rank(kv[0]))
-        rates = ", ".join(f"{dtype_name(d)} {num(x, '.1f')} GFLOP/s" for d, x in by_dtype)
-        rates = fill("attention", "rates", rates=rates)
     dtypes = []
     for dtype in sorted({r.get("dtype") for r in rows}, key=dtype_rank):
         mine = [r for r in rows if r.get("dtype") == dtype]
@@ -50,11 +59,18 @@ def attention(data: dict) -> str:
         "vs_flex": _vs_flex(r),
     } for r in rows]  # fmt: skip
     shape = ", ".join(f"{k} = {v}" for k, v in (data.get("shape") or {}).items())
-    return fill(
-        "attention", "section", target=target, shape=shape or NOT_RECORDED,
-        mode=data.get("mode", NOT_RECORDED), machine=machine_table([("attention", data)]),
+    return dict(
+        target=target, shape=shape or NOT_RECORDED, mode=data.get("mode", NOT_RECORDED),
         verdict=verdict, exact=exact, rates=rates, dtypes=" ".join(dtypes), r=shown,
     )  # fmt: skip
+
+
+def qkv_over_sdpa(rows: list[dict]) -> dict | None:
+    """qkv's time over SDPA's: median and worst over the rows that have it (None for none)."""
+    ratios = [x for r in rows if is_number(x := get(r, "ratio_vs_sdpa", "qkv"))]
+    if not ratios:
+        return None
+    return dict(median=statistics.median(ratios), worst=max(ratios), count=len(ratios))
 
 
 def _vs_flex(r: dict) -> str:
@@ -76,6 +92,7 @@ PATTERNS = ("causal", "window", "sinks", "alibi", "softcap")
 
 
 def patterns(results: dict[str, dict]) -> str:
+    """Every patterns file, its auto-against-best-peer summary and rows; one machine table."""
     files = [(stem, results[stem]) for stem in PATTERN_FILES if stem in results]
     if not files:
         return ""
@@ -160,6 +177,8 @@ def extrapolated_naive_peak(rows: list[dict], dtype: str, L: int) -> float | Non
 
 
 def flash(results: dict[str, dict]) -> str:
+    """The tiled path's verdicts and rows, a re-measured row in place of the first one, which
+    is listed apart."""
     files = [(stem, results[stem]) for stem in FLASH_FILES if stem in results]
     if not files:
         return ""
@@ -208,6 +227,7 @@ def _flash_table(rows: list[dict], all_rows: list[dict]) -> str:
 
 
 def _flash_verdicts(rows: list[dict]) -> list[str]:
+    """Per dtype: the speed and memory targets, the peak at 16k and the window's speed-up."""
     out = []
     for dtype in sorted({r["dtype"] for r in rows}, key=dtype_rank):
         name, mine = dtype_name(dtype), [r for r in rows if r["dtype"] == dtype]
@@ -229,45 +249,40 @@ def _flash_verdicts(rows: list[dict]) -> list[str]:
                 "flash", "at_16k", dtype=name, tiled=tiled / 2**20, share=naive_16k / tiled,
                 naive=naive_16k / 2**30,
             ))  # fmt: skip
-        window = [r for r in mine if r["setting"] == "window" and get(r, "by")]
-        if window:
-            last = max(window, key=lambda r: r["L"])
-            speedup = last["by"]["sdpa"]["fwd_s"] / last["by"]["tiled"]["fwd_s"]
-            out.append(fill(
-                "flash", "window", dtype=name, window=WINDOW, L=last["L"], speedup=speedup,
-            ))  # fmt: skip
+        if window := window_speedup(rows, dtype):
+            out.append(fill("flash", "window", **window))
     return out
 
 
-def sparse(data: dict) -> str:
-    pattern, exponents = data.get("pattern", {}), data.get("fitted_exponent", {})
+def window_speedup(rows: list[dict], dtype: str) -> dict | None:
+    """The window setting's speed-up over SDPA at its largest L in `dtype` (None without one):
+    the fields of part "window" of templates/flash.md and of templates/page.md."""
+    window = [r for r in rows if r["setting"] == "window" and r["dtype"] == dtype and get(r, "by")]
+    if not window:
+        return None
+    last = max(window, key=lambda r: r["L"])
+    speedup = last["by"]["sdpa"]["fwd_s"] / last["by"]["tiled"]["fwd_s"]
+    return dict(dtype=dtype_name(dtype), window=WINDOW, L=last["L"], speedup=speedup)
+
+
+def sparse(data: dict) -> dict:
+    """BigBird's pattern: fitted exponents, SDPA's time over qkv's at 16k, every length."""
     at_16k = data.get("sdpa_over_qkv_at_16k")
     shown = [{**r, "mask": r.get("dense_mask_mib") if "sdpa" in r.get("seconds", {}) else None}
              for r in data.get("rows", [])]  # fmt: skip
-    return fill(
-        "sparse", "section", window=pattern.get("window", "?"),
-        global_tokens=pattern.get("global_tokens", "?"), random=pattern.get("random_blocks", "?"),
-        block=pattern.get("block", "?"),
-        qkv=exponents.get("qkv"), sdpa=exponents.get("sdpa"), flex=exponents.get("flex"),
-        at_16k=at_16k, verdict="-" if at_16k is None else met(at_16k >= 5.0),
-        r=shown, machine=machine_table([("sparse", data)]),
-    )  # fmt: skip
+    return dict(d=data, verdict="-" if at_16k is None else met(at_16k >= 5.0), r=shown)
 
 
-def linear(data: dict) -> str:
-    features, crossover = data.get("features", {}), data.get("crossover_length", {})
+def linear(data: dict) -> dict:
+    """Linear attention's features, their crossover lengths and flat decoding cost."""
     flat = data.get("decode_longest_over_shortest", {})
     shown = [
         {"L": get(f, "length"), "ms": _scaled(get(f, "seconds"), 1e3),
          "us": _scaled(get(d, "seconds_per_step"), 1e6)}
         for f, d in zip(data.get("forward", []), data.get("decode", []), strict=False)
     ]  # fmt: skip
-    return fill(
-        "linear", "section", elu=features.get("elu", "?"), favor=features.get("favor", "?"),
-        elu_from=crossover.get("elu", "-"), favor_from=crossover.get("favor", "-"),
-        flat=", ".join(f"{n} {num(flat.get(n), '.2f')}x" for n in ("softmax", "elu", "favor")),
-        r=shown, machine=machine_table([("linear", data)]),
-    )  # fmt: skip
+    flat = listing([(n, flat.get(n)) for n in ("softmax", "elu", "favor")], ".2f", "x")
+    return dict(d=data, flat=flat, r=shown)
 
 
 def _scaled(values: object, factor: float) -> dict:
@@ -275,18 +290,18 @@ def _scaled(values: object, factor: float) -> dict:
     return {key: factor * x for key, x in found if is_number(x)}
 
 
-def long_documents(data: dict) -> str:
+def long_documents(data: dict) -> dict:
+    """The long-document classification task: its documents and every row."""
     test = get(data, "documents", "test", default={}) or {}
-    return fill(
-        "long_documents", "section", labels=len(data.get("labels", [])) or "?",
+    return dict(
+        d=data, labels=len(data.get("labels", [])) or "?", r=data.get("rows", []),
         share=get(data, "config", "label_share", default=0.6),
-        median=test.get("tokens_median"), over=test.get("share_over_512_tokens", 0.0),
-        window=get(data, "config", "max_length", default="?"), r=data.get("rows", []),
-        machine=machine_table([("long_documents", data)]),
+        over=test.get("share_over_512_tokens", 0.0),
     )  # fmt: skip
 
 
 def gpu(data: dict | None) -> str:
+    """The Triton kernels on a GPU, each against SDPA's flash kernel; a note without the file."""
     if data is None:
         return fill("gpu", "section", figures=fill("gpu", "missing"))
     shown = []
@@ -306,17 +321,12 @@ def gpu(data: dict | None) -> str:
     return fill("gpu", "section", figures=figures)
 
 
-def context_parallel(data: dict) -> str:
-    model, rows = data.get("model", {}), data.get("rows", [])
+def context_parallel(data: dict) -> dict:
+    """Ring attention's training step: saved, sent and reduced bytes against the plan."""
+    rows = data.get("rows", [])
     first = get(rows, 0, "saved_bytes", default=1)
     shown = [{
         **r, "ratio": get(r, "saved_bytes", default=0) / max(first, 1),
         "mib": {key: x / 2**20 for key, x in r.items() if key.endswith("_bytes") and is_number(x)},
     } for r in rows]  # fmt: skip
-    return fill(
-        "context_parallel", "section", layers=model.get("num_layers", "?"),
-        width=model.get("embed_dim", "?"), heads=model.get("num_heads", "?"),
-        kv_heads=model.get("num_kv_heads", "?"), vocab=model.get("vocab_size", "?"),
-        length=data.get("length", "?"), r=shown,
-        machine=machine_table([("context_parallel", data)]),
-    )  # fmt: skip
+    return dict(d=data, r=shown)

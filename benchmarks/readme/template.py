@@ -28,6 +28,9 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 PART = re.compile(r"^<!-- part: (\w+)( verbatim)? -->$", re.MULTILINE)
 ALONE = re.compile(r"\{(\w+)\}")
 NUMERIC = tuple("eEfFgGn%")  # the format types of a number
+# A word that would turn a line it starts into markdown structure (a quote, a list item, a
+# heading, a setext underline, a table row) instead of continuing a paragraph.
+MARKUP = re.compile(r"[>+*#=|-]|\d+[.)]$|<=?$")
 
 
 def get(data: object, *keys: str | int, default: object = None) -> object:
@@ -123,16 +126,6 @@ def wrap(text: str, width: int = 100) -> str:
     return "\n".join(_fill(words, width, "  " if words[:1] == ["-"] else "")) if words else ""
 
 
-def _starts_markup(word: str) -> bool:
-    """Whether a line that starts with `word` would turn into markdown structure (a quote, a
-    list item, a heading, a setext underline) instead of continuing a paragraph."""
-    return (
-        word[:1] in (">", "-", "+", "*", "#", "=", "|")
-        or (word[:-1].isdigit() and word[-1:] in (".", ")"))
-        or word in ("<=", "<")
-    )
-
-
 def _fill(words: list[str], width: int, indent: str) -> list[str]:
     """Greedy filling to `width` columns that never starts a continuation line with markup."""
     lines: list[list[str]] = [[]]
@@ -141,7 +134,7 @@ def _fill(words: list[str], width: int, indent: str) -> list[str]:
         prefix = indent if len(lines) > 1 else ""
         if line and len(prefix + " ".join([*line, word])) > width:
             carried = []
-            while _starts_markup((carried or [word])[0]) and len(line) > 1:
+            while MARKUP.match((carried or [word])[0]) and len(line) > 1:
                 carried.insert(0, line.pop())
             lines.append([*carried])
             line = lines[-1]

@@ -38,6 +38,13 @@ def paired(ratio: object, paired_ratio: object, spec: str = ".3f") -> str:
     return num(ratio, spec) + (f" ({paired_ratio:{spec}})" if is_number(paired_ratio) else "")
 
 
+def listing(pairs: Iterable[tuple[object, object]], spec: str, unit: str = "", scale=1) -> str:
+    """'fp32 170.0 GFLOP/s, bf16 ...': each (name, value) as the name (a dtype's short one,
+    dtypes in their order) and the value over `scale`, formatted with `spec`."""
+    found = sorted(((dtype_name(n), x) for n, x in pairs), key=lambda kv: dtype_rank(kv[0]))
+    return ", ".join(f"{n} {num(x / scale if is_number(x) else x, spec)}{unit}" for n, x in found)
+
+
 def met(ok: bool) -> str:
     return "met" if ok else "not met"
 
