@@ -19,12 +19,12 @@ numbers wide (two directions of 32), the Transformer has about as many parameter
 recurrent models, and the BPE vocabulary is small (64 tokens), so that sources run to about 30
 tokens.
 
-Bahdanau et al. (their Figure 2) and Cho et al. ("On the Properties of Neural Machine
-Translation: Encoder-Decoder Approaches", 2014) found that the fixed-vector model's quality falls
-as sentences grow, and that attention removes most of the fall. The figure also sets the
-additive model's alignment weights for one held-out number beside the Transformer's
-cross-attention (its last decoder layer, averaged over heads), each row the weights with which
-the model chose that output token.
+Bahdanau et al. (their Figure 2) and Cho et al. ("On the Properties of Neural Machine Translation:
+Encoder-Decoder Approaches", 2014) found that the fixed-vector model's quality falls as sentences
+grow, and that attention removes most of the fall. The figure also sets the additive model's
+alignment weights for one held-out number beside the Transformer's cross-attention (its last
+decoder layer, averaged over heads), each row the weights with which the model chose that output
+token.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from qkv.analysis.inspection.attention_maps import record_attention
 from qkv.data.translate import EOS_ID, PAD_ID
 from qkv.generation.beam import greedy_decode
 from qkv.models.rnn_seq2seq import RNNSeq2Seq, RNNSeq2SeqConfig
+from qkv.studies.before_transformer_verdict import UNJUDGED, verdicts  # noqa: F401
 from qkv.studies.inputs import data_order
 from qkv.studies.record import StudyResult
 from qkv.training.optim import build_optimizer

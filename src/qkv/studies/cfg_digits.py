@@ -37,7 +37,7 @@ from qkv.data.digits import NUM_CLASSES
 from qkv.data.prompts import DIGIT_WORDS, evaluation_prompt
 from qkv.models.ddpm import ddim_timesteps, predict_x0
 from qkv.models.diffusion import recording_cross_attention
-from qkv.studies.record import StudyResult
+from qkv.studies.record import StudyResult, Verdict, grade
 from qkv.training import TrainingConfig, train
 from qkv.training.tasks.diffusion import DiffusionOptions, DiffusionTask, sample_digits
 from qkv.training.tasks.vit import VitOptions, VitTask
@@ -47,7 +47,7 @@ try:  # the figure needs matplotlib; the study's record and table do not
 except ImportError:  # pragma: no cover - without matplotlib the figure is not drawn
     guidance_figure = None
 
-__all__ = ["CLAIM", "COLUMNS", "SIZES", "TITLE", "figure", "run"]
+__all__ = ["CLAIM", "COLUMNS", "SIZES", "TITLE", "figure", "run", "verdicts"]
 
 TITLE = "Classifier-free guidance on the 8x8 digits: prompt accuracy against variety"
 CLAIM = (
@@ -353,3 +353,30 @@ def figure(result: StudyResult):
         token=attention["token"], prompt=attention["prompt"],
         title="Samples of 'a handwritten 0' .. 'a handwritten 9' (rows) at each guidance scale s",
     )  # fmt: skip
+
+
+WHY = "one small denoiser trained for minutes on 8x8 digits, read by one small ViT."
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[Verdict]:
+    """Each part of CLAIM from the table: the rows of numeric guidance scales, in order."""
+    scales = sorted((row for row in rows if isinstance(row["guidance"], int | float)),
+                    key=lambda row: row["guidance"])  # fmt: skip
+    accuracy = [row["ViT accuracy"] for row in scales]
+    distance = [row["pairwise distance"] for row in scales]
+    steps = list(zip(scales, scales[1:], strict=False))
+    listed = ", ".join(f"s = {row['guidance']:g}" for row in scales)
+    return [
+        Verdict("samples match their prompt more often as s grows",
+                grade(sum(b["ViT accuracy"] >= a["ViT accuracy"] for a, b in steps)
+                      + (accuracy[-1] > accuracy[0]), len(steps) + 1),
+                "Supported if the ViT's accuracy on the samples never falls from one scale to the "
+                "next and rises from the smallest scale to the largest, mixed if in part.",
+                f"{listed}: " + ", ".join(f"{100 * value:.1f}%" for value in accuracy), WHY),
+        Verdict("samples differ less from one another as s grows",
+                grade(sum(b["pairwise distance"] < a["pairwise distance"] for a, b in steps),
+                      len(steps)),
+                "Supported if the mean pairwise distance between one prompt's samples falls "
+                "from each scale to the next, mixed if from some.",
+                f"{listed}: " + ", ".join(f"{value:.3g}" for value in distance), WHY),
+    ]  # fmt: skip

@@ -46,6 +46,7 @@ from qkv.studies.exposure_bias_training import (
     teacher_forced_scores,
     train_model,
 )
+from qkv.studies.exposure_bias_verdict import verdicts  # noqa: F401
 from qkv.studies.inputs import data_order
 from qkv.studies.record import StudyResult
 from qkv.studies.statistics import mean_std, mean_std_text, paired_t_p_value

@@ -44,11 +44,11 @@ import torch.nn.functional as F
 from qkv.models import GPT, GPTConfig
 from qkv.positional import RopeScaling
 from qkv.studies.inputs import data_order, documentation_lm
-from qkv.studies.record import StudyResult
+from qkv.studies.record import StudyResult, Verdict, grade
 from qkv.training.optim import build_optimizer
 from qkv.training.schedule import build_scheduler
 
-__all__ = ["CLAIM", "ENCODINGS", "SCALINGS", "SIZES", "TITLE", "figure", "run"]
+__all__ = ["CLAIM", "ENCODINGS", "SCALINGS", "SIZES", "TITLE", "figure", "run", "verdicts"]
 
 TITLE = "Perplexity past the training length, by position encoding"
 CLAIM = (
@@ -349,3 +349,51 @@ def figure(result: StudyResult):
     ax.legend(fontsize=8, ncol=2)
     ax.grid(True, which="both", alpha=0.3)
     return fig
+
+
+KEPT_WITHIN = 1.1  # "keeps its perplexity": at the longest window, at most 1.1x that at L
+WHY = (
+    "the decoders here have 2 layers of width 64 and train 700 steps on 64-token windows of a "
+    "1024-token vocabulary, where Press et al. 2022 train models of 247M parameters and more on "
+    "WikiText-103: T5's buckets past the longest trained distance and RoPE's low frequencies "
+    "are learned from far less text."
+)
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[Verdict]:
+    """Each part of CLAIM from the table: the last column is perplexity at the longest window
+    over perplexity at the training length L, per encoding."""
+    key = next(key for key in rows[0] if " / " in key)
+    ratio = {row["encoding"]: row[key] for row in rows}
+    longest = {row["encoding"]: row[key.split(" / ")[0]] for row in rows}
+    kept = f"within {KEPT_WITHIN}x its perplexity at L ({key})"
+    found = []
+    for name, label in (("alibi", "ALiBi keeps"), ("t5", "T5's bias keeps")):
+        found.append(Verdict(
+            f"{label} its perplexity past L", grade(ratio[name] <= KEPT_WITHIN, 1),
+            f"Supported if {name}'s perplexity at the longest window is {kept}.",
+            f"{name} {ratio[name]:.2f}x", WHY))  # fmt: skip
+    degrading, worst = ("learned", "sinusoidal", "rope"), max(longest, key=longest.get)
+    found.append(Verdict(
+        "learned, sinusoidal and plain RoPE positions degrade",
+        grade(sum(ratio[name] > KEPT_WITHIN for name in degrading), len(degrading)),
+        f"Supported if each of {', '.join(degrading)} ends above {KEPT_WITHIN}x its perplexity "
+        "at L, mixed if some do.",
+        ", ".join(f"{name} {ratio[name]:.2f}x" for name in degrading) + f"; worst at the "
+        f"longest window: {worst} ({longest[worst]:.3g}; Vaswani et al. 2017 hoped sinusoidal "
+        "positions would extrapolate, Press et al. 2022 found they do not)", WHY))  # fmt: skip
+    lowest = min(ratio[name] for name in degrading)
+    found.append(Verdict(
+        "no positions sit between", grade(KEPT_WITHIN < ratio["none"] < lowest, 1),
+        f"Supported if no positions' ratio is above {KEPT_WITHIN}x (it does not keep) and below "
+        "the lowest of learned, sinusoidal and plain RoPE.",
+        f"none {ratio['none']:.2f}x, lowest of the three {lowest:.2f}x", WHY))  # fmt: skip
+    scaled = [name for name in ratio if name.startswith("rope + ")]
+    found.append(Verdict(
+        "RoPE scalings at inference recover part of RoPE's loss",
+        grade(sum(longest[name] < longest["rope"] for name in scaled), len(scaled)),
+        "Supported if every scaling lowers plain RoPE's perplexity at the longest window, mixed "
+        "if some do.",
+        ", ".join(f"{name} {longest[name]:.3g}" for name in scaled)
+        + f" against rope {longest['rope']:.3g}", WHY))  # fmt: skip
+    return found

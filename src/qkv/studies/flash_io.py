@@ -33,9 +33,9 @@ from qkv.analysis.cost.flash_io import (
     tiled_forward_io,
 )
 from qkv.attention.tiled import TileTraffic, count_tile_traffic, flash_attention
-from qkv.studies.record import StudyResult
+from qkv.studies.record import StudyResult, Verdict, grade
 
-__all__ = ["CLAIM", "SIZES", "TITLE", "figure", "run"]
+__all__ = ["CLAIM", "SIZES", "TITLE", "figure", "run", "verdicts"]
 
 TITLE = "FlashAttention's HBM traffic: modelled and counted per tile"
 CLAIM = (
@@ -341,3 +341,27 @@ def _draw_breakdown(ax, breakdown: dict[str, Any]) -> None:
     ax.set_xlabel("MiB read + written, by tensor")
     ax.invert_yaxis()
     ax.legend(fontsize=7, title="tensor", title_fontsize=7)
+
+
+THETA_BAND = 2.0  # Theta(N^2 d^2 / M): the bytes over N^2 d^2 / M vary by less than 2x
+WHY = "the counts are exact models of a few shapes and block sizes, not a GPU's measured traffic."
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[Verdict]:
+    """Each part of CLAIM from the table: the byte counts per shape and block size."""
+    largest = [row for row in rows if row["N"] == max(r["N"] for r in rows)]
+    per = [row["Algorithm 1 bytes"] / (row["N"] ** 2 * row["d"] ** 2 / row["M"]) for row in largest]
+    fewer = sum(row["Algorithm 1 bytes"] < row["standard bytes"] for row in rows)
+    exact = sum(row["qkv counted bytes"] == row["qkv model bytes"] for row in rows)
+    return [
+        Verdict("FlashAttention moves Theta(N^2 d^2 / M) bytes, fewer than standard attention",
+                grade((max(per) / min(per) < THETA_BAND) + (fewer == len(rows)), 2),
+                f"Supported if Algorithm 1 moves fewer bytes than standard attention in every row "
+                f"and, at the largest N, its bytes over N^2 d^2 / M vary by less than "
+                f"{THETA_BAND:g}x; mixed if one holds.",
+                f"fewer in {fewer} of {len(rows)} rows; at N = {largest[0]['N']:,} "
+                f"{min(per):.3g} to {max(per):.3g} bytes per N^2 d^2 / M", WHY),
+        Verdict("qkv's exact count equals the bytes its loop moves", grade(exact, len(rows)),
+                "Supported if the counted bytes equal the model's in every row, mixed if in some.",
+                f"equal in {exact} of {len(rows)} rows", WHY),
+    ]  # fmt: skip

@@ -36,12 +36,12 @@ from qkv.analysis.cost.estimate import kv_cache_bytes_per_sample
 from qkv.analysis.cost.layout import layout_of
 from qkv.models import GPT, GPTConfig
 from qkv.studies.inputs import data_order, documentation_lm
-from qkv.studies.record import StudyResult
+from qkv.studies.record import StudyResult, Verdict, grade
 from qkv.training.optim import build_optimizer
 from qkv.training.schedule import build_scheduler
 from qkv.validation import check_choice
 
-__all__ = ["CLAIM", "SHARINGS", "SIZES", "TITLE", "figure", "run", "share_projections"]
+__all__ = ["CLAIM", "SHARINGS", "SIZES", "TITLE", "figure", "run", "share_projections", "verdicts"]
 
 TITLE = "Heads and K/V sharing: loss against KV-cache bytes, head count and shared projections"
 CLAIM = (
@@ -307,3 +307,52 @@ def _points(ax, rows: list[dict[str, Any]], x_key: str, marker: str, label: str)
     ax.errorbar(xs, ys, yerr=errors, fmt=marker, capsize=3, label=label)
     for x, y, row in zip(xs, ys, rows, strict=True):
         ax.annotate(row["variant"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+
+
+WHY = (
+    "the models here are 2-layer decoders of width 64 trained 600 steps over 2 seeds, where "
+    "Ainslie et al. 2023 uptrain T5-XXL and Vaswani et al. 2017 (Table 3 (A)) vary heads in a "
+    "512-wide translation model: at width 64, 8 heads are 8 wide and may be too narrow to gain "
+    "from being many, and the loss differences here are near the seed range."
+)
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[Verdict]:
+    """Each part of CLAIM from the table's validation losses (means over seeds) and their
+    ranges over seeds."""
+    loss = {row["variant"]: row["validation loss"] for row in rows}
+    spread = {row["variant"]: row["loss range over seeds"] for row in rows}
+    gqa = [row["variant"] for row in rows if row["variant"].startswith("GQA")]
+    mqa_gap = loss["MQA"] - loss["MHA"]
+    found = [Verdict(
+        "GQA keeps close to MHA's quality, MQA gives up a little more",
+        grade(sum(loss[name] - loss["MHA"] < mqa_gap / 2 for name in gqa), len(gqa)),
+        "Supported if every GQA variant's loss is nearer MHA's than MQA's is (above MHA's by "
+        "less than half MQA's excess), mixed if some are.",
+        ", ".join(f"{name} {loss[name] - loss['MHA']:+.3f}" for name in [*gqa, "MQA"])
+        + " against MHA", WHY)]  # fmt: skip
+    counts = [row for row in rows if row["part"] == "heads at fixed width"]
+    between = counts[1:-1] or counts  # the tiny size has two head counts, no middle
+    moderate = min(between, key=lambda row: row["validation loss"])["variant"]
+    worse = [
+        row["variant"] for row in (counts[0], counts[-1])
+        if loss[row["variant"]] - loss[moderate] > max(spread[row["variant"]], spread[moderate])
+    ]  # fmt: skip
+    found.append(Verdict(
+        "a single head and very small heads do worse than a few moderate heads",
+        grade(len(worse), 2),
+        f"Supported if both {counts[0]['variant']} and {counts[-1]['variant']} lose more than the "
+        "larger seed range to the best of the head counts between them, mixed if one does.",
+        ", ".join(f"{row['variant']} {row['validation loss']:.3f}" for row in counts)
+        + f"; best between: {moderate}; worse past the seed range: {', '.join(worse) or 'none'}",
+        WHY))  # fmt: skip
+    shared = [row["variant"] for row in rows if row["variant"].startswith("shared")]
+    costly = [name for name in shared
+              if loss[name] - loss["separate"] > max(spread[name], spread["separate"])]  # fmt: skip
+    found.append(Verdict(
+        "shared projections cost quality", grade(len(costly), len(shared)),
+        "Supported if every sharing loses more than the larger seed range to separate "
+        "projections, mixed if some do.",
+        ", ".join(f"{name} {loss[name] - loss['separate']:+.3f}" for name in shared)
+        + " against separate", WHY))  # fmt: skip
+    return found

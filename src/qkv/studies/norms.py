@@ -45,6 +45,7 @@ from qkv.models.gpt import next_token_loss
 from qkv.positional import LearnedPositionalEmbedding
 from qkv.studies.inputs import data_order, documentation_lm
 from qkv.studies.norms_padding import NORMS, padding_effects
+from qkv.studies.norms_verdict import verdicts  # noqa: F401
 from qkv.studies.record import StudyResult
 from qkv.training.optim import build_optimizer
 from qkv.training.schedule import build_scheduler

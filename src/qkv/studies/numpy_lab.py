@@ -36,9 +36,9 @@ from qkv.analysis.numpy_lab import (
     multi_head_forward,
 )
 from qkv.studies.numpy_lab_timing import blas_limited, median_times
-from qkv.studies.record import StudyResult
+from qkv.studies.record import StudyResult, Verdict, grade
 
-__all__ = ["CLAIM", "SIZES", "TITLE", "figure", "run"]
+__all__ = ["CLAIM", "SIZES", "TITLE", "figure", "run", "verdicts"]
 
 logger = logging.getLogger(__name__)
 
@@ -353,3 +353,20 @@ def figure(result: StudyResult):
     fig.suptitle(TITLE)
     fig.tight_layout()
     return fig
+
+
+ROUNDING, FINITE = 1e-10, 1e-5  # float64 rounding on these sizes; central differences' error
+WHY = "the cases are a few small shapes."
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[Verdict]:
+    """The claim from the table: the largest differences from PyTorch per case and module."""
+    compared = ("output", "input gradients", "weight gradients")
+    worst = max(row[key] for row in rows for key in compared if row[key] is not None)
+    finite = max(row["finite differences (rel.)"] for row in rows)
+    return [Verdict(
+        "NumPy attention gives PyTorch's outputs and autograd's gradients to float64 rounding",
+        grade((worst <= ROUNDING) + (finite <= FINITE), 2),
+        f"Supported if every output and gradient is within {ROUNDING:g} of PyTorch's (float64) "
+        f"and central finite differences agree within {FINITE:g} relative; mixed if one holds.",
+        f"largest difference {worst:.3g}, finite differences {finite:.3g}", WHY)]  # fmt: skip

@@ -37,9 +37,19 @@ from qkv.data import minilm_wordpiece, pydoc_texts
 from qkv.layers.attention import MultiHeadAttention
 from qkv.models.bert import BertModel
 from qkv.models.checkpoints.bundled import default_model_path
-from qkv.studies.record import StudyResult
+from qkv.studies.record import StudyResult, Verdict, grade
 
-__all__ = ["CLAIM", "SIZES", "TITLE", "figure", "minilm_scores", "overflow", "run", "saturation"]
+__all__ = [
+    "CLAIM",
+    "SIZES",
+    "TITLE",
+    "figure",
+    "minilm_scores",
+    "overflow",
+    "run",
+    "saturation",
+    "verdicts",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -331,3 +341,40 @@ def _draw_overflow(ax: Any, found: dict[str, dict[str, Any]]) -> None:
     ax.set(xlabel="share of rows that fail (inf, NaN or all 0)", xlim=(0, 1.1),
            title="float16 softmax: failed rows")  # fmt: skip
     ax.legend(fontsize=8)
+
+
+VANISHED = 0.5  # "vanishes": at the largest d_k, at most half its largest value over d_k
+WHY = "random q.k and one small model's scores are a narrow sample of attention."
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[Verdict]:
+    """Each part of CLAIM from the table: the random q.k rows by d_k, scaled and unscaled,
+    and MiniLM's rows as the model computes them."""
+    unscaled = [
+        row for row in rows if row["scores"].startswith("random") and "unscaled" in row["scores"]
+    ]
+    scaled = [row for row in rows if row["scores"].startswith("random") and "sqrt" in row["scores"]]
+    shrunk = {
+        key: unscaled[-1][key] / max(row[key] for row in unscaled)
+        for key in (DIAGONAL, OFF_DIAGONAL, NORM)
+    }
+    held = max(row[NORM] for row in scaled) / min(row[NORM] for row in scaled)
+    found = [Verdict(
+        "unscaled scores saturate softmax, its whole Jacobian vanishing; 1/sqrt(d_k) prevents it",
+        grade((max(shrunk.values()) <= VANISHED) + (held <= 1 / VANISHED), 2),
+        f"Supported if, unscaled, the largest diagonal and off-diagonal Jacobian entries and its "
+        f"Frobenius norm each end at the largest d_k at most {VANISHED}x their peak over d_k, and, "
+        f"scaled, the Frobenius norm stays within {1 / VANISHED:g}x over d_k; mixed if one holds.",
+        ", ".join(f"{key} {value:.2f}x its peak" for key, value in shrunk.items())
+        + f" unscaled; scaled Frobenius norm within {held:.2f}x", WHY)]  # fmt: skip
+    minilm = next(
+        row for row in rows if row["scores"].startswith("MiniLM") and "sqrt" in row["scores"]
+    )
+    naive, stable = minilm["fp16 naive: failed rows"], minilm["fp16 stable: failed rows"]
+    found.append(Verdict(
+        "softmax as written overflows in float16 on MiniLM's scores, max-subtracted does not",
+        grade((naive > 0) + (stable == 0), 2),
+        "Supported if on MiniLM's scores as computed softmax as written fails in some rows in "
+        "float16 and the max-subtracted form in none; mixed if one holds.",
+        f"{naive:,} and {stable:,} failed rows of {minilm['rows']:,}", WHY))  # fmt: skip
+    return found

@@ -38,11 +38,11 @@ from qkv.data.digit_video import (
 from qkv.data.digits import LabelledImages, digit_splits
 from qkv.models.video import VideoClassifier, VideoClassifierConfig
 from qkv.studies.inputs import data_order
-from qkv.studies.record import StudyResult
+from qkv.studies.record import StudyResult, Verdict, grade
 from qkv.training.optim import build_optimizer
 from qkv.training.schedule import build_scheduler
 
-__all__ = ["CLAIM", "SIZES", "TITLE", "figure", "run"]
+__all__ = ["CLAIM", "SIZES", "TITLE", "figure", "run", "verdicts"]
 
 TITLE = "Joint vs factorised space-time attention on moving digits"
 CLAIM = (
@@ -302,3 +302,33 @@ def _flops_plot(ax, curves: dict[str, Any]) -> None:
     ax.set_title(f"Attention FLOPs with projections, N = {curves['patches']} patches")
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
+
+
+ABOUT_AS_WELL = 0.02  # "about as well": test accuracy at most 2 points below joint attention's
+WHY = "a 1200-step run on small synthetic videos of moving digits is one small sample."
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[Verdict]:
+    """Each part of CLAIM from the table: per target, the joint ("full") and factorised rows."""
+    pairs = {row["target"]: {} for row in rows}
+    for row in rows:
+        pairs[row["target"]][row["attention"]] = row
+    fewer = [t for t, pair in pairs.items()
+             if pair["factorized"]["scores / clip"] < pair["full"]["scores / clip"]]  # fmt: skip
+    close = [t for t, pair in pairs.items() if pair["factorized"]["test accuracy"]
+             >= pair["full"]["test accuracy"] - ABOUT_AS_WELL]  # fmt: skip
+    first = next(iter(pairs.values()))
+    return [
+        Verdict("factorised attention computes fewer scores", grade(len(fewer), len(pairs)),
+                "Supported if, for every target, factorised attention computes fewer scores per "
+                "clip than joint attention.",
+                f"{first['factorized']['scores / clip']:,} against "
+                f"{first['full']['scores / clip']:,}", WHY),
+        Verdict("factorised attention classifies about as well as joint attention",
+                grade(len(close), len(pairs)),
+                f"Supported if, for every target, factorised test accuracy is at most "
+                f"{100 * ABOUT_AS_WELL:g} points below joint attention's, mixed if for some.",
+                ", ".join(f"{t}: {100 * p['factorized']['test accuracy']:.1f}% against "
+                          f"{100 * p['full']['test accuracy']:.1f}%" for t, p in pairs.items()),
+                WHY),
+    ]  # fmt: skip

@@ -29,7 +29,7 @@ import torch
 
 from qkv.analysis.inspection.rollout import vit_rollout_map
 from qkv.data.digits import NUM_CLASSES, LabelledImages
-from qkv.studies.record import StudyResult
+from qkv.studies.record import StudyResult, Verdict, grade
 from qkv.training import TrainingConfig, train
 from qkv.training.tasks.vit import VitOptions, VitTask
 
@@ -38,7 +38,7 @@ try:  # the figure needs matplotlib; the study's record and table do not
 except ImportError:  # pragma: no cover - without matplotlib the figure is not drawn
     rollout_maps = None
 
-__all__ = ["CLAIM", "SIZES", "TITLE", "VARIANTS", "figure", "run"]
+__all__ = ["CLAIM", "SIZES", "TITLE", "VARIANTS", "figure", "run", "verdicts"]
 
 TITLE = "A Vision Transformer on 8x8 handwritten digits, and where it looks"
 CLAIM = (
@@ -204,3 +204,20 @@ def figure(result: StudyResult):
         torch.tensor(series["images"]), maps, titles=titles,
         title="Attention rollout of each head's readout (label -> prediction)",
     )  # fmt: skip
+
+
+TARGET, MINUTES = 0.97, 5  # "passes 97% in a few CPU minutes": at most 5 minutes of training
+WHY = "one seed and 359 test digits: one digit is 0.3 points of accuracy."
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[Verdict]:
+    """The claim's accuracy from the table: every pooling and position variant's row."""
+    passed = [row for row in rows
+              if row["test accuracy"] >= TARGET and row["training s"] <= 60 * MINUTES]  # fmt: skip
+    return [Verdict(
+        "every variant passes 97% held-out test accuracy in a few CPU minutes",
+        grade(len(passed), len(rows)),
+        f"Supported if every variant's test accuracy is at least {100 * TARGET:g}% after at most "
+        f"{MINUTES} minutes of training, mixed if some variants' is.",
+        ", ".join(f"{row['pooling']}/{row['position']} {100 * row['test accuracy']:.1f}% in "
+                  f"{row['training s']:.0f} s" for row in rows), WHY)]  # fmt: skip
