@@ -9,6 +9,11 @@ run end to end. A study module defines:
     SIZES                   {"tiny": settings, "default": settings}
     run(settings, *, seed)  -> StudyResult (its table, findings and figure series)
     figure(result)          -> a matplotlib Figure drawn from the result alone
+    verdicts(rows)          -> [Verdict]: each part of CLAIM judged from the table rows alone
+    UNJUDGED (optional)     the parts of CLAIM left out of the verdicts, each with its reason
+
+`run_study` judges each result (`qkv.studies.record.judge`); `rejudge` judges the committed
+results again from their JSON, without running anything.
 
 Studies (`STUDIES`):
 
@@ -19,6 +24,10 @@ Studies (`STUDIES`):
   guidance scales 0, 1, 3 and 7: prompt accuracy as read by a ViT against the samples' variety,
   and the digit word's cross-attention through the sampling steps (Ho et al. 2020; Ho & Salimans
   2022; Peebles & Xie 2023).
+- circuits: sink, previous-token, duplicate-token and induction heads of the real SmolLM2 on
+  repeated random tokens, the repeat's loss with the induction heads ablated, and attention
+  against gradient attribution per layer (Olsson et al. 2022; Elhage et al. 2021; Jain &
+  Wallace 2019).
 - exposure-bias: a GRU encoder-decoder trained with teacher forcing against scheduled sampling
   on German -> English numbers: free-running token error by target position, after a correct
   prefix and overall, exact match, and the teacher-forced loss (Bengio et al. 2015).
@@ -66,6 +75,7 @@ from qkv.analysis.pages.report_html import image, table
 from qkv.studies.record import (
     StudyResult,
     command_line,
+    judge,
     machine,
     markdown_cell,
     read_result,
@@ -78,6 +88,7 @@ __all__ = [
     "STUDIES",
     "StudyResult",
     "read_result",
+    "rejudge",
     "report_section",
     "run_study",
     "study_module",
@@ -87,6 +98,7 @@ __all__ = [
 STUDIES = {  # name -> module under qkv.studies
     "before-transformer": "before_transformer",
     "cfg-digits": "cfg_digits",
+    "circuits": "circuits",
     "exposure-bias": "exposure_bias",
     "extrapolation": "extrapolation",
     "flash-io": "flash_io",
@@ -144,6 +156,7 @@ def run_study(
     result.seconds = time.perf_counter() - started
     result.settings, result.size, result.seed = settings, size, seed
     result.command, result.machine = command_line(), machine()
+    _judge(module, result)
     if out is not None:
         result.files = write_result(result, out, _figure(module, result))
         write_index(out)
@@ -190,8 +203,25 @@ def check_setting(name: str, value: Any, presets: list[Any]) -> None:
         )
 
 
+def rejudge(out: str | Path = DEFAULT_OUT) -> list[Path]:
+    """Judge every result in `out` again from its JSON (its study's `verdicts` on its committed
+    rows) and rewrite its JSON and page, the PNG kept, and the index; nothing is run."""
+    written = []
+    for path in sorted(Path(out).glob("*.json")):
+        result = read_result(path)
+        _judge(study_module(result.name), result)
+        written += write_result(result, path.parent, keep_figure=True).values()
+    return [*written, write_index(out)]
+
+
+def _judge(module: ModuleType, result: StudyResult) -> None:
+    """The study's verdicts on the result's rows (none where the module defines no rule)."""
+    if hasattr(module, "verdicts"):
+        judge(result, module.verdicts(result.rows), getattr(module, "UNJUDGED", []))
+
+
 def write_index(out: str | Path) -> Path:
-    """out/README.md: every study result in `out`, its claim and findings, linked."""
+    """out/README.md: every study result in `out`, its claim, verdict and findings, linked."""
     out = Path(out)
     lines = [
         "# Studies",
@@ -203,6 +233,9 @@ def write_index(out: str | Path) -> Path:
     for path in sorted(out.glob("*.json")):
         result = read_result(path)
         lines += [f"## [{result.title}]({result.name}.md)", "", result.claim, ""]
+        if result.verdicts:
+            parts = "; ".join(f"{v.claim}: {v.verdict}" for v in result.verdicts)
+            lines += [f"Verdict: **{result.verdict}** ({parts}).", ""]
         lines += [f"- {finding}" for finding in result.findings]
         lines += ["", f"`{result.command}`, {result.seconds:.0f} s.", ""]
     index = out / "README.md"
@@ -234,6 +267,8 @@ def report_section(out: str | Path) -> str | None:
         header = list(result.columns)
         rows = [[markdown_cell(row.get(column)) for column in header] for row in result.rows]
         parts += [f"<h3>{html.escape(result.title)}</h3>", f"<p>{html.escape(result.claim)}</p>"]
+        parts += [f"<p>{html.escape(f'{v.claim}: {v.verdict}. {v.rule} {v.evidence}.')}</p>"
+                  for v in result.verdicts]  # fmt: skip
         parts.append(table(rows, header=header))
         parts += [f"<p>{html.escape(finding)}</p>" for finding in result.findings]
         png = path.with_suffix(".png")
