@@ -1,4 +1,4 @@
-"""Look inside a qkv GPT: named activation points, read or edited, and the logit lens.
+"""Look inside qkv's Transformers: named activation points, read or edited, and the logit lens.
 
     from qkv import inspect
     output, cache = inspect.run_with_cache(model, input_ids, names="blocks.*.resid_post")
@@ -7,10 +7,13 @@
         logits = model(input_ids).logits               # head 5 of layer 2 zeroed
     lens = inspect.logit_lens(model, input_ids, top_k=5)   # (N, B, L, 5) token ids
 
-The points follow the residual stream of Elhage et al. 2021 ("A Mathematical Framework for
-Transformer Circuits"); editing them is activation patching (Vig et al. 2020; Meng et al.
-2022); the lens is nostalgebraist 2020 ("interpreting GPT: the logit lens"). The names, their
-shapes and where each is taken are listed in `qkv.analysis.inspection.hooks`.
+The points exist for `GPT`, `BertModel` (and the BERT heads), `ViT`, the encoder-decoder
+`Transformer` and `T5Transformer` ("encoder.blocks.{i}.…", "decoder.blocks.{i}.cross_attn.…");
+the logit lens and the attribution tools read a GPT's lm_head. The points follow the residual
+stream of Elhage et al. 2021 ("A Mathematical Framework for Transformer Circuits"); editing
+them is activation patching (Vig et al. 2020; Meng et al. 2022); the lens is nostalgebraist
+2020 ("interpreting GPT: the logit lens"). The names, their shapes and where each is taken
+are listed in `qkv.analysis.inspection.hooks`.
 """
 
 from qkv.analysis.inspection.attribution import (

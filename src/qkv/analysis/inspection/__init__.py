@@ -1,8 +1,9 @@
 """Looking inside a model: exact attention maps from any backend, head importance and pruning
 (Michel et al. 2019), the sanity checks of `qkv check`, attention rollout (Abnar & Zuidema
-2020) with its map over a Vision Transformer's patches, sink heads (Xiao et al. 2024), and a
-GPT's named activation points, read, patched (Meng et al. 2022) or read out by the logit lens
-(nostalgebraist 2020)."""
+2020) with its map over a Vision Transformer's patches, sink heads (Xiao et al. 2024),
+previous-token, duplicate-token and induction heads (Olsson et al. 2022), and the named
+activation points of GPT, BERT, ViT, the encoder-decoder and T5, read or patched (Meng et al.
+2022), with a GPT's read out by the logit lens (nostalgebraist 2020)."""
 
 from qkv.analysis.inspection.attribution import (
     AttentionAttribution,

@@ -1,4 +1,5 @@
-"""Named activation points of a qkv `GPT`: read them (`run_with_cache`) or edit them (`hooks`).
+"""Named activation points of qkv's Transformers: read them (`run_with_cache`) or edit them
+(`hooks`).
 
 The residual stream view of Elhage et al. 2021 ("A Mathematical Framework for Transformer
 Circuits", s2): each block reads the stream and adds its attention and MLP outputs back into
@@ -19,9 +20,28 @@ layer i of a model with N blocks (names as TransformerLens spells them):
     blocks.{i}.resid_post      (B, L, E)      the output of block i
     final_norm                 (B, L, E)      the final norm's output, what lm_head reads
 
+Models: `GPT` has these names. `BertModel` (and a head holding one as `.bert`, e.g.
+`BertForSequenceClassification`) and `ViT` have the same per-block names; ViT's final_norm is
+the LayerNorm before pooling, and BERT has none (its last resid_post is last_hidden_state).
+The encoder-decoders `Transformer` and `T5Transformer` prefix them: encoder.blocks.{i}.…,
+encoder.final_norm, decoder.blocks.{i}.…, decoder.final_norm. A decoder block has, after its
+self-attention (attn.…, resid_mid = resid_pre + attn.out), a cross-attention to the encoder's
+output: cross_attn.q (B, H, L, D), cross_attn.k and cross_attn.v (B, H_kv, L_src, D),
+cross_attn.pattern (B, H, L, L_src), cross_attn.head_out, cross_attn.out, and
+resid_cross = resid_mid + cross_attn.out, the input of the MLP's sub-layer. T5's pattern is
+softmax(q k^T + relative bias), its scores unscaled (Raffel et al. 2020).
+
+Post-norm blocks (BERT; `Transformer` unless norm_first), x = norm(x + f(x)) per sub-layer
+(Vaswani et al. 2017, s3.1), normalise the stream after each sub-layer, so there resid_mid is
+norm1(resid_pre + attn.out), resid_cross is norm2(resid_mid + cross_attn.out) and resid_post
+is the last norm's output, norm(resid_mid + mlp.out) (= transformers' hidden_states[i + 1]);
+each is the output of that norm, and the sums before the norms are not points. Pre-norm
+blocks (GPT, ViT, T5, `Transformer(norm_first=True)`) add without normalising, as listed.
+
 Positions are RoPE's (Su et al. 2021) for Llama, SmolLM and Mistral: q and k are seen after the
 rotation, as attention receives them; GPT-2's learned positions are already in resid_pre. When
-decoding with a KV cache, q and v cover the tokens of the call, k and pattern every cached key.
+decoding with a KV cache, q and v cover the tokens of the call, k and pattern every cached key
+(T5's k and pattern are refused then); a cross-attention cache projects cross_attn.v once.
 
 Every hook is a PyTorch module hook (or `MultiHeadAttention.register_attention_hook` for q, k
 and pattern) that exists only inside the call and is removed in a `finally`: a model used
@@ -33,27 +53,17 @@ al. 2022, "Locating and Editing Factual Associations in GPT", s2.1).
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from qkv.analysis.inspection.attention_maps import attention_map
-from qkv.models.gpt import GPT, GPTBlock
+from qkv.analysis.inspection.points import HookFn, install, layout, split_name
+from qkv.models.gpt import GPT
 
 __all__ = ["ActivationCache", "activation_names", "hooks", "logit_lens", "run_with_cache"]
-
-HookFn = Callable[[torch.Tensor, str], torch.Tensor | None]
-
-# per block, in the order a forward pass reaches them (hooks on one module chain in this order)
-LAYER_POINTS = (
-    "resid_pre", "attn.q", "attn.k", "attn.pattern", "attn.v", "attn.head_out", "attn.out",
-    "resid_mid", "mlp.hidden", "mlp.out", "resid_post",
-)  # fmt: skip
-READ_ONLY = ("attn.q", "attn.k", "attn.pattern")  # seen inside one forward, never returned
-PATTERNS = tuple(f"blocks.{{i}}.{point}" for point in LAYER_POINTS) + ("final_norm",)
 
 
 class ActivationCache(Mapping[str, torch.Tensor]):
@@ -77,33 +87,45 @@ class ActivationCache(Mapping[str, torch.Tensor]):
         return f"ActivationCache({len(self)} activations: {list(self._activations)})"
 
     def stack(self, point: str) -> torch.Tensor:
-        """One point of every cached layer, in layer order: stack("resid_post") is (N, B, L, E)."""
-        layers = [n for n in self._activations if n.startswith("blocks.") and _point(n) == point]
+        """One point of every cached layer, in layer order: stack("resid_post") is (N, B, L, E);
+        an encoder-decoder's stacks are named "encoder.resid_post", "decoder.resid_post"."""
+        prefix = ""
+        for stack in ("encoder.", "decoder."):
+            if point.startswith(stack):
+                prefix, point = stack, point[len(stack) :]
+        layers = []
+        for name in self._activations:
+            parts = split_name(name)
+            if parts is not None and parts[0] == prefix and parts[2] == point:
+                layers.append((parts[1], name))
         if not layers:
-            raise KeyError(f"point: no cached blocks.{{i}}.{point!r}; cached {list(self)}")
-        layers.sort(key=lambda name: int(name.split(".")[1]))
-        return torch.stack([self._activations[name] for name in layers])  # (N, ...)
+            raise KeyError(f"point: no cached {prefix}blocks.{{i}}.{point!r}; cached {list(self)}")
+        layers.sort()
+        return torch.stack([self._activations[name] for _, name in layers])  # (N, ...)
 
 
-def activation_names(model: GPT) -> list[str]:
+def activation_names(model: nn.Module) -> list[str]:
     """Every activation point of `model`, in the order a forward pass reaches them."""
-    _check_model(model)
-    names = [f"blocks.{i}.{point}" for i in range(len(model.blocks)) for point in LAYER_POINTS]
-    return names + ["final_norm"]
+    return [name for stack in layout(model) for name in stack.names()]
 
 
 def run_with_cache(
-    model: GPT, input_ids: torch.Tensor, names: str | Iterable[str] | None = None, **forward_kwargs
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    names: str | Iterable[str] | None = None,
+    **forward_kwargs,
 ) -> tuple[object, ActivationCache]:
     """Run `model(input_ids, **forward_kwargs)` once under torch.no_grad, keeping activations.
 
-    names: None (every point but attn.pattern), or names and globs ("blocks.*.resid_post")
-    of `activation_names(model)`; attn.pattern, B x H x L x L weights per layer, is computed
-    only when named (`record_attention` chooses rows and heads). Returns (the model's output, an
+    input_ids: what the model takes first (images for a ViT); forward_kwargs the rest (e.g.
+    decoder_input_ids for an encoder-decoder). names: None (every point but the patterns), or
+    names and globs ("blocks.*.resid_post") of `activation_names(model)`; attn.pattern (and
+    cross_attn.pattern), B x H x L_q x L_k weights per layer, is computed only when named
+    (`record_attention` chooses rows and heads). Returns (the model's output, an
     `ActivationCache`); the model carries no hook afterwards, whether it returned or raised.
     """
     if names is None:  # a dense (L, L) map per head only when asked for
-        chosen = [n for n in activation_names(model) if not n.endswith(".attn.pattern")]
+        chosen = [n for n in activation_names(model) if not n.endswith("attn.pattern")]
     else:
         chosen = resolve_names(model, names, "names")
     kept: dict[str, torch.Tensor] = {}
@@ -120,11 +142,12 @@ def logit_lens(
     model: GPT, input_ids: torch.Tensor, *, top_k: int | None = None, **forward_kwargs
 ) -> torch.Tensor:
     """Each layer's resid_post read out by the final norm and lm_head: the logit lens
-    (nostalgebraist 2020, "interpreting GPT: the logit lens").
+    (nostalgebraist 2020, "interpreting GPT: the logit lens"). A `GPT` only.
 
     Returns logits (N, B, L, V), one entry per block (the last is the model's own logits), or
     with top_k the k most likely token ids (N, B, L, k), best first.
     """
+    _check_model(model)
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k: expected a positive int or None, got {top_k!r}")
     _, cache = run_with_cache(model, input_ids, "blocks.*.resid_post", **forward_kwargs)
@@ -134,185 +157,62 @@ def logit_lens(
 
 
 @contextmanager
-def hooks(model: GPT, hook_fns: Mapping[str, HookFn]) -> Iterator[None]:
+def hooks(model: nn.Module, hook_fns: Mapping[str, HookFn]) -> Iterator[None]:
     """Inside, every forward of `model` calls `fn(tensor, name)` at each named point.
 
     hook_fns: {name or glob: fn}. fn returns None to only read, or a tensor of the same shape
     to replace the activation (activation patching; Vig et al. 2020, Meng et al. 2022): e.g.
     zero `head_out[:, :, h]` to ablate head h. q, k and pattern are read-only. Replacing
-    resid_mid sets the attention output to (replacement - resid_pre), exact to one rounding,
-    and needs the residual dropout inactive (eval mode). The hooks are removed on leaving.
+    resid_mid (or resid_cross) of a pre-norm block sets the sub-layer's output to
+    (replacement - the stream before it), exact to one rounding, and needs the residual
+    dropout inactive (eval mode); in a post-norm block it replaces the norm's output. The hooks
+    are removed on leaving.
     """
     if not isinstance(hook_fns, Mapping):
         raise TypeError(f"hook_fns: expected a dict {{name: fn}}, got {type(hook_fns).__name__}")
     pairs = [(name, fn) for key, fn in hook_fns.items() for name in _expand(model, key, fn)]
     order = {name: index for index, name in enumerate(activation_names(model))}
     pairs.sort(key=lambda pair: order[pair[0]])  # hooks on one module chain in forward order
+    stacks = layout(model)
     handles: list[RemovableHandle] = []
     try:
         for name, fn in pairs:
-            handles.extend(_install(model, name, fn))
+            handles.extend(install(stacks, name, fn))
         yield
     finally:
         for handle in handles:
             handle.remove()
 
 
-def resolve_names(model: GPT, names: str | Iterable[str], argument: str) -> list[str]:
+def resolve_names(model: nn.Module, names: str | Iterable[str], argument: str) -> list[str]:
     """Names and globs -> the matching activation names, in forward order; a name or glob
     matching none is refused, naming it and listing the valid patterns."""
     wanted = [names] if isinstance(names, str) else list(names)
-    valid = activation_names(model)
+    stacks = layout(model)
+    valid = [name for stack in stacks for name in stack.names()]
     for name in wanted:
         if not isinstance(name, str):
             raise TypeError(f"{argument}: expected activation names (str), got {name!r}")
         if not fnmatch.filter(valid, name):
+            patterns = [pattern for stack in stacks for pattern in stack.patterns()]
+            ranges = ", ".join(
+                f"{stack.prefix[:-1] + ' ' if stack.prefix else ''}i in [0, {len(stack.blocks)})"
+                for stack in stacks
+            )
             raise ValueError(
                 f"{argument}: {name!r} is not an activation point of this model; expected a "
-                f"name or glob of {list(PATTERNS)}, i in [0, {len(model.blocks)})"
+                f"name or glob of {patterns}, {ranges}"
             )
     return [name for name in valid if any(fnmatch.fnmatchcase(name, w) for w in wanted)]
 
 
-def _expand(model: GPT, key: str, fn: HookFn) -> list[str]:
+def _expand(model: nn.Module, key: str, fn: HookFn) -> list[str]:
     if not callable(fn):
         raise TypeError(f"hook_fns: the value for {key!r} must be callable, got {fn!r}")
     return resolve_names(model, key, "hook_fns")
 
 
 def _check_model(model: nn.Module) -> None:
+    """For what needs a GPT's lm_head (the logit lens, attribution, patch sweeps)."""
     if not isinstance(model, GPT):
         raise TypeError(f"model: expected a qkv.models.GPT, got {type(model).__name__}")
-
-
-def _point(name: str) -> str:
-    """ "blocks.3.attn.q" -> "attn.q"."""
-    return name.split(".", 2)[2]
-
-
-def _install(model: GPT, name: str, fn: HookFn) -> list[RemovableHandle]:
-    """Register the hooks of one point; returns their handles."""
-    if name == "final_norm":
-        return [model.final_norm.register_forward_hook(_output_hook(name, fn))]
-    block = model.blocks[int(name.split(".")[1])]
-    return _LAYER_INSTALLERS[_point(name)](block, name, fn)
-
-
-def _call(fn: HookFn, tensor: torch.Tensor, name: str) -> torch.Tensor | None:
-    """fn's replacement for `tensor` (checked), or None when it only read."""
-    new = fn(tensor, name)
-    if new is None or new is tensor:
-        return None
-    if name.startswith("blocks.") and _point(name) in READ_ONLY:
-        raise ValueError(f"hook_fns: {name!r} is read-only; expected the hook to return None")
-    if not isinstance(new, torch.Tensor) or new.shape != tensor.shape:
-        seen = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
-        raise ValueError(
-            f"hook_fns: the hook of {name!r} returned {seen}; expected None or a tensor of "
-            f"shape {tuple(tensor.shape)}"
-        )
-    return new.to(tensor)
-
-
-def _same(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
-def _input_hook(name: str, fn: HookFn, split=_same, merge=_same):
-    """A forward pre-hook on a module's first argument, seen as split(argument)."""
-
-    def hook(module: nn.Module, args: tuple) -> tuple | None:
-        new = _call(fn, split(args[0]), name)
-        return None if new is None else (merge(new), *args[1:])
-
-    return hook
-
-
-def _output_hook(name: str, fn: HookFn, split=_same, merge=_same):
-    """A forward hook on a module's output, seen as split(output)."""
-
-    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
-        new = _call(fn, split(output), name)
-        return None if new is None else merge(new)
-
-    return hook
-
-
-def _attention_hook(name: str, fn: HookFn, part: str):
-    """A `register_attention_hook` hook: q or k as attention receives them, or the weights."""
-
-    def hook(module, q, k, *, mask, causal, window, bias, cross, pattern) -> None:
-        if part == "pattern":
-            seen = attention_map(
-                q, k, mask=mask, causal=causal, window=window, bias=bias, pattern=pattern
-            )  # (B, H, L_q, L_k), float32
-        else:
-            seen = q if part == "q" else k  # (B, H, L, D) or (B, H_kv, L_k, D)
-        _call(fn, seen, name)
-
-    return hook
-
-
-def _heads(count: int, heads_first: bool):
-    """split/merge between (B, L, count * D) and (B, L, count, D), or (B, count, L, D)."""
-
-    def split(x: torch.Tensor) -> torch.Tensor:
-        x = x.unflatten(-1, (count, -1))  # (B, L, count, D)
-        return x.transpose(1, 2) if heads_first else x  # (B, count, L, D) or as is
-
-    def merge(x: torch.Tensor) -> torch.Tensor:
-        return (x.transpose(1, 2) if heads_first else x).flatten(-2)  # (B, L, count * D)
-
-    return split, merge
-
-
-def _resid_mid(block: GPTBlock, name: str, fn: HookFn) -> list[RemovableHandle]:
-    """resid_pre + attention output, seen when the attention returns; a replacement r makes
-    the attention output r - resid_pre, so the block's own addition gives r back."""
-    if block.training and not isinstance(block.dropout, nn.Identity):
-        raise ValueError(
-            f"model: {name} is resid_pre + dropout(attention), which differs from what the "
-            "hook sees while the residual dropout is active; expected model.eval()"
-        )
-    stream: list[torch.Tensor] = []
-
-    def keep(module: nn.Module, args: tuple) -> None:
-        stream.append(args[0])  # (B, L, E): resid_pre, as the block receives it
-
-    def edit(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
-        resid_pre = stream.pop()
-        new = _call(fn, resid_pre + output, name)  # the block's own sum, bit for bit
-        return None if new is None else new - resid_pre
-
-    return [
-        block.register_forward_pre_hook(keep),
-        block.self_attn.register_forward_hook(edit),
-    ]
-
-
-def _on_heads(module: nn.Module, count: int, name: str, fn: HookFn, *, pre: bool, first: bool):
-    split, merge = _heads(count, heads_first=first)
-    if pre:
-        return [module.register_forward_pre_hook(_input_hook(name, fn, split, merge))]
-    return [module.register_forward_hook(_output_hook(name, fn, split, merge))]
-
-
-_LAYER_INSTALLERS: dict[str, Callable[[GPTBlock, str, HookFn], list[RemovableHandle]]] = {
-    "resid_pre": lambda b, n, f: [b.register_forward_pre_hook(_input_hook(n, f))],
-    "attn.q": lambda b, n, f: [b.self_attn.register_attention_hook(_attention_hook(n, f, "q"))],
-    "attn.k": lambda b, n, f: [b.self_attn.register_attention_hook(_attention_hook(n, f, "k"))],
-    "attn.pattern": lambda b, n, f: [
-        b.self_attn.register_attention_hook(_attention_hook(n, f, "pattern"))
-    ],
-    "attn.v": lambda b, n, f: _on_heads(
-        b.self_attn.v_proj, b.self_attn.num_kv_heads, n, f, pre=False, first=True
-    ),
-    "attn.head_out": lambda b, n, f: _on_heads(
-        b.self_attn.out_proj, b.self_attn.num_heads, n, f, pre=True, first=False
-    ),
-    "attn.out": lambda b, n, f: [b.self_attn.register_forward_hook(_output_hook(n, f))],
-    "resid_mid": _resid_mid,
-    "mlp.hidden": lambda b, n, f: [b.ffn.down_proj.register_forward_pre_hook(_input_hook(n, f))],
-    "mlp.out": lambda b, n, f: [b.ffn.register_forward_hook(_output_hook(n, f))],
-    "resid_post": lambda b, n, f: [b.register_forward_hook(_output_hook(n, f))],
-}
