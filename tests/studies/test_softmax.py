@@ -92,6 +92,9 @@ def test_overflow_counts_equal_a_float16_computation_written_out():
     assert torch.isnan(by_hand[[0, 2]]).all(dim=-1).any() and (by_hand[1] == 0).all()
     assert found["fp16 naive: failed rows"] == 3 and found["fp16 naive: rows of zeros"] == 1
     assert found["fp16 stable: failed rows"] == 0 and found["fp32 naive: failed rows"] == 0
+    assert found["bf16 naive: failed rows"] == 0  # float32's exponent: exp(12) is finite
+    past = softmax.overflow(torch.tensor([[89.0, 0.0]], dtype=torch.float64))  # exp(89) > 3.4e38
+    assert past["bf16 naive: failed rows"] == past["fp32 naive: failed rows"] == 1
     reference = torch.softmax(scores, dim=-1)
     assert found["fp16 naive: max error"] == pytest.approx(
         float((by_hand[3].double() - reference[3]).abs().max())

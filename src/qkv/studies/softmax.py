@@ -13,7 +13,7 @@ Two measurements on sets of attention scores, one softmax per row:
    norm and its entropy are averaged over the rows (float64). The Jacobian is small at both
    ends: near uniform, every y_i is about 1/n; near one-hot, all but one are about 0.
 2. Overflow. exp passes float16's largest value (65504) at 11.09, float32's at 88.7. Every row
-   is cast to float16 (and float32) and put through the softmax as written
+   is cast to float16 (and bfloat16, float32) and put through the softmax as written
    (`naive_softmax`: exp, sum, divide) and with the row maximum subtracted first
    (`stable_softmax`; Goodfellow et al. 2016, "Deep Learning", s4.1): the rows that fail (an
    inf or NaN; or all zeros, when the exponentials are finite but their sum overflows), and the
@@ -59,7 +59,8 @@ CLAIM = (
     "entry of its Jacobian diag(y) - y y^T, off the diagonal as well as on it, vanishes, and "
     "dividing by sqrt(d_k) prevents it (Vaswani et al. 2017, s3.2.1); softmax computed as "
     "written overflows in float16 on the real attention scores of all-MiniLM-L6-v2, where "
-    "subtracting the row maximum first does not (Goodfellow et al. 2016, s4.1)."
+    "subtracting the row maximum first does not (Goodfellow et al. 2016, s4.1), and bfloat16, "
+    "with float32's exponent range, does not overflow either (Kalamkar et al. 2019)."
 )
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -77,7 +78,7 @@ SATURATION = ("mean max y", DIAGONAL, OFF_DIAGONAL, NORM, "entropy")
 OVERFLOW = (
     "fp16 naive: failed rows", "fp16 naive: rows of zeros", "fp16 stable: failed rows",
     "fp16 naive: max error", "fp16 stable: max error", "fp16 torch.softmax: max error",
-    "fp32 naive: failed rows",
+    "bf16 naive: failed rows", "fp32 naive: failed rows",
 )  # fmt: skip
 COLUMNS = ["scores", "rows", "score std", "max score", *SATURATION, *OVERFLOW]
 
@@ -164,6 +165,8 @@ def overflow(scores: torch.Tensor) -> dict[str, float | int | None]:
             found["fp16 naive: rows of zeros"] = int((probabilities == 0).all(dim=-1).sum())
         error = (probabilities[kept].double() - reference[kept]).abs()
         found[f"fp16 {name}: max error"] = float(error.max()) if error.numel() else None
+    # bfloat16 keeps float32's 8 exponent bits (Kalamkar et al. 2019): exp overflows past 88.7
+    found["bf16 naive: failed rows"] = int(_failed(naive_softmax(scores.bfloat16())).sum())
     found["fp32 naive: failed rows"] = int(_failed(naive_softmax(scores.float())).sum())
     return found
 
@@ -279,11 +282,11 @@ def _overflow_finding(label: str, row: dict[str, Any]) -> str:
     names = [name for name in ("naive", "stable", "torch.softmax")
              if row[f"fp16 {name}: max error"] is not None]  # fmt: skip
     errors = ", ".join(f"{name} {row[f'fp16 {name}: max error']:.3g}" for name in names)
-    single = row["fp32 naive: failed rows"]
+    single, brain = row["fp32 naive: failed rows"], row.get("bf16 naive: failed rows")
+    wider = "" if brain is None else f"{brain:,} rows in bfloat16 (float32's exponent range) and "
     return (
-        f"{text}; max error against float64 on the rows each form does not fail: {errors}; in "
-        f"float32, softmax "
-        f"as written fails in {single:,} rows."
+        f"{text}; max error against float64 on the rows each form does not fail: {errors}; "
+        f"softmax as written fails in {wider}{single:,} rows in float32."
     )
 
 
@@ -377,4 +380,10 @@ def verdicts(rows: list[dict[str, Any]]) -> list[Verdict]:
         "Supported if on MiniLM's scores as computed softmax as written fails in some rows in "
         "float16 and the max-subtracted form in none; mixed if one holds.",
         f"{naive:,} and {stable:,} failed rows of {minilm['rows']:,}", WHY))  # fmt: skip
+    if "bf16 naive: failed rows" in minilm:  # results recorded before the bfloat16 column
+        brain = minilm["bf16 naive: failed rows"]
+        found.append(Verdict(
+            "the same scores stay finite in bfloat16, as written", grade(brain == 0, 1),
+            "Supported if softmax as written fails in no row of MiniLM's scores as computed in "
+            "bfloat16.", f"{brain:,} failed rows of {minilm['rows']:,}", WHY))  # fmt: skip
     return found
