@@ -1,5 +1,7 @@
 """`qkv cost`: parameters, FLOPs, score-matrix and KV-cache memory of presets or checkpoints;
-with --context-parallel/--fsdp, the per-process plan of training past one process."""
+with --context-parallel/--fsdp, the per-process plan of training past one process; with
+--shares, --source-length/--target-length or --generate, how the FLOPs move with the lengths
+(`qkv.analysis.cost.scaling`), under each model's column."""
 
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ def _cost(args: argparse.Namespace) -> int:
         return 1
     if args.context_parallel or args.fsdp:
         return _parallel(args, names)
+    if _scaling_asked(args):
+        return _scaling(args, names, reports)
     if args.json:
         print(json.dumps([dataclasses.asdict(report) for report in reports], indent=2))
     elif args.models:
@@ -33,6 +37,69 @@ def _cost(args: argparse.Namespace) -> int:
     else:
         print(format_presets(reports))
     return 0
+
+
+def _scaling_asked(args: argparse.Namespace) -> bool:
+    lengths = (args.source_length, args.target_length)
+    return args.shares or args.generate is not None or lengths != (None, None)
+
+
+def _scaling(args: argparse.Namespace, names: list[str], reports: list) -> int:
+    """Each model's column, then the sections asked for; with --json, each report's fields
+    and the sections under "shares", "encoder_decoder" and "generation"."""
+    from qkv.analysis.cost.format import format_report
+    from qkv.analysis.cost.scaling_format import (
+        format_encoder_decoder,
+        format_generation,
+        format_shares,
+    )
+
+    if not args.models:
+        print("qkv cost: error: model: name the MODEL to scale", file=sys.stderr)
+        return 1
+    try:
+        sections = [
+            _sections(args, name, report) for name, report in zip(names, reports, strict=True)
+        ]
+    except (ValueError, TypeError) as error:
+        print(f"qkv cost: error: {error}", file=sys.stderr)
+        return 1
+    if args.json:
+        documents = [
+            {**dataclasses.asdict(report), **{k: dataclasses.asdict(v) for k, v in extra.items()}}
+            for report, extra in zip(reports, sections, strict=True)
+        ]
+        print(json.dumps(documents, indent=2))
+        return 0
+    formats = {"shares": format_shares, "encoder_decoder": format_encoder_decoder,
+               "generation": format_generation}  # fmt: skip
+    texts = [format_report(reports)]
+    texts += [formats[key](value) for extra in sections for key, value in extra.items()]
+    print("\n\n".join(texts))
+    return 0
+
+
+def _sections(args: argparse.Namespace, name: str, report) -> dict:
+    from qkv.analysis.cost.scaling import (
+        attention_shares,
+        encoder_decoder_flops,
+        generation_flops,
+    )
+
+    sections = {}
+    if args.shares:
+        sections["shares"] = attention_shares(name)
+    if (args.source_length, args.target_length) != (None, None):
+        sections["encoder_decoder"] = encoder_decoder_flops(
+            name,
+            source_length=args.source_length or report.context,
+            target_length=args.target_length or report.context,
+        )
+    if args.generate is not None:
+        sections["generation"] = generation_flops(
+            name, prompt_length=report.context, new_tokens=args.generate
+        )
+    return sections
 
 
 def _parallel(args: argparse.Namespace, names: list[str]) -> int:
@@ -99,4 +166,23 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         metavar="N",
         help="plan training with parameters, gradients and AdamW state sharded N ways (FSDP)",
     )
+    cost.add_argument(
+        "--shares", action="store_true",
+        help="attention's share of one block's FLOPs at 512 to 128K tokens, and the length "
+        "where the scores cost what the projections and the FFN cost",
+    )  # fmt: skip
+    cost.add_argument(
+        "--source-length", type=int, metavar="S",
+        help="encoder-decoder: source tokens (default --context); FLOPs per block of the "
+        "encoder (S^2), the decoder (T^2) and cross-attention (S x T)",
+    )  # fmt: skip
+    cost.add_argument(
+        "--target-length", type=int, metavar="T",
+        help="encoder-decoder: target tokens (default --context)",
+    )  # fmt: skip
+    cost.add_argument(
+        "--generate", type=int, metavar="N",
+        help="FLOPs of generating N tokens after a --context-token prompt, with a KV cache "
+        "and by recomputing every prefix, and their ratio",
+    )  # fmt: skip
     cost.set_defaults(run=_cost)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qkv.analysis.cost.layout import ModelConfig, ModelLayout, layout_of
+from qkv.analysis.cost.scaling import crossover_length
 from qkv.analysis.cost.sources import resolve_model
 from qkv.validation import check_positive_int
 
@@ -117,6 +118,9 @@ class CostReport:
     kv_cache_variants: tuple[KVCacheVariant, ...]
     cross_attention_cache_bytes_per_sample: int | None
     num_classes: int | None = None
+    # the length where one layer's scores (4 L^2 H D) cost its projections and FFN (6E for the
+    # standard block; `qkv.analysis.cost.scaling`)
+    attention_crossover_length: float | None = None
 
 
 def bytes_per_element(dtype: str) -> tuple[str, int]:
@@ -194,6 +198,9 @@ def cost_report(
             for length in SCORE_LENGTHS
         ),
         num_classes=layout.num_classes or None,
+        attention_crossover_length=float(
+            crossover_length(attention, (layout.decoder or layout.encoder).ffn)
+        ),
         **_kv_cache_fields(layout, context, batch, width),
     )  # fmt: skip
 

@@ -59,6 +59,14 @@ def _heads(report: CostReport) -> str:
     return f"{report.num_heads}/{report.num_kv_heads}"
 
 
+def _crossover(report: CostReport) -> str:
+    """24704.0 -> "L = 24,704 (6.03 E)"."""
+    length = report.attention_crossover_length
+    if length is None:
+        return "-"
+    return f"L = {length:,.0f} ({length / report.embed_dim:.3g} E)"
+
+
 def report_rows(report: CostReport) -> list[tuple[str, str]]:
     """(label, value) of every line of one model's column."""
     rows = [
@@ -73,6 +81,7 @@ def report_rows(report: CostReport) -> list[tuple[str, str]]:
         ("forward FLOPs / token", format_flops(report.flops_per_token)),
         ("forward FLOPs / sequence", format_flops(report.flops_per_sequence)),
         ("  one attention layer", format_flops(report.attention_flops_per_layer)),
+        ("  scores = rest of block at", _crossover(report)),
         ("training FLOPs / batch", format_flops(report.training_flops)),
         ("decode step FLOPs", format_flops(report.decode_flops_per_token)),
         ("KV cache / sample", format_bytes(report.kv_cache_bytes_per_sample)),
