@@ -50,7 +50,7 @@ bench-peers: $(STAMP)
 		$(BIN)/python -m pip install --quiet -e '.[peers]'
 
 test: lint browser
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=25
 	$(MAKE) --no-print-directory test-masked
 
 # The CPU fast paths (oneDNN and packed linears, bf16 under autocast, compiled products, the
