@@ -10,7 +10,8 @@ no backend is chosen and no global state is touched; write it with `save_figure`
 
 - Attention weights: `attention_heatmaps` (per head, side by side; Clark et al. 2019),
   `bidirectional_vs_causal` (BERT's vs GPT's attention), `mask_gallery` (padding, causal and
-  structured masks).
+  structured masks), `input_dependent_weights` (one head's weights on two inputs beside a fully
+  connected layer's fixed position mixing; Vaswani et al. 2017, Tolstikhin et al. 2021).
 - Why sqrt(d_k) (Vaswani et al. 2017, s3.2.1): `softmax_scaling`, `softmax_saturation`
   ([a, a, 2a]), `scaling_comparison` (d_k vs sqrt(d_k) vs none).
 - Positions: `rope_vs_sinusoidal_decay` (Su et al. 2021), `alibi_biases` (Press et al. 2022),
@@ -26,6 +27,7 @@ from pathlib import Path
 from qkv.analysis.plots.activations import gelu_vs_relu
 from qkv.analysis.plots.attention import attention_heatmaps, bidirectional_vs_causal, mask_gallery
 from qkv.analysis.plots.common import Figure
+from qkv.analysis.plots.dynamic_weights import input_dependent_weights
 from qkv.analysis.plots.equivariance import equivariance_gaps, permutation_equivariance
 from qkv.analysis.plots.positional import alibi_biases, rope_vs_sinusoidal_decay
 from qkv.analysis.plots.softmax import scaling_comparison, softmax_saturation, softmax_scaling
@@ -38,6 +40,7 @@ __all__ = [
     "bidirectional_vs_causal",
     "equivariance_gaps",
     "gelu_vs_relu",
+    "input_dependent_weights",
     "mask_gallery",
     "permutation_equivariance",
     "rollout_maps",
