@@ -254,6 +254,7 @@ def figure(result: StudyResult):
     for axis, role in zip(axes, ROLES, strict=False):
         image = axis.imshow(series["scores"][role], aspect="auto", vmin=0, vmax=1, cmap="viridis")
         axis.set_title(f"{role}: mean attention")
+        axis.set_xticks(range(0, len(series["scores"][role][0]), 2))
         axis.set_xlabel("head")
         axis.set_ylabel("layer")
     fig.colorbar(image, ax=axes[3])
