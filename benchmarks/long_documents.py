@@ -1,6 +1,6 @@
 """Benchmark: long-document classification three ways, on frozen all-MiniLM-L6-v2.
 
-    .venv/bin/python benchmarks/long_documents.py            # default (a few minutes on 2 cores)
+    .venv/bin/python benchmarks/long_documents.py            # default (minutes on 2 idle cores)
     .venv/bin/python benchmarks/long_documents.py --quick    # smoke run, results/..._quick.json
 
 The task (`qkv.data.topic_documents.pydoc_topic_documents`): documents built from CPython's
@@ -20,6 +20,15 @@ and train only what sits on top:
     hierarchical       every window's vector -> a 2-block Transformer over the chunks with
                        learned chunk positions and a chunk padding mask, mean over chunks
                        (`HierarchicalClassifier`, Pappagari et al. 2019) -> linear head
+    sparse 512         one pass over the first 512 tokens with Longformer's attention, a
+                       window of --sparse-window keys each side + global [CLS] (Beltagy et al.
+                       2020; `whole_documents(..., overflow="truncate")`, `embed_long(...,
+                       pattern=longformer_pattern(w))`) -> logistic regression. MiniLM's
+                       learned positions stop at 512, so the rest of a longer document is not
+                       read (the row says so); a band of 2 w + 1 = 257 keys (w = 128) keeps each
+                       token's view about as wide as the 256 tokens MiniLM was trained on
+    sparse windows     the same attention in windows of 512 (stride 32), averaged: the whole
+                       document (one pass computes both rows' windows)
 MiniLM runs once per window; the window vectors are cached and the embeddings of the first and
 third methods are taken from them with `aggregate_windows` (checked here against `embed_long`
 on the first documents). Each logistic regression (standardised features, L-BFGS) takes its L2
@@ -48,6 +57,8 @@ from qkv.applications import (
     aggregate_windows,
     chunk_texts,
     embed_long,
+    longformer_pattern,
+    whole_documents,
 )
 from qkv.data.tokenizers import minilm_wordpiece
 from qkv.data.topic_documents import pydoc_topic_documents
@@ -71,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-length", type=int, default=256)
     parser.add_argument("--stride", type=int, default=32)
     parser.add_argument("--epochs", type=int, default=20, help="hierarchical training epochs")
+    parser.add_argument("--sparse-window", type=int, default=128, help="keys each side")
+    parser.add_argument("--no-dense", action="store_true", help="only the sparse rows")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -193,6 +206,27 @@ def truncated_512(model: BertModel, tokenizer, texts: list[str]) -> torch.Tensor
         return embed_long(model, windows, aggregation="first", batch_size=16)
 
 
+def sparse_windows(model: BertModel, tokenizer, texts: list[str], args) -> dict:
+    """Windows of 512 with Longformer's attention, mean-pooled: the "sparse" rows' vectors.
+    The first window of each text is the one-pass row; checked against `embed_long` over
+    `whole_documents` on the first texts."""
+    windows = chunk_texts(tokenizer, texts, max_length=512, stride=args.stride)
+    pattern = longformer_pattern(args.sparse_window)
+    encoder = HierarchicalEncoder(model, chunk_pattern=pattern)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        chunks = encoder.embed_chunks(windows, batch_size=16)  # (W, E)
+        seconds = time.perf_counter() - start
+        docs = whole_documents(tokenizer, texts[:4], max_length=512, overflow="truncate")
+        want = embed_long(model, docs, aggregation="first", pattern=pattern)
+    part, part_chunks = select(windows, chunks, [0, 1, 2, 3])
+    got = F.normalize(aggregate_windows(part_chunks, part, aggregation="first"), dim=1)
+    if float((want - got).abs().max()) > 1e-5:
+        raise RuntimeError("sparse window vectors differ from embed_long over whole_documents")
+    log(f"  sparse: {len(texts)} texts, {chunks.shape[0]} windows of 512, {seconds:.1f} s")
+    return {"windows": windows, "chunks": chunks, "seconds": seconds}
+
+
 def features(embedded: dict, aggregation: str) -> torch.Tensor:
     pooled = aggregate_windows(embedded["chunks"], embedded["windows"], aggregation=aggregation)
     return F.normalize(pooled, dim=1)  # (N, E), what embed_long returns
@@ -222,12 +256,14 @@ LINEAR_METHODS = {  # name -> how a document's vector is taken from the windows
     "truncation (512 tokens)": "first 512",
     "window mean (256, stride 32)": "mean",
 }
+SPARSE_METHODS = {"sparse, one pass (first 512 tokens)": "first", "sparse windows (512)": "mean"}
 
 
 def linear_rows(model, tokenizer, documents, embedded: dict, labels: dict, args) -> list[dict]:
-    """The three logistic-regression methods, each with its own chosen L2 penalty."""
+    """The logistic-regression methods, each with its own chosen L2 penalty."""
     rows = []
-    for name, aggregation in LINEAR_METHODS.items():
+    methods = {} if args.no_dense else dict(LINEAR_METHODS)
+    for name, aggregation in {**methods, **SPARSE_METHODS}.items():
         start = time.perf_counter()
         if aggregation == "first 512":
             log("truncation at 512 tokens ...")
@@ -235,6 +271,8 @@ def linear_rows(model, tokenizer, documents, embedded: dict, labels: dict, args)
                 s: truncated_512(model, tokenizer, [d.text for d in getattr(documents, s)])
                 for s in embedded
             }
+        elif name in SPARSE_METHODS:
+            x = {s: features(embedded[s]["sparse"], aggregation) for s in embedded}
         else:
             x = {s: features(embedded[s], aggregation) for s in embedded}
         minilm_seconds = time.perf_counter() - start
@@ -249,6 +287,9 @@ def linear_rows(model, tokenizer, documents, embedded: dict, labels: dict, args)
         rows[-1]["l2_penalty"] = penalty
         if aggregation == "first 512":
             rows[-1]["extra_minilm_seconds"] = minilm_seconds
+        if name in SPARSE_METHODS:
+            rows[-1]["window_each_side"] = args.sparse_window
+            rows[-1]["extra_minilm_seconds"] = sum(embedded[s]["sparse"]["seconds"] for s in x)
     return rows
 
 
@@ -301,12 +342,14 @@ def main(argv=None) -> None:
         texts = [d.text for d in getattr(documents, split)]
         log(f"{split}: MiniLM over the windows ...")
         embedded[split] = embed_windows(model, tokenizer, texts, args)
+        embedded[split]["sparse"] = sparse_windows(model, tokenizer, texts, args)
         stats[split] = document_stats(texts, tokenizer, embedded[split]["windows"])
     first_texts = [d.text for d in documents.train]
     deviation = check_against_embed_long(model, tokenizer, first_texts, embedded["train"], args)
     labels = {s: torch.tensor([d.label for d in getattr(documents, s)]) for s in embedded}
     rows = linear_rows(model, tokenizer, documents, embedded, labels, args)
-    rows.append(hierarchical_row(model, embedded, labels, len(documents.labels), args))
+    if not args.no_dense:
+        rows.append(hierarchical_row(model, embedded, labels, len(documents.labels), args))
     info = machine_info("cpu")
     print(f"# {info['device_name']}, {info['torch_threads']} threads, torch {info['torch']}")
     print(f"# {args.num_train} train / {args.num_test} test documents, labels {documents.labels}")

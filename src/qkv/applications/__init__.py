@@ -4,6 +4,8 @@
   2019) with the real all-MiniLM-L6-v2, as sentence-transformers runs it.
 - Long texts (`chunk_texts`, `embed_long`, `classify_long`, ...): BERT over overlapping windows,
   aggregated per text, for texts longer than its maximum length.
+- Whole documents in one pass (`whole_documents`, `longformer_pattern`): Longformer's window +
+  global [CLS] attention (`pattern=` of `embed_long` / `classify_long`), up to max_positions.
 """
 
 from qkv.applications.embed import SentenceEncoder, embed
@@ -28,11 +30,13 @@ from qkv.applications.long_text import (
     embed_long_texts,
     truncate_ids,
 )
+from qkv.applications.whole_documents import OVERFLOWS, longformer_pattern, whole_documents
 
 __all__ = [
     "AGGREGATIONS",
     "CHUNK_POOLINGS",
     "DOCUMENT_POOLINGS",
+    "OVERFLOWS",
     "AttentionPooling",
     "HierarchicalClassifier",
     "HierarchicalEncoder",
@@ -48,5 +52,7 @@ __all__ = [
     "embed_long",
     "embed_long_texts",
     "group_chunks",
+    "longformer_pattern",
     "truncate_ids",
+    "whole_documents",
 ]

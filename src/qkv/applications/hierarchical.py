@@ -27,6 +27,7 @@ from torch.nn import Linear
 
 from qkv.applications.long_text import _run_windows
 from qkv.applications.windows import Windows
+from qkv.attention.sparse import SparsePattern
 from qkv.layers import EncoderBlock, LayerNorm
 from qkv.layers._dropout import make_dropout
 from qkv.models.bert import BertModel, init_bert_weights, mean_pool
@@ -96,7 +97,9 @@ class HierarchicalEncoder(nn.Module):
     place), it stays in eval mode whatever `train()` sets, and runs without autograd.
     The Transformer over chunks has the chunk encoder's width E: num_layers post-norm
     `EncoderBlock`s (GELU FFN of ffn_dim, default 4 E), learned chunk positions for up to
-    max_chunks chunks. Submodules: chunk_encoder, chunk_position, norm, dropout, blocks, pooling.
+    max_chunks chunks. chunk_pattern: a sparse pattern (`qkv.sparse`) for the chunk encoder's
+    attention in every window (e.g. `longformer_pattern` over windows of 512), or None (dense).
+    Submodules: chunk_encoder, chunk_position, norm, dropout, blocks, pooling.
     """
 
     def __init__(
@@ -111,6 +114,7 @@ class HierarchicalEncoder(nn.Module):
         document_pooling: str = "mean",
         dropout: float = 0.1,
         freeze_chunk_encoder: bool = True,
+        chunk_pattern: SparsePattern | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(chunk_encoder, BertModel):
@@ -130,6 +134,12 @@ class HierarchicalEncoder(nn.Module):
         self.chunk_pooling, self.document_pooling = chunk_pooling, document_pooling
         self.max_chunks = check_positive_int("max_chunks", max_chunks)
         self.freeze_chunk_encoder = freeze_chunk_encoder
+        if chunk_pattern is not None and not isinstance(chunk_pattern, SparsePattern):
+            raise TypeError(
+                f"chunk_pattern: expected a qkv.sparse pattern or None, got "
+                f"{type(chunk_pattern).__name__}"
+            )
+        self.chunk_pattern = chunk_pattern
         self.chunk_position = LearnedPositionalEmbedding(max_chunks, E)
         self.norm = LayerNorm(E, eps=chunk_encoder.config.norm_eps)
         self.dropout = make_dropout(check_probability("dropout", dropout))
@@ -167,7 +177,7 @@ class HierarchicalEncoder(nn.Module):
         use_cls = self.chunk_pooling == "cls"
 
         def pool(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            hidden = self.chunk_encoder(ids, mask).last_hidden_state  # (b, l, E)
+            hidden = self.chunk_encoder(ids, mask, pattern=self.chunk_pattern).last_hidden_state
             return hidden[:, 0] if use_cls else mean_pool(hidden, mask)  # (b, E)
 
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.freeze_chunk_encoder):

@@ -16,6 +16,9 @@ stride=..., return_overflowing_tokens=True)`.
 
     windows = chunk_texts(tokenizer, texts, max_length=256, stride=64)     # Windows, (W, L)
     vectors = embed_long(model, windows, aggregation="mean")              # (N, E)
+
+`pattern=` runs every window with sparse attention (`qkv.sparse`); with one window per text
+(`qkv.applications.whole_documents`) that is Longformer's single pass over a whole document.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from qkv.applications.windows import (
     chunk_texts,
     truncate_ids,
 )
+from qkv.attention.sparse import SparsePattern
 from qkv.models.bert import BertModel, mean_pool
 from qkv.models.bert_heads import BertForSequenceClassification
 from qkv.validation import check_positive_int, describe
@@ -93,6 +97,7 @@ def embed_long(
     aggregation: str = "mean",
     normalize: bool = True,
     batch_size: int = 32,
+    pattern: SparsePattern | None = None,
 ) -> torch.Tensor:
     """One embedding per text: each window mean-pooled over its real tokens (`mean_pool`,
     Sentence-BERT's pooling), the windows aggregated (`aggregate_windows`), then, with
@@ -101,13 +106,14 @@ def embed_long(
     A text that fits in one window gets exactly its plain embedding. With "first", only the
     first window of each text is run: the truncation baseline. Gradients flow (wrap the call
     in torch.inference_mode() for inference); the model's train/eval mode is left as it is.
+    pattern: a sparse pattern (`qkv.sparse`) for every window's attention, or None (dense).
     """
     if not isinstance(model, BertModel):
         raise TypeError(f"model: expected a qkv BertModel, got {type(model).__name__}")
     windows = _prepare(model.config.max_positions, windows, aggregation, batch_size)
 
     def pool(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return mean_pool(model(ids, mask).last_hidden_state, mask)  # (b, E)
+        return mean_pool(model(ids, mask, pattern=pattern).last_hidden_state, mask)  # (b, E)
 
     pooled = _run_windows(pool, model, windows, batch_size)  # (W, E)
     vectors = aggregate_windows(pooled, windows, aggregation=aggregation)  # (N, E)
@@ -120,6 +126,7 @@ def classify_long(
     *,
     aggregation: str = "mean",
     batch_size: int = 32,
+    pattern: SparsePattern | None = None,
 ) -> torch.Tensor:
     """Classification logits per text: the classifier's logits of each window, aggregated
     (`aggregate_windows`) -> (N, num_labels).
@@ -128,6 +135,7 @@ def classify_long(
     losses, regression (num_labels=1) and multi-label heads use it unchanged; the weighted
     mean of logits is the (weighted) geometric mean of the windows' probabilities, normalised.
     "max" keeps, per class, the strongest score of any window; "first" is truncation.
+    pattern: a sparse pattern (`qkv.sparse`) for every window's attention, or None (dense).
     """
     if not isinstance(model, BertForSequenceClassification):
         raise TypeError(
@@ -136,7 +144,11 @@ def classify_long(
     windows = _prepare(model.config.max_positions, windows, aggregation, batch_size)
 
     def logits(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return model(ids, mask).logits  # (b, num_labels)
+        if pattern is None:
+            return model(ids, mask).logits  # (b, num_labels)
+        # the head's own forward, with the pattern given to its encoder
+        pooled = model.bert(ids, mask, pattern=pattern).pooler_output  # (b, E)
+        return model.classifier(model.dropout(pooled))  # (b, num_labels)
 
     per_window = _run_windows(logits, model, windows, batch_size)  # (W, num_labels)
     return aggregate_windows(per_window, windows, aggregation=aggregation)
@@ -153,6 +165,7 @@ def embed_long_texts(
     aggregation: str = "mean",
     normalize: bool = True,
     batch_size: int = 32,
+    pattern: SparsePattern | None = None,
 ) -> torch.Tensor:
     """Strings -> (N, E) embeddings: `chunk_texts`, then `embed_long`. max_length defaults to
     the model's max_positions; e.g. for all-MiniLM-L6-v2 (trained on 256 tokens) pass 256."""
@@ -161,7 +174,12 @@ def embed_long_texts(
     max_length = _max_length(max_length, model.config.max_positions)
     windows = chunk_texts(tokenizer, texts, max_length=max_length, stride=stride)
     return embed_long(
-        model, windows, aggregation=aggregation, normalize=normalize, batch_size=batch_size
+        model,
+        windows,
+        aggregation=aggregation,
+        normalize=normalize,
+        batch_size=batch_size,
+        pattern=pattern,
     )
 
 
@@ -175,6 +193,7 @@ def classify_long_texts(
     max_length: int | None = None,
     aggregation: str = "mean",
     batch_size: int = 32,
+    pattern: SparsePattern | None = None,
 ) -> torch.Tensor:
     """Strings -> (N, num_labels) logits: `chunk_texts`, then `classify_long`."""
     if not isinstance(model, BertForSequenceClassification):
@@ -183,7 +202,9 @@ def classify_long_texts(
         )
     max_length = _max_length(max_length, model.config.max_positions)
     windows = chunk_texts(tokenizer, texts, max_length=max_length, stride=stride)
-    return classify_long(model, windows, aggregation=aggregation, batch_size=batch_size)
+    return classify_long(
+        model, windows, aggregation=aggregation, batch_size=batch_size, pattern=pattern
+    )
 
 
 def _prepare(max_positions: int, windows: Windows, aggregation: str, batch_size: int) -> Windows:

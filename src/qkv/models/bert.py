@@ -22,7 +22,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from qkv.attention.sparse import Packed
+from qkv.attention.checks import check_pattern
+from qkv.attention.sparse import Packed, SparsePattern
 from qkv.layers import EncoderBlock, LayerNorm
 from qkv.layers._dropout import make_dropout
 from qkv.models.bert_config import BertConfig
@@ -129,21 +130,34 @@ class BertModel(PretrainedIO, nn.Module):
         token_type_ids: torch.Tensor | None = None,
         *,
         sequence_lengths: Sequence[int] | None = None,
+        pattern: SparsePattern | None = None,
     ) -> EncoderOutput:
         """input_ids (B, L) token ids; attention_mask (B, L), 1/True on real tokens and 0/False
         on padding (the polarity of `qkv.masks`); token_type_ids (B, L) segment ids, default 0.
         sequence_lengths: several inputs packed along L without padding (lengths summing to L,
         each at most max_positions): each attends only to itself (`qkv.sparse.Packed`) and its
         positions restart at 0.
+        pattern: a sparse pattern (`qkv.sparse`) given to every self-attention layer and
+        intersected there with the padding mask: Longformer's window + global [CLS] for long
+        inputs (`Window(w, w) | GlobalTokens.first(1)`, Beltagy et al. 2020) or BigBird's
+        `bigbird(...)` (Zaheer et al. 2020). Positions stay learned and absolute, so L is still
+        at most max_positions. Not with sequence_lengths (which is a pattern itself).
 
         Returns EncoderOutput(last_hidden_state (B, L, E), pooler_output (B, E) from the
         [CLS] position; (B, S, E) with sequence_lengths, one per packed input).
         """
-        pattern, positions, starts = _packed(self.config, input_ids, attention_mask,
-                                             sequence_lengths)  # fmt: skip
+        if pattern is not None and sequence_lengths is not None:
+            raise ValueError("pattern: packed inputs (sequence_lengths) are a pattern of their "
+                             "own; expected pattern=None with sequence_lengths")  # fmt: skip
+        packed, positions, starts = _packed(self.config, input_ids, attention_mask,
+                                            sequence_lengths)  # fmt: skip
         key_mask, token_type_ids = _check_inputs(
-            self.config, input_ids, attention_mask, token_type_ids, packed=pattern is not None
+            self.config, input_ids, attention_mask, token_type_ids, packed=packed is not None
         )
+        if pattern is None:
+            pattern = packed
+        else:  # a wrong type fails here, naming `pattern`, not inside the first layer
+            check_pattern(pattern, input_ids.shape[1], input_ids.shape[1])
         x = self.embeddings(input_ids, token_type_ids, positions)  # (B, L, E)
         # An all-real mask is dropped so attention takes its mask-free fast path (as GPT does).
         if key_mask is not None and bool(key_mask.all()):
