@@ -32,6 +32,13 @@ def _supported(name: str) -> list[dict]:
     elif name == "heads":
         _by(rows, "variant", "GQA-2")["validation loss"] = 3.99
         _by(rows, "variant", "H=1")["validation loss"] = 4.1
+    elif name == "ffn-width":
+        for row, loss in zip(rows, (4.0, 3.8, 3.7, 3.65), strict=True):
+            row["validation loss"], row["loss range over seeds"] = loss, 0.01
+    elif name == "activations":
+        for row in rows:
+            row["validation loss"] = 3.9 if row["variant"] == "SwiGLU" else 4.0
+            row["loss range over seeds"] = 0.01
     elif name == "exposure-bias":
         for row in rows:
             if row["training"] == "teacher forcing" and isinstance(row["seed"], int):
@@ -122,6 +129,13 @@ def _refuted(name: str) -> list[dict]:
                 row[key] = 0.5
             if name == "circuits" and key == "value":
                 row[key] = CIRCUITS_REFUTED.get(row["measurement"], row[key])
+            if name == "ffn-width" and key == "validation loss":
+                # drops 0.1, 0.3, 0.9 within the range of 1.0, growing per added parameter
+                row[key] = {"1x": 4.5, "2x": 4.4, "4x": 4.1, "8x": 3.2}[row["variant"]]
+            if name in ("ffn-width", "activations") and key == "loss range over seeds":
+                row[key] = 1.0 if name == "ffn-width" else 0.01
+            if name == "activations" and key == "validation loss":
+                row[key] = 4.1 if row["variant"] == "SwiGLU" else 4.0
     return rows
 
 

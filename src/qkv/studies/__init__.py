@@ -17,6 +17,8 @@ results again from their JSON, without running anything.
 
 Studies (`STUDIES`):
 
+- activations: GELU and SwiGLU FFNs at equal parameters (SwiGLU 2/3 as wide): validation loss
+  over paired seeds (Shazeer 2020); ReLU is no FFN kind of qkv's GPT.
 - before-transformer: GRU encoder-decoders with a fixed context vector, additive and dot/general
   attention, and the Transformer on German -> English numbers: exact match by source length,
   training time, alignment maps (Cho et al. 2014; Bahdanau et al. 2015; Luong et al. 2015).
@@ -34,6 +36,9 @@ Studies (`STUDIES`):
 - extrapolation: perplexity past the training length for each position encoding (none,
   learned, sinusoidal, RoPE, ALiBi, T5's bias) and RoPE scalings at inference (Press et al.
   2022; Chen et al. 2023; Peng et al. 2023).
+- ffn-width: validation loss of small GPTs with FFNs 1x, 2x, 4x and 8x d_model wide at a fixed
+  depth and width, against their parameters and FLOPs per token (Vaswani et al. 2017; Kaplan
+  et al. 2020).
 - flash-io: the HBM traffic of standard attention, FlashAttention's Algorithm 1 and qkv's tiled
   loop, modelled exactly and counted tile by tile, against the block size (Dao et al. 2022,
   Theorem 2; Dao 2023).
@@ -96,11 +101,13 @@ __all__ = [
 ]
 
 STUDIES = {  # name -> module under qkv.studies
+    "activations": "activations",
     "before-transformer": "before_transformer",
     "cfg-digits": "cfg_digits",
     "circuits": "circuits",
     "exposure-bias": "exposure_bias",
     "extrapolation": "extrapolation",
+    "ffn-width": "ffn_width",
     "flash-io": "flash_io",
     "heads": "heads",
     "norms": "norms",
