@@ -14,8 +14,9 @@ where it should, while `nan_rows`, computed from the real k, marks the rows that
 
 `nan_rows` finds those rows from q and k themselves (a pass over each, no host sync, so it
 traces into compiled steps), and the backends fill them with NaN after the kernel. Its cost
-is O(L (D + L_k)) beside the kernel's O(L L_k D): the key pass reads the K cache once per
-decoding step (a masked one also writes it once, for `without_nan_keys`).
+is O(L (D + L_k)) beside the kernel's O(L L_k D); where every row sees key 0 (no mask, or
+aligned causal: a decoding step) `sdpa` passes key 0 alone, which is enough there. A masked
+call reads the K cache once more and writes it once, for `without_nan_keys`.
 """
 
 from __future__ import annotations
@@ -25,15 +26,12 @@ import torch
 __all__ = ["fill_nan_rows", "nan_rows", "without_nan_keys"]
 
 
-def nan_rows(
-    q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor | None, *, causal: bool = False
-) -> torch.Tensor:
+def nan_rows(q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
     """Bool (B, H, L_q, 1): the rows holding a NaN in q or seeing a NaN key.
 
     q (B, H, L_q, D); k (B, H_kv, L_k, D), H a multiple of H_kv (grouped-query heads share
     their K/V head); visible: bool, broadcastable to (B, H, L_q, L_k), True where a row may
-    see a key, or None for every key (`causal` then means row i sees keys up to i, with
-    L_q == L_k: the kernels' own causal flag).
+    see a key, or None for every key.
     """
     nan_query = torch.isnan(q).any(dim=-1, keepdim=True)  # (B, H, L_q, 1)
     nan_key = torch.isnan(k).any(dim=-1)  # (B, H_kv, L_k)
@@ -42,8 +40,6 @@ def nan_rows(
         nan_key = nan_key.repeat_interleave(group_size, dim=1)  # (B, H, L_k)
     if visible is not None:
         seen = (visible & nan_key.unsqueeze(-2)).any(dim=-1, keepdim=True)  # (B, H, L_q, 1)
-    elif causal:  # row i sees keys 0..i: a NaN key at j reaches the rows from j on
-        seen = (nan_key.cumsum(dim=-1) > 0).unsqueeze(-1)  # (B, H, L_k = L_q, 1)
     else:
         seen = nan_key.any(dim=-1, keepdim=True).unsqueeze(-1)  # (B, H, 1, 1)
     return nan_query | seen

@@ -129,8 +129,10 @@ def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:
             scale=request.scale,
             **gqa,
         )
-        causal = request.causal and _plain_causal(request)
-        output = fill_nan_rows(output, nan_rows(q, k, None, causal=causal))
+        # Every row sees key 0 here, and the kernel already gives NaN to a row with some of its
+        # keys NaN: a row comes back 0 only when all its keys are NaN, key 0 among them. So
+        # key 0 stands for the whole K cache, and a decoding step reads D values, not L_k x D.
+        output = fill_nan_rows(output, nan_rows(q, k[:, :, :1], None))
         return _cast_back(output, request), None
     attn_mask, row_visible = _kernel_mask(request, dtype)
     output = F.scaled_dot_product_attention(
