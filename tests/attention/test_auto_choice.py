@@ -86,3 +86,34 @@ def test_a_new_backend_is_seen_by_a_repeated_signature():
     assert list(qkv.BACKENDS) == list(before)
     qkv.attention(q, k, v, causal=True)
     assert len(calls) == 1
+
+
+PLAIN_OPTIONS = {  # (L_q, L_k) -> options
+    "none": lambda L_q, L_k: {},
+    "causal": lambda L_q, L_k: {"causal": True},
+    "bool mask": lambda L_q, L_k: {"mask": torch.rand(L_q, L_k) > 0.3},
+    "float mask": lambda L_q, L_k: {"mask": torch.randn(L_q, L_k)},
+    "bias": lambda L_q, L_k: {"bias": torch.randn(1, 4, L_q, L_k)},
+    "lengths": lambda L_q, L_k: {"lengths": torch.tensor([L_k, L_k // 2])},
+    "dropout": lambda L_q, L_k: {"dropout_p": 0.1},
+    "weights": lambda L_q, L_k: {"return_weights": True},
+}
+
+
+@pytest.mark.parametrize("kind", PLAIN_OPTIONS)
+@pytest.mark.parametrize("sizes", [(5, 7), (1, 700), (600, 600)], ids=["small", "step", "large"])
+def test_a_plain_call_takes_what_the_walk_over_every_backend_takes(sizes, kind):
+    """`auto` sends a plain call to SDPA without asking the backends ahead of it: each of them
+    passes such a call over, so the whole walk gives the same backend (and explain says so)."""
+    from qkv.attention.core import _why_not_auto
+    from qkv.attention.request import AttentionRequest
+
+    q, k, v = _qkv(*sizes)
+    options = PLAIN_OPTIONS[kind](*sizes)
+    request = AttentionRequest(q, k, v, **options)
+    assert request.plain
+    walked = next(b for b in qkv.BACKENDS.values() if _why_not_auto(b, request) is None)
+    text = qkv.explain(q, k, v, **options)
+    assert text.startswith(f"backend {walked.name!r}")
+    taken_at_once = "taken without asking the others" in text
+    assert taken_at_once == (walked.name == "sdpa")

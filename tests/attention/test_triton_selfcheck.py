@@ -33,9 +33,10 @@ def fresh(monkeypatch):
     return monkeypatch
 
 
-def _cuda_request():
-    """What `why_not_auto` reads of a call on the tensors of CUDA device 99 (none has it)."""
-    return SimpleNamespace(q=SimpleNamespace(device=torch.device("cuda", 99)))
+def _cuda_request(plain=False):
+    """What `why_not_auto` reads of a call on the tensors of CUDA device 99 (none has it): by
+    default one with something for the kernels to skip or fuse (a window, say)."""
+    return SimpleNamespace(q=SimpleNamespace(device=torch.device("cuda", 99)), plain=plain)
 
 
 def test_the_kernels_pass_their_self_check_and_the_verdict_is_kept(fresh):
@@ -85,3 +86,5 @@ def test_auto_passes_over_the_kernels_on_a_device_where_the_check_fails(fresh):
 def test_auto_takes_the_kernels_on_a_device_where_the_check_passed(fresh):
     fresh.setitem(selfcheck._VERDICTS, "cuda:99", None)
     assert backend.why_not_auto(_cuda_request()) is None
+    # a plain call stays with PyTorch's fused kernels, checked or not
+    assert backend.why_not_auto(_cuda_request(plain=True)).startswith("a plain call")

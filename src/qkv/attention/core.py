@@ -7,11 +7,14 @@ A backend is a module (or any object) with:
     notes(request) -> list[str]        how it will serve it, for `explain`,
     run(request) -> (output, weights or None).
 `auto` takes the first backend in `BACKENDS` (ordered fastest first) that can serve the request;
-`BACKENDS` changes through `register_backend`.
+`BACKENDS` changes through `register_backend`. A plain request (`AttentionRequest.plain`) goes to SDPA
+without asking the others: PyTorch's fused kernels are the fastest there on every device, and a
+decoding step does not walk the registry in every layer.
 """
 
 from __future__ import annotations
 
+import itertools
 from types import ModuleType
 
 import torch
@@ -21,6 +24,8 @@ from qkv.attention.request import AttentionRequest, takes_options
 
 # Fastest first: `auto` walks this order. Later backends (tiled, triton) register themselves.
 BACKENDS: dict[str, ModuleType] = {sdpa.name: sdpa, reference.name: reference}
+# qkv's own backends, which `auto` puts ahead of SDPA and which pass a plain call over
+_PASS_PLAIN_CALLS = {"flex", "tiled", "triton"}
 
 
 def register_backend(backend, *, before: str | None = None) -> None:
@@ -109,7 +114,12 @@ def explain(
         f"{q.device}",
     ]
     lines += [f"  - {note}" for note in chosen.notes(request)]
-    if backend == "auto":
+    if backend == "auto" and _takes_sdpa_at_once(request):
+        lines.append(
+            "  taken without asking the others: a plain call (no window, sparse pattern, ALiBi "
+            "slopes, soft-cap or score_mod), where PyTorch's fused kernels are the fastest"
+        )
+    elif backend == "auto":
         for name, other in BACKENDS.items():
             if name == chosen.name:
                 break
@@ -128,6 +138,8 @@ def _choose(request: AttentionRequest, backend: str):
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
     if backend == "auto":
+        if _takes_sdpa_at_once(request):
+            return sdpa
         for candidate in BACKENDS.values():
             if _why_not_auto(candidate, request) is None:
                 return candidate
@@ -144,6 +156,14 @@ def _choose(request: AttentionRequest, backend: str):
             f"or one that can (see qkv.explain)"
         )
     return chosen
+
+
+def _takes_sdpa_at_once(request: AttentionRequest) -> bool:
+    """A plain call SDPA serves, with no backend of a user's ahead of it in `BACKENDS`."""
+    if not request.plain or _why_not_auto(sdpa, request) is not None:
+        return False
+    ahead = itertools.takewhile(lambda name: name != sdpa.name, BACKENDS)
+    return all(name in _PASS_PLAIN_CALLS for name in ahead)
 
 
 def _why_not_auto(backend, request: AttentionRequest) -> str | None:

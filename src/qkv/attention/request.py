@@ -124,6 +124,18 @@ class AttentionRequest:
         """Whether scores pass through a soft-cap or a score_mod (no fused SDPA kernel can)."""
         return self.softcap is not None or self.score_mod is not None
 
+    @property
+    def plain(self) -> bool:
+        """Nothing for a tiled, Triton or Flex kernel to skip or fuse (no window, sparse
+        pattern, ALiBi slopes, soft-cap or score_mod): SDPA's fused kernels (FlashAttention-2 on
+        CUDA, Dao 2023) are the strongest there, and `auto` takes them at once."""
+        return (
+            self.window is None
+            and self.pattern is None
+            and self.alibi_slopes is None
+            and not self.modifies_scores
+        )
+
     def structural_mask(self) -> torch.Tensor | None:
         """The bool (L_q, L_k) mask implied by `causal`, `window`, `sinks` and `pattern` ((B,
         1, L_q, L_k) with per-row lengths), or None. Shared between calls of one structure (do

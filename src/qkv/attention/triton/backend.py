@@ -39,6 +39,8 @@ def why_not(request: AttentionRequest) -> str | None:
 def why_not_auto(request: AttentionRequest) -> str | None:
     if request.q.device.type != "cuda":
         return "CPU tensors: the Triton interpreter is for tests, far slower than SDPA"
+    if request.plain:
+        return "a plain call (no window, pattern, ALiBi, soft-cap or score_mod): SDPA's own"
     failed = self_check(request.q.device)
     if failed is not None:
         return f"its self-check against SDPA on {request.q.device} did not pass: {failed}"
