@@ -65,3 +65,23 @@ def smollm2_hf_tokenizer(smollm2_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
+
+
+# --- Two workers: `make test` runs pytest-xdist's `-n 2 --dist loadgroup` -----------------------
+# Each module's tests stay together on one worker, so that a module's fixtures are built once;
+# the modules that read SmolLM2 through transformers share one worker, so that its loads (tens
+# of seconds) happen once. Without xdist the marks are unused.
+_TRANSFORMERS_SMOLLM2 = {"smollm2_hf", "smollm2_hf_tokenizer"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
+def pytest_collection_modifyitems(config, items):
+    with_transformers_smollm2 = {
+        item.module.__name__
+        for item in items
+        if _TRANSFORMERS_SMOLLM2 & set(getattr(item, "fixturenames", ()))
+    }
+    for item in items:
+        module = item.module.__name__
+        group = "smollm2-transformers" if module in with_transformers_smollm2 else module
+        item.add_marker(pytest.mark.xdist_group(group))
