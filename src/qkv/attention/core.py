@@ -7,9 +7,9 @@ A backend is a module (or any object) with:
     notes(request) -> list[str]        how it will serve it, for `explain`,
     run(request) -> (output, weights or None).
 `auto` takes the first backend in `BACKENDS` (ordered fastest first) that can serve the request;
-`BACKENDS` changes through `register_backend`. A plain request (`AttentionRequest.plain`) goes to SDPA
-without asking the others: PyTorch's fused kernels are the fastest there on every device, and a
-decoding step does not walk the registry in every layer.
+`BACKENDS` changes through `register_backend`. A plain request (`AttentionRequest.plain`) goes
+to SDPA without asking the others: PyTorch's fused kernels are the fastest there on every
+device, and a decoding step does not walk the registry in every layer.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """`qkv cost`: parameters, FLOPs, score-matrix and KV-cache memory of presets or checkpoints;
 with --context-parallel/--fsdp, the per-process plan of training past one process; with
 --shares, --source-length/--target-length or --generate, how the FLOPs move with the lengths
-(`qkv.analysis.cost.scaling`), under each model's column."""
+(`qkv.analysis.cost.scaling`); with --layer-types, Vaswani et al. 2017's Table 1 at the model's
+length and width (`qkv.analysis.cost.layer_types`); each under the model's column."""
 
 from __future__ import annotations
 
@@ -41,16 +42,22 @@ def _cost(args: argparse.Namespace) -> int:
 
 def _scaling_asked(args: argparse.Namespace) -> bool:
     lengths = (args.source_length, args.target_length)
-    return args.shares or args.generate is not None or lengths != (None, None)
+    asked = args.shares or args.generate is not None or lengths != (None, None)
+    return asked or _layer_types_asked(args)
+
+
+def _layer_types_asked(args: argparse.Namespace) -> bool:
+    return args.layer_types or (args.kernel, args.neighbourhood) != (None, None)
 
 
 def _scaling(args: argparse.Namespace, names: list[str], reports: list) -> int:
     """Each model's column, then the sections asked for; with --json, each report's fields
-    and the sections under "shares", "encoder_decoder" and "generation"."""
+    and the sections under "shares", "encoder_decoder", "generation" and "layer_types"."""
     from qkv.analysis.cost.format import format_report
     from qkv.analysis.cost.scaling_format import (
         format_encoder_decoder,
         format_generation,
+        format_layer_types,
         format_shares,
     )
 
@@ -72,7 +79,7 @@ def _scaling(args: argparse.Namespace, names: list[str], reports: list) -> int:
         print(json.dumps(documents, indent=2))
         return 0
     formats = {"shares": format_shares, "encoder_decoder": format_encoder_decoder,
-               "generation": format_generation}  # fmt: skip
+               "generation": format_generation, "layer_types": format_layer_types}  # fmt: skip
     texts = [format_report(reports)]
     texts += [formats[key](value) for extra in sections for key, value in extra.items()]
     print("\n\n".join(texts))
@@ -99,7 +106,19 @@ def _sections(args: argparse.Namespace, name: str, report) -> dict:
         sections["generation"] = generation_flops(
             name, prompt_length=report.context, new_tokens=args.generate
         )
+    if _layer_types_asked(args):
+        sections["layer_types"] = _layer_types(args, report)
     return sections
+
+
+def _layer_types(args: argparse.Namespace, report):
+    from qkv.analysis.cost.layer_types import KERNEL, layer_types
+
+    kernel = KERNEL if args.kernel is None else args.kernel
+    return layer_types(
+        length=report.context, width=report.embed_dim, kernel=kernel,
+        neighbourhood=args.neighbourhood, name=report.name,
+    )  # fmt: skip
 
 
 def _parallel(args: argparse.Namespace, names: list[str]) -> int:
@@ -184,5 +203,20 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--generate", type=int, metavar="N",
         help="FLOPs of generating N tokens after a --context-token prompt, with a KV cache "
         "and by recomputing every prefix, and their ratio",
+    )  # fmt: skip
+    cost.add_argument(
+        "--layer-types", action="store_true",
+        help="Vaswani et al. 2017, Table 1 at n = --context and d = the model's width: FLOPs "
+        "per layer, sequential operations and maximum path length of self-attention, "
+        "recurrent, convolutional and restricted self-attention layers",
+    )  # fmt: skip
+    cost.add_argument(
+        "--kernel", type=int, metavar="K",
+        help="--layer-types: the convolutions' width k (default 3)",
+    )  # fmt: skip
+    cost.add_argument(
+        "--neighbourhood", type=int, metavar="R",
+        help="--layer-types: the keys r of restricted self-attention, centred on each query "
+        "(default 256, or the context if shorter)",
     )  # fmt: skip
     cost.set_defaults(run=_cost)

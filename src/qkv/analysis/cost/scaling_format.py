@@ -1,12 +1,13 @@
-"""The text of `qkv cost --shares`, `--source-length/--target-length` and `--generate`: one
-section per model, under its cost column."""
+"""The text of `qkv cost --shares`, `--source-length/--target-length`, `--generate` and
+`--layer-types`: one section per model, under its cost column."""
 
 from __future__ import annotations
 
 from qkv.analysis.cost.format import format_flops, text_table
+from qkv.analysis.cost.layer_types import LayerTypes
 from qkv.analysis.cost.scaling import AttentionShares, EncoderDecoderFlops, GenerationFlops
 
-__all__ = ["format_encoder_decoder", "format_generation", "format_shares"]
+__all__ = ["format_encoder_decoder", "format_generation", "format_layer_types", "format_shares"]
 
 
 def _length(value: int) -> str:
@@ -68,3 +69,26 @@ def format_generation(flops: GenerationFlops) -> str:
     )
     ratio = f"without / with the cache: {flops.ratio:.3g}x"
     return f"{title}\n{text_table(rows)}\n{ratio}"
+
+
+def format_layer_types(table: LayerTypes) -> str:
+    """Table 1 of Vaswani et al. 2017 at the model's length and width: each order, then its
+    value."""
+    header = ["layer", "per layer", "FLOPs", "sequential ops", "max path length"]
+    rows = [
+        [row.name, row.complexity, format_flops(row.flops),
+         f"{row.sequential} = {row.sequential_operations:,}",
+         f"{row.path} = {row.max_path_length:,}"]
+        for row in table.rows
+    ]  # fmt: skip
+    title = (
+        f"{table.name}: layer types at n = {table.length}, d = {table.width}, k = {table.kernel}"
+        f", r = {table.neighbourhood} (Vaswani et al. 2017, Table 1)"
+    )
+    notes = (
+        "FLOPs: 2 per multiply-add; self-attention counts Q K^T and weights @ V, not the "
+        "projections\nmax path length: layers until output n-1 depends on input 0 (recurrent: "
+        "steps); causal convolutions,\nthe dilated ones dilated 1, k, k^2, ...; restricted: r "
+        "keys centred on each query"
+    )
+    return f"{title}\n{text_table([header, *rows])}\n{notes}"
