@@ -76,12 +76,16 @@ _TRANSFORMERS_SMOLLM2 = {"smollm2_hf", "smollm2_hf_tokenizer"}
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
 def pytest_collection_modifyitems(config, items):
+    def module(item):
+        return item.nodeid.split("::")[0]  # the test file's path
+
     with_transformers_smollm2 = {
-        item.module.__name__
+        module(item)
         for item in items
         if _TRANSFORMERS_SMOLLM2 & set(getattr(item, "fixturenames", ()))
     }
     for item in items:
-        module = item.module.__name__
-        group = "smollm2-transformers" if module in with_transformers_smollm2 else module
+        group = module(item)
+        if group in with_transformers_smollm2:
+            group = "smollm2-transformers"
         item.add_marker(pytest.mark.xdist_group(group))
