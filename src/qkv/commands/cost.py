@@ -161,9 +161,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "models",
         nargs="*",
         metavar="MODEL",
-        help="a preset (e.g. llama-2-70b, gpt2, bert-base-uncased, vit-base-16), a checkpoint "
-        "folder or a "
-        "config.json",
+        help="a preset (e.g. llama-2-70b, gpt2, bert-base-uncased, t5-small, vit-base-16), a "
+        "checkpoint folder or a config.json",
     )
     cost.add_argument(
         "--context", type=int, help="tokens per sequence (default: each model's max_positions)"

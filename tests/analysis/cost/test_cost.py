@@ -27,6 +27,8 @@ from qkv.models import (
     BertConfig,
     BertModel,
     GPTConfig,
+    T5Config,
+    T5Transformer,
     Transformer,
     TransformerConfig,
     ViT,
@@ -67,7 +69,7 @@ VARIANTS = [  # configs beyond the presets: every branch of the parameter formul
 
 def _build(config) -> torch.nn.Module:
     model_class = {GPTConfig: GPT, BertConfig: BertModel, TransformerConfig: Transformer,
-                   ViTConfig: ViT}  # fmt: skip
+                   T5Config: T5Transformer, ViTConfig: ViT}  # fmt: skip
     return model_class[type(config)](config)
 
 
@@ -307,8 +309,8 @@ def test_bad_input_names_the_argument(kwargs, error, named):
 def test_unreadable_or_foreign_configs_are_refused(tmp_path):
     with pytest.raises(ValueError, match="model: cannot read"):
         cost_report(tmp_path)  # a folder without config.json
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
-    with pytest.raises(ValueError, match="model_type 't5'"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox"}))
+    with pytest.raises(ValueError, match="model_type 'gpt_neox'"):
         cost_report(tmp_path)
 
 

@@ -1,10 +1,11 @@
 """What a model is made of, for counting: the layout of a config, and its exact formulas.
 
-A config (`GPTConfig`, `BertConfig`, `TransformerConfig`, `ViTConfig`) becomes a `ModelLayout`:
-embedding tables (or a ViT's patch projection), one or two stacks of blocks (self-attention,
-optional cross-attention, FFN, norms), an optional pooling and an output head. Every count
-below is a formula of that layout, never a measurement; the tests check the formulas against
-instantiated qkv models (parameters), `FlopCounterMode` (FLOPs) and the KV caches' own sizes.
+A config (`GPTConfig`, `BertConfig`, `TransformerConfig`, `T5Config`, `ViTConfig`) becomes a
+`ModelLayout`: embedding tables (or a ViT's patch projection), one or two stacks of blocks
+(self-attention, optional cross-attention, FFN, norms), an optional pooling and an output
+head. Every count below is a formula of that layout, never a measurement; the tests check the
+formulas against instantiated qkv models (parameters), `FlopCounterMode` (FLOPs) and the KV
+caches' own sizes.
 
 Conventions (the usual ones of FLOP counts, e.g. Kaplan et al. 2020, s2.1):
 - A multiply-add is 2 FLOPs: (L x E) @ (E x E) costs 2 L E^2. Only the matrix products are
@@ -13,6 +14,8 @@ Conventions (the usual ones of FLOP counts, e.g. Kaplan et al. 2020, s2.1):
 - The score matrix is counted dense, L_q x L_k, even under a causal mask: the textbook
   4 B L^2 E term, and what a backend that materialises the scores computes.
 - One MHA layer then costs 8 B L E^2 (the four projections) + 4 B L^2 E (Q K^T, weights @ V).
+- T5's relative position bias (Raffel et al. 2020, s2.1) is looked up and added to the scores:
+  no matrix product, so no FLOPs; its table is a parameter like any embedding table.
 - A ViT (Dosovitskiy et al. 2021, s3.1) projects each of its L - 1 patches (L with mean or
   latent pooling) of C P^2 pixels to E channels, 2 C P^2 E FLOPs each, and its head reads one
   pooled vector per image: 2 E classes FLOPs, not per token.
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from qkv.models.bert import BertConfig
 from qkv.models.encoder_decoder_config import TransformerConfig
 from qkv.models.gpt_config import GPTConfig
+from qkv.models.t5_config import T5Config
 from qkv.models.vit_config import ViTConfig
 
 __all__ = [
@@ -37,7 +41,7 @@ __all__ = [
     "layout_of",
 ]
 
-ModelConfig = GPTConfig | BertConfig | TransformerConfig | ViTConfig
+ModelConfig = GPTConfig | BertConfig | TransformerConfig | T5Config | ViTConfig
 
 
 @dataclass(frozen=True)
@@ -71,8 +75,8 @@ class AttentionLayout:
 
 @dataclass(frozen=True)
 class FFNLayout:
-    """The feed-forward sub-layer: up and down projections (2 matrices), or SwiGLU's gate, up
-    and down (3 matrices; Shazeer 2020, GLU variants)."""
+    """The feed-forward sub-layer: up and down projections (2 matrices), or the gate, up and
+    down of SwiGLU or GEGLU (3 matrices; Shazeer 2020, GLU variants)."""
 
     embed_dim: int
     hidden_dim: int
@@ -221,13 +225,14 @@ class ModelLayout:
 
 def layout_of(config: ModelConfig) -> ModelLayout:
     """The layout of a GPTConfig (qkv.models.GPT), a BertConfig (BertModel, with its pooler),
-    a TransformerConfig (the encoder-decoder Transformer) or a ViTConfig (qkv.models.ViT)."""
+    a TransformerConfig (the encoder-decoder Transformer), a T5Config (qkv.models.T5Transformer)
+    or a ViTConfig (qkv.models.ViT)."""
     for config_class, build in _BUILDERS.items():
         if isinstance(config, config_class):
             return build(config)
     raise TypeError(
-        f"config: expected a GPTConfig, BertConfig, TransformerConfig or ViTConfig, got "
-        f"{type(config).__name__}"
+        f"config: expected a GPTConfig, BertConfig, TransformerConfig, T5Config or ViTConfig, "
+        f"got {type(config).__name__}"
     )
 
 
@@ -300,6 +305,33 @@ def _transformer_layout(config: TransformerConfig) -> ModelLayout:
     )  # fmt: skip
 
 
+def _t5_layout(config: T5Config) -> ModelLayout:
+    """qkv.models.T5Transformer (Raffel et al. 2020, s2.1): one table for both stacks, no
+    position table but a relative bias of buckets x H per stack, held once and read by all its
+    layers (counted with the tables, as a GPT's T5 bias is); pre-norm blocks without biases,
+    RMSNorms of a weight only (E each), the ReLU or T5 v1.1's gated-GELU FFN, and lm_head (the
+    table when tie_word_embeddings). max_positions: the 512 tokens of pre-training (s3.1.2)."""
+    E, V, H = config.d_model, config.vocab_size, config.num_heads
+    attention = AttentionLayout(embed_dim=E, num_heads=H, num_kv_heads=H, head_dim=config.d_kv,
+                                bias=False)  # fmt: skip
+    ffn = FFNLayout(embed_dim=E, hidden_dim=config.d_ff,
+                    gated=config.feed_forward_proj == "gated-gelu", bias=False)  # fmt: skip
+    encoder = StackLayout(
+        num_layers=config.num_layers, num_blocks=config.num_layers, self_attention=attention,
+        ffn=ffn, norm_parameters=2 * E, final_norm_parameters=E, causal=False,
+    )  # fmt: skip
+    decoder = dataclasses.replace(
+        encoder, num_layers=config.num_decoder_layers, num_blocks=config.num_decoder_layers,
+        norm_parameters=3 * E, causal=True, cross_attention=attention,
+    )  # fmt: skip
+    relative_biases = 2 * config.relative_attention_num_buckets * H  # the encoder's, the decoder's
+    return ModelLayout(
+        family="encoder-decoder", vocab_size=V, embed_dim=E, max_positions=512,
+        embedding_parameters=V * E + relative_biases, encoder=encoder, decoder=decoder,
+        head_vocab_size=V, head_parameters=0 if config.tie_word_embeddings else V * E,
+    )  # fmt: skip
+
+
 def _vit_layout(config: ViTConfig) -> ModelLayout:
     """qkv.models.ViT: the patch projection (C P^2 -> E, with bias), a [class] token with
     pooling="cls", learned positions (none with fixed 2-D sinusoids), pre-norm blocks, the
@@ -343,6 +375,7 @@ _BUILDERS = {
     GPTConfig: _gpt_layout,
     BertConfig: _bert_layout,
     TransformerConfig: _transformer_layout,
+    T5Config: _t5_layout,
     ViTConfig: _vit_layout,
 }
 

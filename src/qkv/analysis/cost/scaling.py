@@ -3,7 +3,7 @@ source and target lengths of an encoder-decoder, and generation with and without
 
 Same conventions as `qkv.analysis.cost.layout`: 2 FLOPs per multiply-add, matrix products only,
 dense L_q x L_k scores. E is the width, H and H_kv the query and key/value heads, D the head size,
-F the FFN's hidden width with m = 2 matrices (3 when gated, SwiGLU).
+F the FFN's hidden width with m = 2 matrices (3 when gated: SwiGLU, T5 v1.1's GEGLU).
 
 Attention's share (`attention_shares`). Per layer and per token of a length-L sequence, the
 scores cost 4 L H D (Q K^T then weights @ V, 2 L H D each) and grow with L; the rest of the

@@ -14,27 +14,29 @@ import json
 from pathlib import Path
 
 from qkv.models.bert_config import BERT_PRESETS, BertConfig
-from qkv.models.checkpoints import bert, gpt2, llama, vit
+from qkv.models.checkpoints import bert, gpt2, llama, t5, vit
 from qkv.models.checkpoints.bundled import PACKAGED_MODELS, packaged_model_path
 from qkv.models.encoder_decoder_config import TRANSFORMER_PRESETS, TransformerConfig
 from qkv.models.gguf import gguf_config, read_gguf
 from qkv.models.gpt_config import PRESETS as GPT_PRESETS
 from qkv.models.gpt_config import GPTConfig
+from qkv.models.t5_config import T5_PRESETS, T5Config
 from qkv.models.vit_config import PRESETS as VIT_PRESETS
 from qkv.models.vit_config import ViTConfig
 
 __all__ = ["preset_names", "read_checkpoint_config", "resolve_model"]
 
 _CONFIG_CLASSES = {
-    cls.__name__: cls for cls in (GPTConfig, BertConfig, TransformerConfig, ViTConfig)
+    cls.__name__: cls for cls in (GPTConfig, BertConfig, TransformerConfig, T5Config, ViTConfig)
 }
-ModelConfig = GPTConfig | BertConfig | TransformerConfig | ViTConfig
+ModelConfig = GPTConfig | BertConfig | TransformerConfig | T5Config | ViTConfig
 
 
 def preset_names() -> list[str]:
-    """Every preset `qkv cost` knows, decoder-only models first (GPT-2, Llama, Mistral, tiny),
-    then BERT, then the encoder-decoder Transformer, then the Vision Transformer."""
-    return [*GPT_PRESETS, *BERT_PRESETS, *TRANSFORMER_PRESETS, *VIT_PRESETS]
+    """The presets of `qkv cost`'s overview table, decoder-only models first (GPT-2, Llama,
+    Mistral, tiny), then BERT, then the encoder-decoders (the Transformer, T5), then the
+    Vision Transformer."""
+    return [*GPT_PRESETS, *BERT_PRESETS, *TRANSFORMER_PRESETS, *T5_PRESETS, *VIT_PRESETS]
 
 
 def _preset(name: str) -> ModelConfig | None:
@@ -44,6 +46,8 @@ def _preset(name: str) -> ModelConfig | None:
         return BertConfig.from_name(name)
     if name in TRANSFORMER_PRESETS:
         return TransformerConfig.from_name(name)
+    if name in T5_PRESETS:
+        return T5Config.from_name(name)
     if name in VIT_PRESETS:
         return ViTConfig.from_name(name)
     return None
@@ -60,7 +64,7 @@ def resolve_model(model: object) -> tuple[str, ModelConfig]:
     if not isinstance(model, (str, Path)):
         raise TypeError(
             f"model: expected a preset name, a path, or a GPTConfig/BertConfig/TransformerConfig/"
-            f"ViTConfig, got {type(model).__name__}"
+            f"T5Config/ViTConfig, got {type(model).__name__}"
         )
     preset = _preset(str(model))
     if preset is not None:
@@ -73,14 +77,15 @@ def resolve_model(model: object) -> tuple[str, ModelConfig]:
         return str(model), read_checkpoint_config(model)
     raise ValueError(
         f"model: {str(model)!r} is neither a preset nor an existing path; expected one of "
-        f"{preset_names()}, a packaged model {sorted(PACKAGED_MODELS)}, a GGUF file, a "
-        f"checkpoint folder or a config.json"
+        f"{preset_names()}, a packaged model {sorted(PACKAGED_MODELS)}, a GGUF "
+        f"file, a checkpoint folder or a config.json"
     )
 
 
 def read_checkpoint_config(path: str | Path) -> ModelConfig:
     """The config of a checkpoint folder (its config.json) or of a config.json file: qkv's own
-    format or a Hugging Face GPT-2, Llama, Mistral, BERT or ViT config. ValueError otherwise."""
+    format (any config class above, a saved T5Transformer's T5Config included) or a Hugging
+    Face GPT-2, Llama, Mistral, BERT or ViT config. ValueError otherwise."""
     file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
     try:
         document = json.loads(file.read_text())
@@ -107,7 +112,7 @@ def _qkv_config(document: dict, file: Path) -> ModelConfig:
         raise ValueError(f"model: {file} has an invalid {name}: {error}") from error
 
 
-def _hugging_face_config(document: dict, file: Path) -> GPTConfig | BertConfig | ViTConfig:
+def _hugging_face_config(document: dict, file: Path) -> ModelConfig:
     """By model_type, through the converters of qkv.models.checkpoints (imported here: they
     import the model classes)."""
 
@@ -117,6 +122,7 @@ def _hugging_face_config(document: dict, file: Path) -> GPTConfig | BertConfig |
         "mistral": llama.gpt_config_from_llama,
         "bert": bert.config_from_hf,
         "vit": vit.config_from_hf,
+        "t5": t5.t5_config_from_hf,
     }
     model_type = document.get("model_type")
     if model_type not in converters:
