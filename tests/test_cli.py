@@ -138,7 +138,7 @@ def test_bench_on_a_pipe_prints_lines_and_no_profiler_noise():
     result = subprocess.run(
         [sys.executable, "-m", "qkv.cli", "bench", "complexity", "--lengths", "32", "64",
          "--repeats", "1", "--backends", "naive", "sdpa"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "\r" not in result.stderr and "USDT" not in result.stderr
@@ -157,7 +157,7 @@ def test_a_reader_that_goes_away_ends_the_command_quietly():
     assert process.stdout.readline() == "[\n"
     process.stdout.close()
     err = process.stderr.read()
-    assert process.wait(timeout=60) == 141
+    assert process.wait(timeout=600) == 141
     assert "Traceback" not in err and "BrokenPipeError" not in err and err == ""
 
 

@@ -36,7 +36,7 @@ def decodes_from_the_store(directory: Path, *, refused: str, mode: str, new_toke
     """)
     environment = {**os.environ, "QKV_COMPILE_CACHE": str(directory)}
     done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=900,
         env=environment,
     )  # fmt: skip
     assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-3000:]

@@ -178,7 +178,7 @@ def test_a_kill_while_writing_a_checkpoint_leaves_a_resumable_folder(tmp_path, c
         [sys.executable, "-c", KILLED_WHILE_WRITING, "train", "translate", *CLI_FLAGS,
          "--out", str(out)], env=ENVIRONMENT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
-    _, stderr = killed.communicate(timeout=120)
+    _, stderr = killed.communicate(timeout=900)
     assert killed.returncode == -signal.SIGKILL, stderr[-2000:]
     assert len(list(out.glob(".checkpoint.safetensors.*.tmp"))) == 1
     assert _step(out / CHECKPOINT_NAME) == 2
