@@ -50,8 +50,9 @@ bench-peers: $(STAMP)
 		$(BIN)/python -m pip install --quiet -e '.[peers]'
 
 # Two pytest-xdist workers: a module's tests, and those reading SmolLM2 through transformers,
-# stay on one worker each (tests/conftest.py). On 2 cores the suite takes about a fifth less
-# time than on one worker: one worker's waits (subprocesses, compilers) leave a core idle.
+# stay on one worker each (tests/conftest.py). On 2 cores, from a fresh clone, the suite takes
+# about an eighth less time than on one worker (`make test XDIST=`): one worker's waits
+# (subprocesses, compilers) leave a core idle.
 XDIST := -n 2 --dist loadgroup
 
 test: lint browser
