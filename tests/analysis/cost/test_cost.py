@@ -5,7 +5,6 @@ caches' own sizes, and the peak memory measured while the scores are materialise
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 
@@ -19,7 +18,6 @@ from qkv.analysis.cost.format import format_bytes, format_report
 from qkv.analysis.cost.layout import AttentionLayout
 from qkv.analysis.cost.memory import peak_bytes
 from qkv.analysis.cost.sources import preset_names, resolve_model
-from qkv.commands import cost as cost_command
 from qkv.generation import make_cache
 from qkv.layers import MultiHeadAttention
 from qkv.models import (
@@ -35,6 +33,7 @@ from qkv.models import (
     ViTConfig,
     save,
 )
+from tests.analysis.cost.command import run_cost
 
 GiB = 2**30
 
@@ -318,17 +317,8 @@ def test_preset_names_are_unique_across_families():
     assert len(set(preset_names())) == len(preset_names())
 
 
-def _run_command(capsys, *argv: str) -> tuple[int, str, str]:
-    parser = argparse.ArgumentParser(prog="qkv")
-    cost_command.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["cost", *argv])
-    code = args.run(args)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 def test_command_prints_a_column_per_model(capsys):
-    code, out, _ = _run_command(capsys, "llama-2-70b", "gpt2", "--context", "4096")
+    code, out, _ = run_cost(capsys, "llama-2-70b", "gpt2", "--context", "4096")
     assert code == 0
     assert "1.25 GiB H_kv=8 (model)" in out and "10 GiB H_kv=64" in out
     assert "68,976,648,192" in out and "124,439,808" in out
@@ -338,7 +328,7 @@ def test_command_prints_a_column_per_model(capsys):
 
 
 def test_command_json_parses_and_equals_the_reports(capsys):
-    code, out, _ = _run_command(capsys, "tiny-llama", "tiny", "--json", "--batch", "2")
+    code, out, _ = run_cost(capsys, "tiny-llama", "tiny", "--json", "--batch", "2")
     assert code == 0
     parsed = json.loads(out)
     assert parsed == [
@@ -348,7 +338,7 @@ def test_command_json_parses_and_equals_the_reports(capsys):
 
 
 def test_command_without_models_lists_every_preset(capsys):
-    code, out, _ = _run_command(capsys, "--dtype", "bf16")
+    code, out, _ = run_cost(capsys, "--dtype", "bf16")
     assert code == 0
     for name in preset_names():
         assert f"\n{name} " in out
@@ -361,7 +351,7 @@ def test_command_without_models_lists_every_preset(capsys):
      (["gpt2", "--dtype", "fp8"], "dtype"), (["gpt2", "--batch", "0"], "batch")],
 )  # fmt: skip
 def test_command_errors_name_the_argument(capsys, argv, named):
-    code, out, err = _run_command(capsys, *argv)
+    code, out, err = run_cost(capsys, *argv)
     assert code == 1 and out == ""
     assert err.startswith(f"qkv cost: error: {named}: ")
 

@@ -6,7 +6,6 @@ the formulas, the command's output and the errors that name the argument."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 
@@ -19,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from qkv.analysis.cost.layer_paths import measure_path_length
 from qkv.analysis.cost.layer_types import LAYER_NAMES, dilated_depth, layer_types
 from qkv.attention import attention
-from qkv.commands import cost as cost_command
+from tests.analysis.cost.command import run_cost
 
 SIZES = [(12, 8, 3, 4), (20, 6, 2, 5)]  # (n, d, k, r)
 
@@ -111,17 +110,8 @@ def test_the_measured_path_lengths_equal_the_formulas(n, k, r):
 # --- the command -------------------------------------------------------------------------------
 
 
-def _run(capsys, *argv: str) -> tuple[int, str, str]:
-    parser = argparse.ArgumentParser(prog="qkv")
-    cost_command.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["cost", *argv])
-    code = args.run(args)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 def test_command_prints_the_rows_under_the_column(capsys):
-    code, out, _ = _run(capsys, "gpt2", "--layer-types")
+    code, out, _ = run_cost(capsys, "gpt2", "--layer-types")
     assert code == 0 and "124,439,808" in out
     assert "gpt2: layer types at n = 1024, d = 768, k = 3, r = 256" in out
     rows = {line[:28].strip(): line[28:].split() for line in out.splitlines()}
@@ -135,7 +125,7 @@ def test_command_prints_the_rows_under_the_column(capsys):
 
 def test_command_takes_the_kernel_and_neighbourhood(capsys):
     argv = ["transformer-base", "--context", "64", "--kernel", "5", "--neighbourhood", "16"]
-    code, out, _ = _run(capsys, *argv, "--json")
+    code, out, _ = run_cost(capsys, *argv, "--json")
     [document] = json.loads(out)
     table = layer_types(length=64, width=512, kernel=5, neighbourhood=16, name="transformer-base")
     assert code == 0 and document["layer_types"]["rows"][3]["max_path_length"] == 3  # 5^3 >= 64
@@ -151,7 +141,7 @@ def test_command_takes_the_kernel_and_neighbourhood(capsys):
     (["--layer-types"], "model"),
 ])  # fmt: skip
 def test_command_errors_name_the_argument(capsys, argv, named):
-    code, out, err = _run(capsys, *argv)
+    code, out, err = run_cost(capsys, *argv)
     assert code == 1 and out == ""
     assert err.startswith(f"qkv cost: error: {named}: ")
 

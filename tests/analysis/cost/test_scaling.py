@@ -6,7 +6,6 @@ batched products, aten.bmm, of a block), and the command's output."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from fractions import Fraction
@@ -23,10 +22,10 @@ from qkv.analysis.cost.scaling import (
     encoder_decoder_flops,
     generation_flops,
 )
-from qkv.commands import cost as cost_command
 from qkv.generation import generate, make_cache
 from qkv.layers import MultiHeadAttention
 from qkv.models import GPT, GPTConfig, Transformer, TransformerConfig
+from tests.analysis.cost.command import run_cost
 
 
 def _reference(model: torch.nn.Module) -> torch.nn.Module:
@@ -223,17 +222,8 @@ def test_generation_needs_a_decoder_only_model():
 # --- the command -------------------------------------------------------------------------------
 
 
-def _run(capsys, *argv: str) -> tuple[int, str, str]:
-    parser = argparse.ArgumentParser(prog="qkv")
-    cost_command.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["cost", *argv])
-    code = args.run(args)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 def test_command_prints_the_shares_under_the_column(capsys):
-    code, out, _ = _run(capsys, "llama-2-7b", "--shares")
+    code, out, _ = run_cost(capsys, "llama-2-7b", "--shares")
     assert code == 0 and "6,738,415,616" in out
     assert "projections + FFN at L = 24,704.0 = 6.03 E (E = 4096)" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
@@ -242,14 +232,14 @@ def test_command_prints_the_shares_under_the_column(capsys):
 
 def test_command_prints_source_and_target_lengths(capsys):
     argv = ["transformer-base", "--source-length", "1024", "--target-length", "256"]
-    code, out, _ = _run(capsys, *argv)
+    code, out, _ = run_cost(capsys, *argv)
     assert code == 0 and "1024 source x 256 target tokens" in out
     flops = encoder_decoder_flops("transformer-base", source_length=1024, target_length=256)
     assert f"{flops.forward_flops / 1e9:.3g} GFLOP" in out.splitlines()[-1]
 
 
 def test_command_prints_generation_both_ways_and_the_ratio(capsys):
-    code, out, _ = _run(capsys, "llama-2-7b", "--context", "1024", "--generate", "256")
+    code, out, _ = run_cost(capsys, "llama-2-7b", "--context", "1024", "--generate", "256")
     flops = generation_flops("llama-2-7b", prompt_length=1024, new_tokens=256)
     assert code == 0 and "255 one-token steps" in out
     assert out.rstrip().endswith(f"without / with the cache: {flops.ratio:.3g}x")
@@ -257,7 +247,7 @@ def test_command_prints_generation_both_ways_and_the_ratio(capsys):
 
 def test_command_json_holds_the_report_and_every_section(capsys):
     argv = ["tiny-gpt2", "--context", "8", "--shares", "--generate", "3", "--json"]
-    code, out, _ = _run(capsys, *argv)
+    code, out, _ = run_cost(capsys, *argv)
     assert code == 0
     [document] = json.loads(out)
     report = dataclasses.asdict(cost_report("tiny-gpt2", context=8))
@@ -274,7 +264,7 @@ def test_command_json_holds_the_report_and_every_section(capsys):
     (["--shares"], "model"),
 ])  # fmt: skip
 def test_command_errors_name_the_argument(capsys, argv, named):
-    code, out, err = _run(capsys, *argv)
+    code, out, err = run_cost(capsys, *argv)
     assert code == 1 and out == ""
     assert err.startswith(f"qkv cost: error: {named}: ")
 
@@ -283,7 +273,7 @@ def test_the_report_column_shows_the_crossover(capsys):
     for preset in ("llama-2-7b", "gpt2", "transformer-tiny", "vit-base-16"):
         report = cost_report(preset)
         assert report.attention_crossover_length == attention_shares(preset).crossover_length
-    code, out, _ = _run(capsys, "llama-2-7b", "gpt2")
+    code, out, _ = run_cost(capsys, "llama-2-7b", "gpt2")
     row = next(line for line in out.splitlines() if "scores = rest of block at" in line)
     assert code == 0
     assert " ".join(row.split("at", 1)[1].split()) == "L = 24,704 (6.03 E) L = 4,608 (6 E)"

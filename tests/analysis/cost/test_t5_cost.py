@@ -5,7 +5,6 @@ caches a decoding step fills; a saved checkpoint; the command's column."""
 
 from __future__ import annotations
 
-import argparse
 import functools
 
 import pytest
@@ -17,9 +16,9 @@ from qkv.analysis.cost.estimate import cost_report
 from qkv.analysis.cost.format import format_report
 from qkv.analysis.cost.scaling import encoder_decoder_flops
 from qkv.attention import attention
-from qkv.commands import cost as cost_command
 from qkv.models import T5Config, T5Transformer, save
 from qkv.models.t5_config import T5_PRESETS, t5_parameter_count
+from tests.analysis.cost.command import run_cost
 
 VARIANTS = {  # every branch of the formula beyond the presets
     "relu-untied": T5Config.from_name("t5-tiny", tie_word_embeddings=False),
@@ -160,16 +159,8 @@ def test_decode_step_flops_and_caches_equal_the_measured_ones(tiny):
 # --- the command -------------------------------------------------------------------------------
 
 
-def _run_command(capsys, *argv: str) -> tuple[int, str]:
-    parser = argparse.ArgumentParser(prog="qkv")
-    cost_command.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["cost", *argv])
-    code = args.run(args)
-    return code, capsys.readouterr().out
-
-
 def test_command_prints_a_t5_column(capsys):
-    code, out = _run_command(capsys, "t5-small", "t5-v1_1-small")
+    code, out, _ = run_cost(capsys, "t5-small", "t5-v1_1-small")
     assert code == 0
     assert out.splitlines()[0].split() == ["t5-small", "t5-v1_1-small"]
     assert "60,506,624" in out and "encoder-decoder" in out and "cross-attn cache" in out
@@ -179,6 +170,6 @@ def test_command_prints_a_t5_column(capsys):
 
 
 def test_command_prints_the_source_and_target_section(capsys):
-    code, out = _run_command(capsys, "t5-tiny", "--source-length", "12", "--target-length", "7")
+    code, out, _ = run_cost(capsys, "t5-tiny", "--source-length", "12", "--target-length", "7")
     assert code == 0
     assert "t5-tiny: 12 source x 7 target tokens" in out and "cross-attention (S x T)" in out
