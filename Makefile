@@ -49,11 +49,10 @@ bench-peers: $(STAMP)
 	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF" \
 		$(BIN)/python -m pip install --quiet -e '.[peers]'
 
-# Two pytest-xdist workers: a module's tests, and those reading SmolLM2 through transformers,
-# stay on one worker each (tests/conftest.py). On 2 cores, from a fresh clone, the suite takes
-# about an eighth less time than on one worker (`make test XDIST=`): one worker's waits
-# (subprocesses, compilers) leave a core idle.
-XDIST := -n 2 --dist loadgroup
+# Two pytest-xdist workers: a module's tests, and the modules reading SmolLM2 through
+# transformers, stay on one worker each, the longest first (tests/scheduling.py): a module's
+# fixtures are built once. `make test XDIST=` runs on one worker.
+XDIST := -n 2 --dist loadfile --no-loadscope-reorder
 
 test: lint browser
 	$(BIN)/python -m pytest $(XDIST) --durations=25

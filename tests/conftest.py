@@ -67,25 +67,8 @@ def smollm2_hf_tokenizer(smollm2_path):
     return AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
 
 
-# --- Two workers: `make test` runs pytest-xdist's `-n 2 --dist loadgroup` -----------------------
-# Each module's tests stay together on one worker, so that a module's fixtures are built once;
-# the modules that read SmolLM2 through transformers share one worker, so that its loads (tens
-# of seconds) happen once. Without xdist the marks are unused.
-_TRANSFORMERS_SMOLLM2 = {"smollm2_hf", "smollm2_hf_tokenizer"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
-def pytest_collection_modifyitems(config, items):
-    def module(item):
-        return item.nodeid.split("::")[0]  # the test file's path
-
-    with_transformers_smollm2 = {
-        module(item)
-        for item in items
-        if _TRANSFORMERS_SMOLLM2 & set(getattr(item, "fixturenames", ()))
-    }
-    for item in items:
-        group = module(item)
-        if group in with_transformers_smollm2:
-            group = "smollm2-transformers"
-        item.add_marker(pytest.mark.xdist_group(group))
+# --- Two workers: `make test` runs pytest-xdist's `-n 2` (tests/scheduling.py) ----------------
+from tests.scheduling import (  # noqa: E402, F401 (hooks, found by their names)
+    pytest_collection_modifyitems,
+    pytest_xdist_make_scheduler,
+)

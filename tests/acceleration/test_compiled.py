@@ -21,6 +21,7 @@ def _steps(model, ids, mask, new_tokens=NEW_TOKENS, mode="eager"):
     return torch.stack([s.tokens for s in steps], 1), torch.stack([s.logits for s in steps], 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-mistral"])
 def test_compiled_steps_equal_eager_ones_on_a_left_padded_batch(preset):
     """GPT-2 (learned positions, LayerNorm, biases) and Mistral (RoPE, GQA, a window of 4

@@ -182,6 +182,7 @@ def test_packed_products_are_served(store):
     assert len(store[1]) == compiled_before + 1
 
 
+@pytest.mark.slow
 def test_quantized_linears_are_served_with_the_constants_inductor_adds(store):
     """Q4_1 linears (int4pack where it runs) and a Q8_0 embedding table: inductor's lowering of
     the int4pack product adds a constant of its own (the group size), which the library records

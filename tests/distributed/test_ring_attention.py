@@ -244,6 +244,7 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ring_attention_matches_full_attention(world_size):
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)

@@ -103,7 +103,9 @@ def _speed(err: str) -> int:
     return tokens
 
 
-@pytest.mark.parametrize("pack", ["--pack", "--no-pack", "--compile"])
+@pytest.mark.parametrize(
+    "pack", ["--pack", "--no-pack", pytest.param("--compile", marks=pytest.mark.slow)]
+)
 def test_prints_the_decoded_greedy_tokens_of_transformers(checkpoint, capsys, pack):
     """With oneDNN-packed linears (the default), without, and packed and compiled."""
     path, reference, tokenizer = checkpoint

@@ -34,6 +34,7 @@ def tiny_result(tmp_path_factory, smollm2, smollm2_file):
         return run_study("sinks", size="tiny", seed=1, out=out), out
 
 
+@pytest.mark.slow
 def test_tiny_study_writes_its_record(tiny_result):
     result, out = tiny_result
     for suffix in ("json", "md", "png"):

@@ -111,6 +111,7 @@ def test_every_flag_of_every_task_has_its_own_words(task, capsys):
         assert " ".join(words.split()) in text
 
 
+@pytest.mark.slow
 def test_ctrl_c_ends_a_run_with_one_line_and_it_resumes(tmp_path):
     """SIGINT in the middle of training: no traceback, one line that says how to go on, the
     status of a process ended by SIGINT (130); --resume then finishes the run."""

@@ -284,6 +284,7 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("filled_by", ["checkpoint", "metrics"])
 def test_a_full_disk_is_a_clear_error_and_the_run_resumes_once_there_is_room(
     tmp_path, capsys, filled_by
