@@ -70,10 +70,17 @@ FAST_PATH_TESTS := tests/acceleration/test_packing.py tests/layers/test_dropout.
 # The AOTInductor step builds the same kernels: held to AVX2 only, where a CPU without AVX-512
 # is likeliest (a library per masked run costs ~20 s).
 AVX2_TESTS := tests/acceleration/test_exported.py::test_packed_products_are_served
+# On a CPU whose best is AVX2 (no AVX-512, AVX-VNNI or AMX), or without AVX at all, the main run
+# already took the AVX2 kernels (or none), and the AVX2 cap would repeat it kernel for kernel.
+BEYOND_AVX2 := $(shell grep -qwE 'avx512f|avx_vnni|amx_tile' /proc/cpuinfo 2>/dev/null && echo yes)
 test-masked: $(STAMP)
+ifeq ($(BEYOND_AVX2),yes)
 	@echo "== fast paths with oneDNN capped at AVX2, ATEN_CPU_CAPABILITY=avx2"
 	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 TORCHINDUCTOR_CACHE_DIR=$(VENV)/inductor-avx2 \
 		$(BIN)/python -m pytest $(XDIST) $(FAST_PATH_TESTS) $(AVX2_TESTS)
+else
+	@echo "== fast paths capped at AVX2: not run, this CPU has nothing above AVX2 (the main run took its kernels)"
+endif
 	@echo "== fast paths with oneDNN capped at SSE4.1, ATEN_CPU_CAPABILITY=default"
 	ONEDNN_MAX_CPU_ISA=SSE41 ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_CACHE_DIR=$(VENV)/inductor-default \
 		$(BIN)/python -m pytest $(XDIST) $(FAST_PATH_TESTS)
