@@ -93,17 +93,24 @@ def test_compiling_passes_on_no_future_warning_of_torchs_own(llama, store):
     assert future == []
 
 
-def test_windows_and_relative_biases_are_exported_too(caplog):
+@pytest.fixture(scope="module")
+def windowed():
+    """A GPT-2 with a window of 4 and T5's relative bias (its library is built at batch 2)."""
+    return qkv_model("tiny-gpt2", position="t5", sliding_window=4)
+
+
+@pytest.mark.slow
+def test_windows_and_relative_biases_are_exported_too(windowed, store, caplog):
     """A window of 4 (outgrown by the cache) and T5's bias table, built from symbolic lengths,
     at batch 2: the library serves them (no fallback warned of), with eager tokens."""
-    model = qkv_model("tiny-gpt2", position="t5", sliding_window=4)
     prompts = torch.arange(2, 12).view(2, 5)
     with caplog.at_level(logging.WARNING, logger="qkv.acceleration.exported"):
-        tokens, logits = _steps(model, prompts, mode="aot")
-    eager_tokens, eager_logits = _steps(model, prompts, mode="eager")
+        tokens, logits = _steps(windowed, prompts, mode="aot")
+    eager_tokens, eager_logits = _steps(windowed, prompts, mode="eager")
     assert "instead" not in caplog.text
     torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
     assert torch.equal(tokens, eager_tokens)
+    assert store[1].count(windowed) == 1  # one library for batch 2
 
 
 def test_the_library_reads_the_models_own_weights(llama, store):
@@ -282,13 +289,20 @@ def test_a_step_that_cannot_be_exported_decodes_through_the_compiled_steps(
     assert elsewhere == [model] * 3
 
 
-def test_beam_search_and_sinks_decode_through_the_steps_they_can_use(llama, elsewhere):
-    """Beam search reorders its rows (the cache with them): the library serves its unpadded
-    steps all the same, with the eager hypotheses. A StreamingLLM cache goes to the model."""
+def test_beam_search_and_sinks_decode_through_the_steps_they_can_use(
+    llama, windowed, store, elsewhere
+):
+    """Beam search reorders its rows (the cache with them, a window of 4 outgrown): the library
+    of batch 2 serves its unpadded steps all the same, with the eager hypotheses. A StreamingLLM
+    cache goes to the model."""
     prompt = torch.arange(3, 9).unsqueeze(0)
-    expected = generate(llama, prompt, max_new_tokens=4, num_beams=2)
-    assert torch.equal(generate(llama, prompt, max_new_tokens=4, num_beams=2,
-                                steps=decoding_steps(llama)), expected)  # fmt: skip
+    expected = generate(windowed, prompt, max_new_tokens=6, num_beams=2)
+    steps = decoding_steps(windowed)
+    assert torch.equal(generate(windowed, prompt, max_new_tokens=6, num_beams=2, steps=steps),
+                       expected)  # fmt: skip
+    assert store[1].count(windowed) == 1  # the batch-2 library, built here or for the test above
+    (runner,) = steps.exported.runners.values()
+    assert runner is not None  # served by the library
     expected = generate(llama, prompt, max_new_tokens=4, sinks=(1, 4))
     got = generate(llama, prompt, max_new_tokens=4, sinks=(1, 4), steps=decoding_steps(llama))
     assert torch.equal(got, expected)
