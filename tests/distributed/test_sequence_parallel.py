@@ -1,6 +1,6 @@
 """Sequence-parallel models in one process: the shards `shard_lm_batch` cuts, a GPT whose
 attention layers are rings (a ring of one), and the refusals. The multi-process runs are in
-test_context_parallel_training.py (training) and test_ring_attention.py (the attention)."""
+test_parallel_training.py (training) and test_ring_attention.py (the attention)."""
 
 from __future__ import annotations
 
