@@ -111,20 +111,40 @@ def test_every_flag_of_every_task_has_its_own_words(task, capsys):
         assert " ".join(words.split()) in text
 
 
-@pytest.mark.slow
+# `qkv train` as `python -m qkv.cli` runs it, which waits after its second checkpoint (step 10
+# of 20) until the test's SIGINT arrives: a Ctrl-C in the middle of the run, at a known step,
+# and only ten steps left to resume.
+WAITS_FOR_CTRL_C = """
+import sys, time
+from pathlib import Path
+from qkv.training import loop
+real, saved = loop.save_checkpoint, []
+def then_wait(*args, **kwargs):
+    path = real(*args, **kwargs)
+    saved.append(path)
+    if len(saved) == 2:
+        Path(sys.argv[1]).touch()
+        time.sleep(900)  # a guard against a hang: the SIGINT ends it
+    return path
+loop.save_checkpoint = then_wait
+from qkv.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
 def test_ctrl_c_ends_a_run_with_one_line_and_it_resumes(tmp_path):
     """SIGINT in the middle of training: no traceback, one line that says how to go on, the
     status of a process ended by SIGINT (130); --resume then finishes the run."""
-    out = tmp_path / "run"
-    flags = [*TINY_FLAGS, "--steps", "400", "--checkpoint-every", "5", "--out", str(out)]
-    command = [sys.executable, "-m", "qkv.cli", "train", "translate", *flags]
+    out, waiting = tmp_path / "run", tmp_path / "waiting"
+    flags = [*TINY_FLAGS, "--steps", "20", "--checkpoint-every", "5", "--out", str(out)]
+    command = [sys.executable, "-c", WAITS_FOR_CTRL_C, str(waiting), "train", "translate", *flags]
     run = subprocess.Popen(
         command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         preexec_fn=_default_sigint,  # a background job's children start with SIGINT ignored
     )  # fmt: skip
     deadline = time.monotonic() + 900  # a guard against a hang, not a speed check
-    while not (out / "checkpoint.safetensors").exists():
-        assert run.poll() is None and time.monotonic() < deadline, "no checkpoint"
+    while not waiting.exists():
+        assert run.poll() is None and time.monotonic() < deadline, "no second checkpoint"
         time.sleep(0.01)
     run.send_signal(signal.SIGINT)
     _, stderr = run.communicate(timeout=900)
@@ -134,6 +154,8 @@ def test_ctrl_c_ends_a_run_with_one_line_and_it_resumes(tmp_path):
         f"qkv train translate: interrupted; resume from the last checkpoint in {out} with --resume"
     )
     assert main(["train", "translate", *flags, "--resume"]) == 0
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps if r["kind"] == "train"][-1] == 20
 
 
 def _default_sigint() -> None:
