@@ -144,9 +144,10 @@ LLAMA = {
 }
 
 
-def build_models(device: str) -> tuple[nn.Module, nn.Module]:
-    """(qkv GPT, transformers LlamaForCausalLM), fp32, eval mode, the same weights."""
-    config = transformers.LlamaConfig(**LLAMA)
+def build_models(device: str, **overrides) -> tuple[nn.Module, nn.Module]:
+    """(qkv GPT, transformers LlamaForCausalLM), fp32, eval mode, the same weights; `overrides`
+    change LLAMA's fields (benchmarks/kv_heads.py: the K/V heads)."""
+    config = transformers.LlamaConfig(**{**LLAMA, **overrides})
     torch.manual_seed(0)
     built = transformers.LlamaForCausalLM(config)
     with tempfile.TemporaryDirectory() as directory:

@@ -3,7 +3,8 @@
 `models` compares whole models with transformers (the default run, and the run held to AVX2);
 `decode` is greedy decoding at batch 1, memory-bound, so its tables put tokens/s beside the
 limit that the measured read bandwidth sets; `decode_batch` decodes several sequences at once;
-`decode_breakdown` splits the time of a decoding call.
+`decode_breakdown` splits the time of a decoding call; `kv_heads` sets MHA, GQA and MQA side
+by side.
 """
 
 from __future__ import annotations
@@ -298,3 +299,9 @@ def decode_breakdown(data: dict) -> dict:
         keys = ("part", "ms", "per_step", "share")
         shown += [dict(zip(keys, x, strict=True), dtype=r.get("dtype")) for x in found]
     return dict(new=get(rows, 0, "new_tokens", default="?"), r=shown)
+
+
+def kv_heads(data: dict) -> dict:
+    """MHA, GQA and MQA decoding steps: every row, predicted and measured ratios to MHA."""
+    rows = [{**r, "same": "yes" if r.get("same_tokens") else "no"} for r in data.get("rows", [])]
+    return dict(d=data, r=rows)
