@@ -1,8 +1,9 @@
 """The diffusion model against the papers' equations and PyTorch: the linear schedule of Ho et
 al. 2020 written out, the posterior (eq. 6-7) in float64 and from Bayes' rule, the closed form
 q(x_t | x_0) against the iterated chain (statistically), the samplers against Algorithm 2 and
-against the data they should reproduce, classifier-free guidance at s = 0 and 1, and the
-prompt's cross-attention against torch.nn.MultiheadAttention with its padding masked."""
+against the data they should reproduce, classifier-free guidance at s = 0 and 1, the prompt's
+cross-attention against torch.nn.MultiheadAttention with its padding masked, and in-context
+conditioning against torch.nn.TransformerEncoderLayer over the concatenated tokens."""
 
 import math
 
@@ -241,7 +242,7 @@ def test_cross_attention_is_torchs_with_the_prompt_padding_masked(conditioning):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("conditioning", ["adaln_zero", "add"])
+@pytest.mark.parametrize("conditioning", ["adaln_zero", "add", "in_context"])
 def test_padding_of_the_prompt_changes_nothing(conditioning):
     model = _tiny_model(conditioning)
     x, t = torch.randn((2, 1, 8, 8)), torch.tensor([0, 17])
@@ -251,14 +252,69 @@ def test_padding_of_the_prompt_changes_nothing(conditioning):
     with torch.no_grad():
         torch.testing.assert_close(model(x, t, padded, mask), model(x, t, ids), rtol=1e-5,
                                    atol=1e-6)  # fmt: skip
-        recorded = []
-        with recording_cross_attention(model, recorded):
-            model(x, t, padded, mask)
+    if conditioning == "in_context":  # no cross-attention to record
+        return
+    recorded = []
+    with torch.no_grad(), recording_cross_attention(model, recorded):
+        model(x, t, padded, mask)
     assert len(recorded) == 1 and len(recorded[0]) == model.config.num_layers
     weights = recorded[0][0]  # (B, H, N, S)
     assert weights.shape == (2, 2, model.config.num_patches, 5)
     assert torch.all(weights[..., 3:] == 0)
     torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1]))
+
+
+def _torch_encoder_layer(block: nn.Module) -> nn.TransformerEncoderLayer:
+    """torch's pre-norm encoder layer holding an `EncoderBlock`'s weights."""
+    attention, ffn = block.self_attn, block.ffn
+    E = attention.embed_dim
+    layer = nn.TransformerEncoderLayer(E, attention.num_heads, ffn.up_proj.out_features,
+                                       dropout=0.0, activation="gelu", layer_norm_eps=1e-6,
+                                       batch_first=True, norm_first=True).eval()  # fmt: skip
+    with torch.no_grad():
+        layer.self_attn.in_proj_weight.copy_(torch.cat([attention.q_proj.weight,
+                                                        attention.k_proj.weight,
+                                                        attention.v_proj.weight]))  # fmt: skip
+        layer.self_attn.in_proj_bias.copy_(torch.cat([attention.q_proj.bias,
+                                                      attention.k_proj.bias,
+                                                      attention.v_proj.bias]))  # fmt: skip
+        layer.self_attn.out_proj.load_state_dict(attention.out_proj.state_dict())
+        layer.linear1.load_state_dict(ffn.up_proj.state_dict())
+        layer.linear2.load_state_dict(ffn.down_proj.state_dict())
+        layer.norm1.load_state_dict(block.norm1.state_dict())
+        layer.norm2.load_state_dict(block.norm2.state_dict())
+    return layer
+
+
+def test_in_context_conditioning_is_torchs_encoder_over_the_concatenated_tokens():
+    """DiT's in-context conditioning (Peebles & Xie 2023, s3.2): [c, prompt, image tokens]
+    through torch's encoder layers (the prompt's padding as key_padding_mask), the image tokens
+    kept, normalised and mapped to patches; no block has a cross-attention."""
+    model = _tiny_model("in_context")
+    assert not any(hasattr(block, "cross_attn") for block in model.blocks)
+    x, t = torch.randn((2, 1, 8, 8)), torch.tensor([3, 41])
+    ids, mask = torch.tensor([[2, 7, 3, 0], [2, 9, 31, 3]]), torch.tensor([[1, 1, 1, 0], [1] * 4])
+    with torch.no_grad():
+        got = model(x, t, ids, mask)
+        cond = model.time_mlp(model.time_embedding(t))  # (B, E)
+        context = model.encode_prompt(ids, mask.bool()[:, None, None, :])  # (B, S, E)
+        image = model.patch_embedding(x)
+        image = image + model.position_embedding(torch.arange(image.shape[1]))
+        sequence = torch.cat((cond[:, None], context, image), dim=1)
+        hidden = torch.cat((torch.zeros(2, 1), mask == 0, torch.zeros(image.shape[:2])), dim=1)
+        for block in model.blocks:
+            sequence = _torch_encoder_layer(block)(sequence, src_key_padding_mask=hidden.bool())
+        patches = model.head(model.final_norm(sequence[:, 1 + ids.shape[1] :]))
+        P = model.config.patch_size
+        expected = nn.functional.fold(patches.transpose(1, 2), (8, 8), kernel_size=P, stride=P)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # the noise level reaches the image tokens through attention alone
+        assert not torch.allclose(model(x, t + 1, ids, mask), got)
+    with (
+        pytest.raises(ValueError, match="no cross-attention"),
+        recording_cross_attention(model, []),
+    ):
+        pass
 
 
 def test_untrained_model_predicts_no_noise_and_round_trips(tmp_path):

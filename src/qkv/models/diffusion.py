@@ -14,8 +14,12 @@ shift, scale and gate (`qkv.layers.AdaLNZeroBlock`, DiT's adaLN-Zero, s3.2), and
 norm; "add" adds c to the image tokens once and uses plain pre-norm blocks
 (`qkv.layers.DecoderBlock` without its causal mask), so only attention and the residual stream
 carry it. Either way the prompt enters by cross-attention, the image tokens as queries and the
-prompt's tokens as keys and values, its padding masked (Rombach et al. 2022, s3.3). The last
-linear map starts at zero, so an untrained model predicts no noise (DiT, s3.2).
+prompt's tokens as keys and values, its padding masked (Rombach et al. 2022, s3.3).
+"in_context" concatenates instead (DiT's in-context conditioning, s3.2): c as one token and the
+encoded prompt's tokens go before the image tokens, plain pre-norm self-attention blocks
+(`qkv.layers.EncoderBlock`) treat them as any other token (the prompt's padding masked as keys),
+and they are dropped after the last block. The last linear map starts at zero, so an untrained
+model predicts no noise (DiT, s3.2).
 
 Classifier-free guidance (Ho & Salimans 2022): one model learns both eps(x_t, prompt) and
 eps(x_t, null prompt) (the prompt replaced by a null one in a share of the training steps), and
@@ -121,6 +125,8 @@ class DiffusionTransformer(nn.Module):
                 x = block(x, cond, context, context_mask=mask)  # (B, N, E)
             shift, scale = self.final_modulation(cond)  # each (B, 1, E)
             x = modulate(layer_norm_without_affine(x, self.config.norm_eps), shift, scale)
+        elif self.config.conditioning == "in_context":
+            x = self._in_context(x, cond, context, mask)
         else:
             x = x + cond.unsqueeze(1)  # (B, N, E): the noise level, added to every token
             for block in self.blocks:
@@ -129,6 +135,17 @@ class DiffusionTransformer(nn.Module):
         patches = self.head(x)  # (B, N, C * P * P)
         P, size = self.config.patch_size, self.config.image_size
         return F.fold(patches.transpose(1, 2), (size, size), kernel_size=P, stride=P)
+
+    def _in_context(self, x, cond, context, mask) -> torch.Tensor:
+        """[c, prompt tokens, image tokens] through the self-attention blocks, the image tokens
+        kept: x (B, N, E), cond (B, E), context (B, S, E), mask (B, 1, 1, S) -> (B, N, E)."""
+        B, S = context.shape[:2]
+        sequence = torch.cat((cond.unsqueeze(1), context, x), dim=1)  # (B, 1 + S + N, E)
+        visible = torch.ones(B, 1, 1, 1 + S + x.shape[1], dtype=torch.bool, device=x.device)
+        visible[..., 1 : 1 + S] = mask  # the prompt's padding, as keys
+        for block in self.blocks:
+            sequence = block(sequence, mask=visible)  # (B, 1 + S + N, E)
+        return self.final_norm(sequence[:, 1 + S :])  # (B, N, E)
 
     def encode_prompt(self, prompt_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The prompt's tokens as the cross-attention context: embeddings plus positions
@@ -166,12 +183,15 @@ class DiffusionTransformer(nn.Module):
 
 
 def _denoiser_block(config: DiffusionConfig) -> nn.Module:
-    """One block: adaLN-Zero (Peebles & Xie 2023, s3.2) or plain pre-norm (Xiong et al. 2020)
-    self-attention, cross-attention and FFN."""
+    """One block: adaLN-Zero (Peebles & Xie 2023, s3.2), or plain pre-norm (Xiong et al. 2020)
+    self-attention, cross-attention (not in context) and FFN."""
     sizes = (config.embed_dim, config.num_heads, config.ffn_dim)
     if config.conditioning == "adaln_zero":
         return AdaLNZeroBlock(*sizes, activation=config.activation, dropout=config.dropout,
                               eps=config.norm_eps)  # fmt: skip
+    if config.conditioning == "in_context":
+        return EncoderBlock(*sizes, activation=config.activation, dropout=config.dropout,
+                            norm_first=True, eps=config.norm_eps)  # fmt: skip
     return DecoderBlock(*sizes, activation=config.activation, dropout=config.dropout,
                         norm_first=True, eps=config.norm_eps)  # fmt: skip
 
@@ -235,6 +255,9 @@ def recording_cross_attention(
     """While inside, each forward pass of `model` appends one list to `recorded`: every
     block's cross-attention weights (B, H, N, S), first block first, the softmax(QK^T / sqrt(D))
     of Vaswani et al. 2017 s3.2.1 over the prompt's tokens, padding masked (detached)."""
+    if model.config.conditioning == "in_context":
+        raise ValueError("model: its conditioning is 'in_context', which has no cross-attention "
+                         "(the prompt's tokens are in the self-attention's sequence)")  # fmt: skip
     layers = [block.cross_attn for block in model.blocks]
     handles = [layer.register_attention_hook(_append_weights(recorded, index, len(layers)))
                for index, layer in enumerate(layers)]  # fmt: skip

@@ -9,6 +9,9 @@ Transformer (`qkv.models.DiffusionTransformer`).
                                  blocks are plain pre-norm self-attention, cross-attention and
                                  FFN, so the prompt and the noise level both arrive by attention
                                  and the residual stream (Rombach et al. 2022, s3.3)
+                   "in_context"  the timestep embedding and the encoded prompt are tokens before
+                                 the image tokens, the blocks plain pre-norm self-attention and
+                                 FFN, no cross-attention (DiT's in-context conditioning, s3.2)
 
 The noise schedule is part of the model (a denoiser is trained for one): num_timesteps T and
 betas rising linearly from beta_start to beta_end (Ho et al. 2020, s4: T = 1000, 1e-4 to 0.02).
@@ -35,7 +38,7 @@ from qkv.validation import (
 
 __all__ = ["CONDITIONING_KINDS", "PRESETS", "DiffusionConfig"]
 
-CONDITIONING_KINDS = ("adaln_zero", "add")
+CONDITIONING_KINDS = ("adaln_zero", "add", "in_context")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -64,7 +64,7 @@ class DiffusionOptions:
     num_heads: int = 4
     ffn_dim: int = 256
     text_layers: int = 0  # 0: the prompt's embeddings alone, each key one word's own
-    conditioning: str = "adaln_zero"  # "adaln_zero" or "add"
+    conditioning: str = "adaln_zero"  # "adaln_zero", "add" or "in_context"
     condition_dropout: float = 0.1  # share of prompts replaced by the null prompt
     num_timesteps: int = 1000
     beta_start: float = 1e-4
@@ -80,7 +80,8 @@ class DiffusionOptions:
         "text_layers": "encoder blocks over the prompt's tokens (0: cross-attention reads the "
         "token and position embeddings, each key one word's own)",
         "conditioning": "how the timestep enters: 'adaln_zero' (shift, scale and gate of every "
-        "sub-layer, DiT) or 'add' (added to the image tokens)",
+        "sub-layer, DiT), 'add' (added to the image tokens) or 'in_context' (it and the prompt "
+        "as tokens before the image tokens, no cross-attention)",
         "condition_dropout": "share of training prompts replaced by the null prompt "
         "(classifier-free guidance)",
         "num_timesteps": "diffusion steps T",
