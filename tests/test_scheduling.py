@@ -1,4 +1,4 @@
-"""`make test`'s two workers (tests/scheduling.py), run on a suite of four small modules of its
+"""`make test`'s two workers (tests/scheduling.py), run on a suite of five small modules of its
 own: each module's tests run on one worker, the modules naming the SmolLM2 fixtures of
 transformers share one, and those come first, then the modules with a slow test."""
 
