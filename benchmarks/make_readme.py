@@ -44,6 +44,7 @@ SINGLE = {
     "long_documents": sections.long_documents, "context_parallel": sections.context_parallel,
     "decode": decoding.decode, "decode_batch": decoding.decode_batch,
     "decode_breakdown": decoding.decode_breakdown, "kv_heads": decoding.kv_heads,
+    "inspect_overhead": decoding.inspect_overhead,
     "parity_llama_cpp": real_model.parity,
     "parity_llama_cpp_q8_0": real_model.parity, "load_gguf": real_model.load,
     "decode_smollm2": real_model.decode, "perplexity_smollm2": real_model.perplexity,

@@ -4,7 +4,7 @@
 `decode` is greedy decoding at batch 1, memory-bound, so its tables put tokens/s beside the
 limit that the measured read bandwidth sets; `decode_batch` decodes several sequences at once;
 `decode_breakdown` splits the time of a decoding call; `kv_heads` sets MHA, GQA and MQA side
-by side.
+by side; `inspect_overhead` times decoding with qkv.inspect's points unused and used.
 """
 
 from __future__ import annotations
@@ -305,3 +305,13 @@ def kv_heads(data: dict) -> dict:
     """MHA, GQA and MQA decoding steps: every row, predicted and measured ratios to MHA."""
     rows = [{**r, "same": "yes" if r.get("same_tokens") else "no"} for r in data.get("rows", [])]
     return dict(d=data, r=rows)
+
+
+def inspect_overhead(data: dict) -> dict:
+    """Decoding with qkv.inspect's points unused and used, against the model as loaded."""
+
+    def yes(key: str) -> str:
+        return {True: "yes", False: "no"}.get(data.get(key), "not recorded")
+
+    return dict(d=data, r=data.get("rows", []), same=yes("same_tokens_after_inspection"),
+                changed=yes("ablation_changed_tokens"))  # fmt: skip
