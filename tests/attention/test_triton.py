@@ -126,7 +126,8 @@ def test_sparse_pattern_blocks_equal_eager_attention_with_the_dense_mask(options
 
     pattern = sparse.bigbird(window=3, global_tokens=1, random_blocks=1, block=16, seed=5)
     pattern = pattern | sparse.Strided(7)
-    q, k, v = _inputs(L_q=40, L_k=70)
+    B = 2 if "lengths" in options else 1  # the pattern is every row's: a second row adds nothing
+    q, k, v = _inputs(B=B, L_q=40, L_k=70)
     output, lse = qkv.triton_attention(q, k, v, pattern=pattern, return_lse=True, **options)
     hidden = ~qkv.masks.from_pattern(pattern, 40, 70)
     bias = torch.zeros(40, 70, dtype=torch.float64).masked_fill(hidden, float("-inf"))
@@ -146,7 +147,7 @@ def test_packed_sequences_equal_each_sequence_alone():
 
     query_lengths, key_lengths = [7, 0, 21, 12], [20, 5, 21, 24]
     pattern = sparse.Packed.from_lengths(query_lengths, key_lengths, causal=True)
-    q, k, v = _inputs(L_q=40, L_k=70)
+    q, k, v = _inputs(B=1, L_q=40, L_k=70)  # the packing is every row's: one row shows it
     output = qkv.triton_attention(q, k, v, pattern=pattern)
     grad = torch.randn_like(output)
     ours = torch.autograd.grad(output, (q, k, v), grad)
