@@ -62,9 +62,9 @@ class DiffusionTransformer(nn.Module):
     Submodules: `patch_embedding`, `position_embedding` (over the N patches), `time_embedding`
     (fixed sinusoids over T steps) and `time_mlp` (Linear, SiLU, Linear), `token_embedding`,
     `prompt_position_embedding`, `text_blocks` (pre-norm `EncoderBlock`s) and `text_norm`,
-    `blocks` (`AdaLNZeroBlock` or `DecoderBlock`), `final_modulation` (adaLN-Zero only) or
-    `final_norm`, `head` (Linear(E -> C * P * P), zero at initialisation). `schedule`: the
-    `NoiseSchedule` the model is trained for.
+    `blocks` (`AdaLNZeroBlock`, `DecoderBlock`, or `EncoderBlock` in context),
+    `final_modulation` (adaLN-Zero only) or `final_norm`, `head` (Linear(E -> C * P * P), zero
+    at initialisation). `schedule`: the `NoiseSchedule` the model is trained for.
     """
 
     def __init__(self, config: DiffusionConfig) -> None:
