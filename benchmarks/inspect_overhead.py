@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 from common import format_table, log, machine_info, time_interleaved, write_json
-from decode import LLAMA, build_models
+from decode import LLAMA, build_models, paired_ratio
 
 from qkv import inspect
 from qkv.generation import generate
@@ -68,14 +68,10 @@ def main(argv=None) -> None:
     log(f"timing {len(candidates)} candidates, {rounds} rounds")
     timings = time_interleaved(candidates, device="cpu", warmup=1, repeats=rounds,
                                min_repeats=rounds)  # fmt: skip
-    base = timings["never inspected"].samples
-    rows = []
-    for name, timing in timings.items():
-        ratios = sorted(b / s for b, s in zip(base, timing.samples, strict=True))
-        rows.append({
-            "candidate": name, "tokens_per_s": new_tokens / timing.median,
-            "paired_vs_never": ratios[len(ratios) // 2], **timing.as_dict(),
-        })  # fmt: skip
+    rows = [{
+        "candidate": name, "tokens_per_s": new_tokens / timing.median,
+        "paired_vs_never": paired_ratio(timings["never inspected"], timing), **timing.as_dict(),
+    } for name, timing in timings.items()]  # fmt: skip
     print(format_table([[r["candidate"], f"{r['tokens_per_s']:.1f}", f"{r['paired_vs_never']:.3f}"]
                         for r in rows], ["candidate", "tokens/s", "paired vs never"]))  # fmt: skip
     print(f"same tokens after inspection: {same}; a zeroed head changed them: "

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 from common import format_table, log, machine_info, write_json
-from decode import LLAMA, build_models, weight_bytes_read
+from decode import LLAMA, build_models, kv_bytes_read, weight_bytes_read
 
 from qkv.generation import decode_steps
 
@@ -73,10 +73,9 @@ def transformers_step_seconds(model, ids: torch.Tensor, new_tokens: int):
     return times, tokens
 
 
-def cache_bytes(model, batch: int, context: int) -> int:
-    """fp32 K/V bytes of `batch` rows of `context` tokens."""
-    c = model.config
-    return batch * context * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
+def cache_bytes(model, batch: int, context: int) -> float:
+    """fp32 K/V bytes of `batch` rows of `context` tokens (decode.py's count for one row)."""
+    return batch * kv_bytes_read(model, context, new_tokens=1, element_size=4)
 
 
 def bench(settings, rounds: int, new_tokens: int) -> list[dict]:
