@@ -4,7 +4,7 @@ Both run the one decoding loop (qkv.generation.loop) with `generate`'s step sour
 decoder-only models and for the encoder-decoder `Transformer` alike: `beam_search` with the
 `BeamSearch` strategy, `greedy_decode` with greedy `TokenChoice`. They differ from `generate`
 in what they return: several hypotheses per prompt and the length-normalised log-probability
-each is ranked by (see qkv.generation.strategies).
+each is ranked by (see qkv.generation.beam_strategy).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def beam_search(
     num_return_sequences: int = 1,
     eos_token_id: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The best hypotheses per prompt under beam search (qkv.generation.strategies).
+    """The best hypotheses per prompt under beam search (qkv.generation.beam_strategy).
 
     model: an encoder-decoder `Transformer` (input_ids: the source (B, L_src), attention_mask
     1/True on real tokens; hypotheses start with the config's bos_token_id and end with its

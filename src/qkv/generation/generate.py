@@ -3,10 +3,11 @@ encoder-decoder models, by greedy search, sampling or beam search.
 
 One loop does all of it (qkv.generation.loop): a step source feeds the model (steps.py: the
 prefill of a decoder-only model's prompt, or the encoder and the decoder's start token), a
-strategy chooses the tokens (strategies.py: greedy, sampling, beam search). Three entry points
-share that loop and one `DecodeOptions`: `decode_steps` yields a `DecodeStep` (tokens, the logits
-they were chosen from, the cache) per step; `stream` yields only the tokens; `generate` returns
-the whole sequences. All three check their arguments when called, before any decoding.
+strategy chooses the tokens (strategies.py: greedy, sampling; beam_strategy.py). Three entry
+points share that loop and one `DecodeOptions`: `decode_steps` yields a `DecodeStep` (tokens,
+the logits they were chosen from, the cache) per step; `stream` yields only the tokens;
+`generate` returns the whole sequences. All three check their arguments when called, before
+any decoding.
 
 Decoder-only prompts of different lengths are left-padded, with an attention_mask; the output is
 the prompt followed by the new tokens. An encoder-decoder `Transformer` takes the source ids
@@ -31,10 +32,11 @@ import torch
 from torch import nn
 
 from qkv import capabilities
+from qkv.generation.beam_strategy import BeamSearch
 from qkv.generation.loop import DecodeStep, decode_loop
 from qkv.generation.options import DecodeOptions, decode_options
 from qkv.generation.steps import DecoderOnlySteps, EncoderDecoderSteps, make_cache, prompt_mask
-from qkv.generation.strategies import BeamSearch, TokenChoice
+from qkv.generation.strategies import TokenChoice
 from qkv.models.encoder_decoder import Transformer
 
 __all__ = [

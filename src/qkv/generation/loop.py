@@ -6,9 +6,10 @@ is this loop over two small objects:
 - a *step source* (qkv.generation.steps) owns the model and its caches: `first()` returns the
   next-token logits after the prompt, `next(choice)` feeds the chosen tokens and returns the
   logits after them;
-- a *strategy* (qkv.generation.strategies) turns logits into a `Choice`: the token of every row,
-  and, for beam search, which row each new row continues (its parent), so that the source can
-  reorder its caches (Vaswani et al. 2017, section 6.1; Wu et al. 2016, section 7).
+- a *strategy* (qkv.generation.strategies, beam_strategy) turns logits into a `Choice`: the
+  token of every row, and, for beam search, which row each new row continues (its parent), so
+  that the source can reorder its caches (Vaswani et al. 2017, section 6.1; Wu et al. 2016,
+  section 7).
 
     logits = source.first()
     for step in range(max_new_tokens):

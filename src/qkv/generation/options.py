@@ -29,7 +29,7 @@ class DecodeOptions:
     eos_token_id: a row that emits it is finished, and padded with it afterwards.
     sinks: (num_sinks, window), a StreamingLLM cache (Xiao et al. 2024) that decodes past the
     model's context.
-    num_beams > 1: beam search (qkv.generation.strategies.BeamSearch), deterministic
+    num_beams > 1: beam search (qkv.generation.beam_strategy.BeamSearch), deterministic
     (temperature 0); its hypotheses are ranked by sum of
     log-probabilities / new tokens ** length_penalty, and a prompt stops searching once it has
     num_beams finished ones (early_stopping) or once none of its beams can beat them."""

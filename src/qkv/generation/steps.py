@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from qkv.generation.loop import Choice, Logits
-from qkv.layers.kv_cache import SinkKVCache, StaticKVCache
+from qkv.layers.kv_cache import StaticKVCache
+from qkv.layers.sink_cache import SinkKVCache
 
 __all__ = ["DecoderOnlySteps", "EncoderDecoderSteps", "make_cache", "prompt_mask"]
 
