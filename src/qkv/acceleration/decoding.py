@@ -35,7 +35,7 @@ from torch import nn
 from qkv import capabilities
 from qkv.acceleration.compiled import INDUCTOR_OPTIONS, CompiledForward
 from qkv.acceleration.exported import ExportedStep, ready
-from qkv.layers.kv_cache import SinkKVCache
+from qkv.layers.sink_cache import SinkKVCache
 
 __all__ = ["MODES", "DecodingSteps", "decoding_steps"]
 

@@ -25,16 +25,18 @@ CPU speed-ups swap modules in from outside (`qkv.acceleration.speed_up`).
 from qkv.layers.adaln import AdaLNModulation, AdaLNZeroBlock
 from qkv.layers.attention import MultiHeadAttention
 from qkv.layers.batch_norm import BatchNorm
-from qkv.layers.blocks import DecoderBlock, EncoderBlock, post_norm, pre_norm
+from qkv.layers.blocks import DecoderBlock, EncoderBlock
 from qkv.layers.differential import DifferentialAttention
 from qkv.layers.factorized_attention import FactorizedBlock, SpaceTimeBlock
 from qkv.layers.feedforward import FeedForward, SwiGLU
-from qkv.layers.kv_cache import CrossAttentionCache, LayerCache, SinkKVCache, StaticKVCache
+from qkv.layers.kv_cache import CrossAttentionCache, LayerCache, StaticKVCache
 from qkv.layers.latent_pooling import LatentPooling
 from qkv.layers.norms import LayerNorm, RMSNorm
 from qkv.layers.patch_embedding import PatchEmbedding
 from qkv.layers.recurrent import GRU, GRUCell
+from qkv.layers.residual import post_norm, pre_norm
 from qkv.layers.rnn_attention import AdditiveAttention, DotAttention, GeneralAttention
+from qkv.layers.sink_cache import SinkKVCache
 
 __all__ = [
     "AdaLNModulation",

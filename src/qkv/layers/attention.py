@@ -211,21 +211,8 @@ class MultiHeadAttention(nn.Module):
         return layer
 
     def to_torch(self) -> nn.MultiheadAttention:
-        """A batch-first `nn.MultiheadAttention` computing the same function (plain MHA only)."""
-        reasons = []
-        if self.num_kv_heads != self.num_heads:
-            reasons.append(
-                f"num_kv_heads={self.num_kv_heads} != num_heads={self.num_heads} "
-                f"(nn.MultiheadAttention has no GQA/MQA)"
-            )
-        if self.rope is not None:
-            reasons.append("rope is set (nn.MultiheadAttention has no rotary embedding)")
-        if self.alibi:
-            reasons.append("alibi=True (nn.MultiheadAttention has no ALiBi bias)")
-        if reasons:
-            raise ValueError(
-                "to_torch: expected plain multi-head attention, but " + "; ".join(reasons)
-            )
+        """A batch-first `nn.MultiheadAttention` computing the same function (plain MHA only:
+        ValueError for GQA/MQA, rope or alibi)."""
         return torch_interop.mha_to_torch(self)
 
     def extra_repr(self) -> str:

@@ -1,19 +1,13 @@
 """Transformer encoder and decoder blocks: sub-layers wrapped in "Add & Norm".
 
 Every sub-layer (self-attention, cross-attention, feed-forward) sits inside a residual connection
-with a LayerNorm, in one of two arrangements (compared by Xiong et al. 2020):
-
-    post-norm  x = norm(x + dropout(sublayer(x)))     Vaswani et al. 2017, s3.1, "Add & Norm"
-    pre-norm   x = x + dropout(sublayer(norm(x)))     Xiong et al. 2020; GPT-2, Llama
-
-A block picks one of the two functions below once, at construction, instead of branching in every
-forward. The encoder block has self-attention then FFN; the decoder block has masked (causal)
-self-attention, cross-attention to the encoder's memory, then FFN (Vaswani et al. 2017, s3.1).
+with a LayerNorm, post-norm or pre-norm (qkv.layers.residual); a block picks one of the two once,
+at construction, instead of branching in every forward. The encoder block has self-attention
+then FFN; the decoder block has masked (causal) self-attention, cross-attention to the
+encoder's memory, then FFN (Vaswani et al. 2017, s3.1).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -25,23 +19,9 @@ from qkv.layers.attention import MultiHeadAttention
 from qkv.layers.feedforward import FeedForward
 from qkv.layers.kv_cache import CrossAttentionCache, LayerCache
 from qkv.layers.norms import LayerNorm
+from qkv.layers.residual import post_norm, pre_norm
 
-__all__ = ["DecoderBlock", "EncoderBlock", "post_norm", "pre_norm"]
-
-Sublayer = Callable[[torch.Tensor], torch.Tensor]
-
-
-def post_norm(x: torch.Tensor, sublayer: Sublayer, norm: nn.Module, dropout: nn.Module):
-    """Add & Norm, as in Vaswani et al. 2017, s3.1: norm(x + dropout(sublayer(x)))."""
-    return norm(x + dropout(sublayer(x)))
-
-
-def pre_norm(x: torch.Tensor, sublayer: Sublayer, norm: nn.Module, dropout: nn.Module):
-    """Pre-norm residual (Xiong et al. 2020): x + dropout(sublayer(norm(x))).
-
-    The residual path carries x untouched, which keeps deep stacks trainable without warm-up.
-    """
-    return x + dropout(sublayer(norm(x)))
+__all__ = ["DecoderBlock", "EncoderBlock"]
 
 
 class EncoderBlock(nn.Module):

@@ -23,9 +23,10 @@ from torch import nn
 
 from qkv.layers._dropout import make_dropout
 from qkv.layers.attention import MultiHeadAttention
-from qkv.layers.blocks import EncoderBlock, pre_norm
+from qkv.layers.blocks import EncoderBlock
 from qkv.layers.feedforward import FeedForward
 from qkv.layers.norms import LayerNorm
+from qkv.layers.residual import pre_norm
 from qkv.validation import check_int, check_positive_int, describe
 
 __all__ = ["LatentPooling"]

@@ -87,6 +87,18 @@ def load_mha_from_torch(layer: nn.Module, module: nn.MultiheadAttention) -> None
 
 def mha_to_torch(layer: nn.Module) -> nn.MultiheadAttention:
     """A batch-first `nn.MultiheadAttention` with `layer`'s weights (plain MHA only)."""
+    reasons = []
+    if layer.num_kv_heads != layer.num_heads:
+        reasons.append(
+            f"num_kv_heads={layer.num_kv_heads} != num_heads={layer.num_heads} "
+            f"(nn.MultiheadAttention has no GQA/MQA)"
+        )
+    if layer.rope is not None:
+        reasons.append("rope is set (nn.MultiheadAttention has no rotary embedding)")
+    if layer.alibi:
+        reasons.append("alibi=True (nn.MultiheadAttention has no ALiBi bias)")
+    if reasons:
+        raise ValueError("to_torch: expected plain multi-head attention, but " + "; ".join(reasons))
     weight = layer.out_proj.weight
     module = nn.MultiheadAttention(
         layer.embed_dim,

@@ -29,7 +29,8 @@ from torch import nn
 from qkv.attention.sparse import Packed, SparsePattern
 from qkv.layers import FeedForward, LayerNorm, MultiHeadAttention, RMSNorm, SwiGLU, pre_norm
 from qkv.layers._dropout import make_dropout
-from qkv.layers.kv_cache import LayerCache, SinkKVCache, StaticKVCache
+from qkv.layers.kv_cache import LayerCache, StaticKVCache
+from qkv.layers.sink_cache import SinkKVCache
 from qkv.models.gpt_config import GPTConfig
 from qkv.models.losses import IGNORE_INDEX, cross_entropy
 from qkv.models.outputs import CausalLMOutput

@@ -28,10 +28,10 @@ from torch import nn
 
 from qkv.attention import attention
 from qkv.layers._dropout import make_dropout
-from qkv.layers.blocks import pre_norm
 from qkv.layers.feedforward import ACTIVATIONS, FeedForward
 from qkv.layers.kv_cache import CrossAttentionCache, LayerCache
 from qkv.layers.norms import RMSNorm
+from qkv.layers.residual import pre_norm
 from qkv.models._inputs import check_ids, key_mask
 from qkv.models.decoder_cache import DecoderCache
 from qkv.models.encoder_decoder import decode_masks, teacher_forcing_inputs

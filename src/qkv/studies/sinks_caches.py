@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkv.layers.kv_cache import SinkKVCache
+from qkv.layers.sink_cache import SinkKVCache
 from qkv.training.tasks.gpt import GPTTask
 
 __all__ = [
