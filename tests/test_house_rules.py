@@ -55,7 +55,7 @@ TRACED_ATTENTION = {
     "launched (the self-check runs one) while a graph is traced",
     ("attention/tiled/backend.py", "torch.compiler.is_compiling"): "the tile loops' host reads "
     "would tie a user's compiled graph to each length: auto leaves tiled out of a graph",
-    ("attention/request.py", "torch.compiler.is_compiling"): "the mask structure cache is an "
+    ("attention/score_terms.py", "torch.compiler.is_compiling"): "the mask structure cache is an "
     "lru_cache, which a traced graph cannot use",
 }
 

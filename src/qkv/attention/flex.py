@@ -26,6 +26,7 @@ import functools
 import torch
 
 from qkv import capabilities
+from qkv.attention import score_terms
 from qkv.attention.nan_rows import fill_nan_rows, nan_rows
 from qkv.attention.request import AttentionRequest
 from qkv.attention.tiles import TilePlan
@@ -108,7 +109,7 @@ def _score_mod_parts(request: AttentionRequest) -> bool:
 
 
 def _has_dense_additive(request: AttentionRequest) -> bool:
-    """Whether `request.dense_additive()` has a term (without summing them)."""
+    """Whether `score_terms.dense_additive(request)` has a term (without summing them)."""
     return request.bias is not None or request.has_additive_mask
 
 
@@ -212,8 +213,8 @@ def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:
 def _nan_rows(request: AttentionRequest) -> torch.Tensor:
     """Bool (B, H, L_q, 1): the rows that qkv's NaN rule makes NaN and FlexAttention's
     kernel returns as 0 (`qkv.attention.nan_rows`); rows with no visible key stay 0."""
-    visible = request.allowed()
-    additive = request.additive()
+    visible = score_terms.allowed(request)
+    additive = score_terms.additive(request)
     if additive is not None:
         shown = ~torch.isneginf(additive)
         visible = shown if visible is None else visible & shown
@@ -362,9 +363,9 @@ def _score_mod(request: AttentionRequest):
     cap = request.softcap
     number = functools.partial(torch.tensor, dtype=torch.float32, device=request.q.device)
     cap, inverse = (None, None) if cap is None else (number(cap), number(1.0 / cap))
-    dense = request.dense_additive()
+    dense = score_terms.dense_additive(request)
     dense = None if dense is None else _expanded(request, dense.to(torch.float32))
-    after = request.score_mod_with_alibi()
+    after = score_terms.score_mod_with_alibi(request)
     allowed = _expanded(request, request.mask) if request.has_bool_mask else None
     if cap is None and dense is None and after is None and allowed is None:
         return None

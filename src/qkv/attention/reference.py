@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from qkv.attention import score_terms
 from qkv.attention.dropout import dropout
 from qkv.attention.request import AttentionRequest
 
@@ -43,12 +44,12 @@ def run(request: AttentionRequest) -> tuple[torch.Tensor, torch.Tensor]:
     scores = _grouped_scores(request, compute_dtype)  # (B, H, L_q, L_k)
     if request.softcap is not None:  # Gemma 2's soft-capping, before any bias
         scores = request.softcap * torch.tanh(scores / request.softcap)
-    additive = request.additive()
+    additive = score_terms.additive(request)
     if additive is not None:
         scores = scores + additive.to(compute_dtype)
     if request.score_mod is not None:
-        scores = request.score_mod(scores, *request.score_indices())
-    allowed = request.allowed()
+        scores = request.score_mod(scores, *score_terms.score_indices(request))
+    allowed = score_terms.allowed(request)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     if allowed is None and additive is None and request.score_mod is None:  # no row is empty

@@ -4,12 +4,13 @@ shapes they imply.
 Its fields are the one list of the options. `qkv.attention`, `qkv.explain`, `qkv.flash_attention`
 and `qkv.triton_attention` take them as keyword arguments and make one request of them
 (`takes_options` spells them out in their signatures); the request checks them when it is made
-(`qkv.attention.checks`), and no backend checks them again.
+(`qkv.attention.checks`, `qkv.attention.option_checks`), and no backend checks them again.
+What the options mean as masks and biases, for the backends that build them, is
+qkv.attention.score_terms.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
@@ -18,20 +19,18 @@ from typing import TypeVar
 import torch
 
 from qkv.attention import masks
-from qkv.attention.checks import (
+from qkv.attention.checks import check_scale, check_tensors
+from qkv.attention.option_checks import (
     check_callable,
     check_dropout,
     check_pattern,
     check_row_lengths,
-    check_scale,
     check_score_shaped,
     check_sinks,
     check_slopes,
     check_softcap,
-    check_tensors,
 )
-from qkv.attention.sparse import SparsePattern, dense_mask
-from qkv.attention.tiles import TilePlan
+from qkv.attention.sparse import SparsePattern
 
 
 # Not frozen: setting its 17 fields through object.__setattr__ would cost each call about as
@@ -136,118 +135,6 @@ class AttentionRequest:
             and not self.modifies_scores
         )
 
-    def structural_mask(self) -> torch.Tensor | None:
-        """The bool (L_q, L_k) mask implied by `causal`, `window`, `sinks` and `pattern` ((B,
-        1, L_q, L_k) with per-row lengths), or None. Shared between calls of one structure (do
-        not modify it in place)."""
-        key = self.structure_key()
-        if key is not None:
-            return structural_visibility(*key)
-        sinks = self.sinks if self.window is not None else 0
-        if self.lengths is not None or self.query_lengths is not None:
-            return self.row_visibility()
-        return _structure(
-            self.query_len, self.key_len, self.causal, self.window, sinks, self.q.device,
-            self.pattern,
-        )  # fmt: skip
-
-    def structure_key(self) -> tuple | None:
-        """(L_q, L_k, causal, window, sinks, device, pattern): what the structural mask depends
-        on; None where it is not to be cached (traced lengths, over MAX_CACHED_SCORES, no
-        structure)."""
-        if torch.compiler.is_compiling():  # traced lengths are symbols, no key to cache under
-            return None
-        structured = self.causal or self.window is not None or self.pattern is not None
-        per_row = self.lengths is not None or self.query_lengths is not None
-        if not structured or per_row:
-            return None
-        if self.query_len * self.key_len > MAX_CACHED_SCORES:
-            return None
-        sinks = self.sinks if self.window is not None else 0
-        return (
-            self.query_len, self.key_len, self.causal, self.window, sinks, self.q.device,
-            self.pattern,
-        )  # fmt: skip
-
-    def row_visibility(self) -> torch.Tensor:
-        """Bool (B, 1, L_q, L_k) of a call with per-row lengths: the tiled backend's rule
-        (`TilePlan.visible`), row by row."""
-        plan = TilePlan(
-            query_len=self.query_len, key_len=self.key_len, block_q=1, block_k=1,
-            causal=self.causal, window=self.window,
-            sinks=self.sinks if self.window is not None else 0, lengths=self.lengths,
-            has_dense_mask=False, pattern=self.pattern, query_lengths=self.query_lengths,
-        )  # fmt: skip
-        device = self.q.device
-        visible = plan.visible(torch.arange(self.query_len, device=device),
-                               torch.arange(self.key_len, device=device))  # fmt: skip
-        return visible.expand(self.batch, 1, self.query_len, self.key_len)
-
-    def allowed(self) -> torch.Tensor | None:
-        """Every boolean constraint at once (causal, window, bool mask), broadcastable, or None."""
-        return masks.combine(self.structural_mask(), self.mask if self.has_bool_mask else None)
-
-    def additive(self) -> torch.Tensor | None:
-        """The sum of the additive terms (bias, a float mask, ALiBi), or None if there are none."""
-        return masks.combine(self.dense_additive(), self.alibi_bias())
-
-    def dense_additive(self) -> torch.Tensor | None:
-        """The additive terms given as tensors (bias, a float mask), summed, or None: what a
-        backend that applies ALiBi per score (`score_mod_with_alibi`) adds."""
-        return masks.combine(self.bias, self.mask if self.has_additive_mask else None)
-
-    def alibi_bias(self) -> torch.Tensor | None:
-        """ALiBi's -slope_h * |i' - j| from `alibi_slopes`, (1, H, L_q, L_k), or None; fp32
-        (fp64 for fp64 slopes)."""
-        if self.alibi_slopes is None:
-            return None
-        query_pos = torch.arange(self.query_len, device=self.q.device).view(-1, 1)
-        key_pos = torch.arange(self.key_len, device=self.q.device).view(1, -1)
-        distance = (query_pos + (self.key_len - self.query_len) - key_pos).abs()  # (L_q, L_k)
-        dtype = torch.promote_types(self.alibi_slopes.dtype, torch.float32)
-        slopes = self.alibi_slopes.to(dtype).view(1, -1, 1, 1)  # (1, H, 1, 1)
-        return -slopes * distance
-
-    def score_mod_with_alibi(self) -> Callable | None:
-        """`score_mod` with ALiBi folded in before it, for backends that compute scores where
-        they need them (tiles, FlexAttention) rather than adding a dense (L_q, L_k) bias."""
-        if self.alibi_slopes is None:
-            return self.score_mod
-        slopes, after = self.alibi_slopes, self.score_mod
-        aligned = self.key_len == self.query_len  # then i' = i: one add per score less
-        # a tensor, not an int: a compiled kernel would be specialised to every value of an int
-        shift = (
-            None if aligned else torch.tensor(self.key_len - self.query_len, device=self.q.device)
-        )
-
-        def distance(q_idx, k_idx):  # i' - j
-            return q_idx - k_idx if aligned else q_idx + shift - k_idx
-
-        if self.causal:  # every visible key lies at or before the query: no abs() needed
-
-            def alibi(score, batch, head, q_idx, k_idx):
-                score = score - slopes[head] * distance(q_idx, k_idx)
-                return score if after is None else after(score, batch, head, q_idx, k_idx)
-
-        else:
-
-            def alibi(score, batch, head, q_idx, k_idx):
-                score = score - slopes[head] * distance(q_idx, k_idx).abs()
-                return score if after is None else after(score, batch, head, q_idx, k_idx)
-
-        return alibi
-
-    def score_indices(self) -> tuple[torch.Tensor, ...]:
-        """(batch, head, query, key) indices shaped to broadcast over (B, H, L_q, L_k): what
-        `score_mod` receives on the backends that apply it to the whole score matrix."""
-        device = self.q.device
-        return (
-            torch.arange(self.batch, device=device).view(-1, 1, 1, 1),
-            torch.arange(self.num_heads, device=device).view(1, -1, 1, 1),
-            torch.arange(self.query_len, device=device).view(1, 1, -1, 1),
-            torch.arange(self.key_len, device=device).view(1, 1, 1, -1),
-        )
-
 
 def _checked_options(request: AttentionRequest) -> dict[str, object]:
     """Check every option of `request` against its (checked) q, k, v. Returns the options kept
@@ -286,30 +173,6 @@ def _checked_options(request: AttentionRequest) -> dict[str, object]:
             )
         )
     return kept
-
-
-# A model asks for the same causal/window mask in every layer and decoding step: masks up to
-# this many scores (16 MiB of bool) are built once, a few of them kept.
-MAX_CACHED_SCORES = 2**24
-
-
-@functools.lru_cache(maxsize=8)
-def structural_visibility(
-    L_q, L_k, causal, window, sinks, device, pattern=None
-) -> torch.Tensor | None:
-    """`AttentionRequest.structural_mask` for one structure, kept for the next call."""
-    return _structure(L_q, L_k, causal, window, sinks, device, pattern)
-
-
-def _structure(L_q, L_k, causal, window, sinks, device, pattern=None) -> torch.Tensor | None:
-    causal_mask = masks.causal(L_q, L_k, device=device) if causal else None
-    window_mask = (
-        masks.sliding_window(L_q, L_k, window, sinks=sinks, device=device)
-        if window is not None
-        else None
-    )
-    sparse_mask = None if pattern is None else dense_mask(pattern, L_q, L_k, device=device)
-    return masks.combine(causal_mask, window_mask, sparse_mask)
 
 
 FunctionT = TypeVar("FunctionT", bound=Callable)

@@ -14,8 +14,9 @@ What this wrapper adds to the raw call, and nothing more:
 - one bf16/fp16 query on the CPU (a decoding step) runs in fp32, where PyTorch's CPU kernel is
   several times faster (see `_compute_dtype`);
 - sequences packed along L (`qkv.sparse.Packed`, causal or not, nothing else masked) are
-  gathered into a padded batch of sequences for the kernel and scattered back (`_repadded`):
-  the kernel's work is that of a padded batch, not of the whole packed length squared.
+  gathered into a padded batch of sequences for the kernel and scattered back
+  (qkv.attention.sdpa_packed): the kernel's work is that of a padded batch, not of the whole
+  packed length squared.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from qkv.attention import score_terms, sdpa_packed
 from qkv.attention.nan_rows import fill_nan_rows, nan_rows, without_nan_keys
-from qkv.attention.request import AttentionRequest, structural_visibility
+from qkv.attention.request import AttentionRequest
 from qkv.attention.sparse import Packed
 
 name = "sdpa"
@@ -107,7 +109,7 @@ def notes(request: AttentionRequest) -> list[str]:
 def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:
     """Returns (output (B, H, L_q, D_v), None), in q's dtype."""
     if repads(request):
-        return _repadded(request), None
+        return sdpa_packed.repadded(request, enable_gqa=_HAS_ENABLE_GQA), None
     q, k, v = request.q, request.k, request.v
     dtype = _compute_dtype(request)
     if dtype != q.dtype:
@@ -146,7 +148,8 @@ def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:
 
 
 def repads(request: AttentionRequest) -> bool:
-    """Whether the call is packed self-attention sequences and nothing else (`_repadded`)."""
+    """Whether the call is packed self-attention sequences and nothing else, which
+    qkv.attention.sdpa_packed runs as a padded batch."""
     pattern = request.pattern
     return (
         isinstance(pattern, Packed)
@@ -159,50 +162,6 @@ def repads(request: AttentionRequest) -> bool:
         and request.lengths is None
         and request.query_lengths is None
     )
-
-
-def _repadded(request: AttentionRequest) -> torch.Tensor:
-    """Packed sequences through the kernel as a padded batch: gather (B, H, T, D) into
-    (B * S, H, n_max, D), attend with each sequence's key padding (causal within it, if the
-    pattern or the call asks), scatter back; (B, H, T, D_v)."""
-    q, k, v = request.q, request.k, request.v
-    B, H, T, _ = q.shape
-    offsets = torch.tensor(request.pattern.query_offsets, device=q.device)
-    lengths = offsets.diff()  # (S,)
-    n_max = max(int(lengths.max()), 1)
-    slot = torch.arange(n_max, device=q.device)  # (n_max,)
-    real = slot < lengths[:, None]  # (S, n_max)
-    index = (offsets[:-1, None] + slot).clamp(max=max(T - 1, 0))  # (S, n_max) packed positions
-    flat = index.reshape(-1)
-
-    def gather(x: torch.Tensor) -> torch.Tensor:  # (B, H_x, T, D) -> (B * S, H_x, n_max, D)
-        picked = x[:, :, flat].view(B, x.shape[1], *index.shape, x.shape[-1])
-        return picked.permute(0, 2, 1, 3, 4).reshape(-1, x.shape[1], n_max, x.shape[-1])
-
-    # each sequence's own keys; an empty sequence gets one dummy key, its rows are dropped
-    keys = real | ((lengths == 0)[:, None] & (slot == 0))
-    allowed = keys[:, None, None, :]  # (S, 1, 1, n_max)
-    if request.causal or request.pattern.causal:
-        allowed = allowed & torch.ones(n_max, n_max, dtype=torch.bool, device=q.device).tril()
-    allowed = allowed.repeat(B, 1, 1, 1)  # (B * S, 1, n_max | 1, n_max)
-    gqa = {"enable_gqa": True} if request.group_size > 1 and _HAS_ENABLE_GQA else {}
-    k_rows, v_rows = gather(k), gather(v)
-    if request.group_size > 1 and not gqa:
-        k_rows = k_rows.repeat_interleave(request.group_size, dim=1)
-        v_rows = v_rows.repeat_interleave(request.group_size, dim=1)
-    output = F.scaled_dot_product_attention(
-        gather(q),
-        without_nan_keys(k_rows),
-        v_rows,
-        attn_mask=allowed,
-        dropout_p=request.dropout_p,
-        scale=request.scale,
-        **gqa,
-    )  # fmt: skip  (B * S, H, n_max, D_v)
-    output = fill_nan_rows(output, nan_rows(gather(q), k_rows, allowed))
-    output = output.view(B, -1, H, n_max, output.shape[-1]).permute(0, 2, 1, 3, 4)
-    keep = real.reshape(-1)  # (S * n_max,): the slots that hold a token
-    return output.reshape(B, H, -1, output.shape[-1])[:, :, keep]  # (B, H, T, D_v)
 
 
 def _cast_back(output: torch.Tensor, request: AttentionRequest) -> torch.Tensor:
@@ -265,11 +224,11 @@ def _kernel_mask(
     (..., L_q, 1) bool).
     """
     if request.mask is None and request.bias is None and request.alibi_slopes is None:
-        key = request.structure_key()  # None where it is not to be cached
+        key = score_terms.structure_key(request)  # None where it is not to be cached
         if key is not None:
             return _structural_kernel_mask(*key)
-    allowed = request.allowed()
-    additive = request.additive()
+    allowed = score_terms.allowed(request)
+    additive = score_terms.additive(request)
     if additive is None:
         row_visible = allowed.any(dim=-1, keepdim=True)
         return allowed | ~row_visible, row_visible
@@ -286,6 +245,6 @@ def _kernel_mask(
 def _structural_kernel_mask(*key) -> tuple[torch.Tensor, torch.Tensor]:
     """`_kernel_mask` of a call with causal/window/sinks only: the same in every layer and
     step of a model, so built once (within `structure_key`'s size bound)."""
-    allowed = structural_visibility(*key)
+    allowed = score_terms.structural_visibility(*key)
     row_visible = allowed.any(dim=-1, keepdim=True)
     return allowed | ~row_visible, row_visible

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from qkv.attention.checks import check_callable
+from qkv.attention import score_terms
+from qkv.attention.option_checks import check_callable
 from qkv.attention.request import AttentionRequest, takes_options
 from qkv.attention.tiled import kernels
 from qkv.attention.tiles import TilePlan
@@ -125,13 +126,13 @@ def tiled_attention(
         plan=_plan(request, block_q, block_k),
         scale=request.scale,
         softcap=request.softcap,
-        score_mod=request.score_mod_with_alibi(),  # ALiBi per score, never a dense bias
+        score_mod=score_terms.score_mod_with_alibi(request),  # ALiBi per score, never a dense bias
         dropout_p=request.dropout_p,
         seed=int(torch.randint(0, 2**62, (1,)).item()) if request.dropout_p > 0 else 0,
         mask=request.mask if request.has_bool_mask else None,
         trace=trace,
     )
-    bias = request.dense_additive()  # a float mask is one more additive term
+    bias = score_terms.dense_additive(request)  # a float mask is one more additive term
     captured = kernels.captured_tensors(settings.score_mod) if torch.is_grad_enabled() else ()
     output, lse = _FlashAttention.apply(request.q, request.k, request.v, bias, settings, *captured)
     return (output, lse) if return_lse else output

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from qkv.attention import score_terms
 from qkv.attention.request import AttentionRequest, takes_options
 from qkv.attention.tiles import TilePlan
 
@@ -42,10 +43,10 @@ def attention_weights(
     scores = q_sel @ k.to(dtype)[:, kv_index].transpose(-1, -2)  # (B, h, r, L_k)
     if request.softcap is not None:
         scores = request.softcap * torch.tanh(scores / request.softcap)
-    additive = request.dense_additive()
+    additive = score_terms.dense_additive(request)
     if additive is not None:
         scores = scores + _select(additive, head_index, row_index).to(dtype)
-    score_mod = request.score_mod_with_alibi()
+    score_mod = score_terms.score_mod_with_alibi(request)
     if score_mod is not None:
         batch = torch.arange(B, device=q.device).view(-1, 1, 1, 1)
         key_index = torch.arange(k.shape[2], device=q.device).view(1, 1, 1, -1)
