@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from qkv.attention.checks import check_pattern
+from qkv.attention.option_checks import check_pattern
 from qkv.attention.sparse import Packed, SparsePattern
 from qkv.layers import EncoderBlock, LayerNorm
 from qkv.layers._dropout import make_dropout

@@ -14,14 +14,9 @@
 from qkv.positional.alibi import alibi_bias, alibi_slopes
 from qkv.positional.learned import LearnedPositionalEmbedding
 from qkv.positional.relative import ShawRelativeKeys, T5RelativeBias, t5_relative_bucket
+from qkv.positional.rope_layout import half_split_to_interleaved, interleaved_to_half_split
 from qkv.positional.rope_scaling import ROPE_SCALING_KINDS, RopeScaling
-from qkv.positional.rotary import (
-    RotaryEmbedding,
-    apply_rope,
-    half_split_to_interleaved,
-    interleaved_to_half_split,
-    rope_cos_sin,
-)
+from qkv.positional.rotary import RotaryEmbedding, apply_rope, rope_cos_sin
 from qkv.positional.sinusoidal import SinusoidalPositionalEncoding, sinusoidal_table
 from qkv.positional.sinusoidal2d import Sinusoidal2DPositionalEncoding, sinusoidal_2d_table
 

@@ -17,7 +17,7 @@ Which coordinates form a pair is a layout choice that checkpoints disagree on:
   original Llama code (`view_as_complex`).
 
 The two differ only by a permutation of each head's coordinates, which can be folded into the
-q/k projection weights once (`interleaved_to_half_split`, as Hugging Face's Llama conversion
+q/k projection weights once (qkv.positional.rope_layout, as Hugging Face's Llama conversion
 script does), after which both give the same attention scores.
 """
 
@@ -34,14 +34,11 @@ from qkv.positional._checks import (
     check_positions,
 )
 from qkv.positional.rope_scaling import RopeScaling, scaled_inverse_frequencies
-from qkv.validation import check_int
 
 __all__ = [
     "LAYOUTS",
     "RotaryEmbedding",
     "apply_rope",
-    "half_split_to_interleaved",
-    "interleaved_to_half_split",
     "rope_cos_sin",
 ]
 
@@ -185,28 +182,6 @@ class RotaryEmbedding(nn.Module):
         return text if self.scaling is None else f"{text}, scaling={self.scaling}"
 
 
-def interleaved_to_half_split(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Reorder the output rows of a q or k projection from the interleaved to the half layout.
-
-    weight: (num_heads * head_dim, in_features), or a bias (num_heads * head_dim,). Within each
-    head, output row 2j + c (pair j, component c) moves to row c * head_dim/2 + j. A model that
-    applies interleaved RoPE to the original projections then produces exactly the attention
-    scores of half-layout RoPE on the converted ones: this is the `permute` of Hugging Face's
-    `convert_llama_weights_to_hf.py`. Apply it to q_proj and k_proj (never to v or out).
-    """
-    head_dim = _check_projection(weight, num_heads)
-    rows = weight.reshape(num_heads, head_dim // 2, 2, -1)  # (H, D/2, 2, in): row 2j + c
-    return rows.transpose(1, 2).reshape(weight.shape)  # (H, 2, D/2, in): row c * D/2 + j
-
-
-def half_split_to_interleaved(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """The inverse of `interleaved_to_half_split`: within each head, row c * head_dim/2 + j
-    moves back to row 2j + c. weight: (num_heads * head_dim, in_features) or a 1-D bias."""
-    head_dim = _check_projection(weight, num_heads)
-    rows = weight.reshape(num_heads, 2, head_dim // 2, -1)  # (H, 2, D/2, in): row c * D/2 + j
-    return rows.transpose(1, 2).reshape(weight.shape)  # (H, D/2, 2, in): row 2j + c
-
-
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
     """`apply_rope` on checked arguments: x (B, H, L, D), cos/sin (L, D) or (B, L, D)."""
     if cos.dim() == 3:
@@ -284,21 +259,3 @@ def _check_rope_positions(positions: object, q: torch.Tensor, k: torch.Tensor) -
             f"positions: expected shape (L,) or (B, L) with L equal to both L_q={L_q} and "
             f"L_k={L_k} and B in ({B_q}, 1), got {tuple(positions.shape)}"
         )
-
-
-def _check_projection(weight: object, num_heads: int) -> int:
-    """Validate a q/k projection weight or bias and return its head_dim."""
-    if not isinstance(weight, torch.Tensor) or weight.dim() not in (1, 2):
-        got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
-        raise ValueError(
-            f"weight: expected shape (num_heads * head_dim, in_features) or a bias "
-            f"(num_heads * head_dim,), got {got}"
-        )
-    check_int("num_heads", num_heads, minimum=1)
-    out_features = weight.shape[0]
-    if out_features % num_heads or (out_features // num_heads) % 2:
-        raise ValueError(
-            f"num_heads: expected a divisor of weight.shape[0]={out_features} leaving an even "
-            f"head_dim, got num_heads={num_heads}"
-        )
-    return out_features // num_heads
