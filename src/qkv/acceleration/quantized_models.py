@@ -28,6 +28,7 @@ from qkv.acceleration.quantized import (
     quantized_kernel,
 )
 from qkv.acceleration.quantized_embedding import QuantizedEmbedding
+from qkv.models.building import built_on_meta
 from qkv.models.gguf.config import gguf_config
 from qkv.models.gguf.file import GGUFError, GGUFFile, GGUFTensor, read_gguf
 from qkv.models.gguf.model import gguf_keys, gguf_tensor_names, rope_rows_to_qkv
@@ -101,8 +102,7 @@ def quantized_from_gguf(source: str | Path | GGUFFile) -> GPT:
     tied output layer then shares the embedding's fp32 weight."""
     file = source if isinstance(source, GGUFFile) else read_gguf(source)
     config = gguf_config(file)
-    with torch.device("meta"):  # no memory, no random init: every weight comes from the file
-        model = GPT(config)
+    model = built_on_meta(lambda: GPT(config))  # no memory: every weight comes from the file
     dense, quantized = _file_tensors(file, model)
     tied = config.tie_embeddings and "output.weight" not in file.tensors
     embedding = quantized.pop("token_embedding", None)  # (blocks, kind) or None: dense

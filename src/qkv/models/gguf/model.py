@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from qkv.models.building import built_on_meta
 from qkv.models.checkpoints.core import CheckpointError
 from qkv.models.gguf.config import gguf_config
 from qkv.models.gguf.file import GGUFError, GGUFFile, read_gguf
@@ -93,8 +94,7 @@ def model_from_file(file: GGUFFile, *, dtype: torch.dtype = torch.float32) -> GP
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
     config = gguf_config(file)
-    with torch.device("meta"):  # no memory, no random init: every weight comes from the file
-        model = GPT(config)
+    model = built_on_meta(lambda: GPT(config))  # no memory: every weight comes from the file
     tensors = load_gguf_tensors(file, model, dtype=dtype)  # names and shapes checked first
     try:
         model.load_state_dict(tensors, strict=True, assign=True)
