@@ -28,6 +28,10 @@ via Positional Interpolation"), with factor n / L for windows of n tokens; "yarn
 et al. 2024) with the same factor; and "dynamic" NTK, whose scale is the window's own n / L
 (Peng et al. 2023, s3.3: factor 1 in the rule of `qkv.positional.RopeScaling`), one config for
 every length. At n = L every scaling is plain RoPE.
+
+The same measurement on a real LLM, SmolLM2-135M-Instruct past its trained context of 8192
+tokens, comes beside the trained decoders (`qkv.studies.extrapolation_real`), where the package
+that ships it is installed. The table's columns are relative to each model's own L.
 """
 
 from __future__ import annotations
@@ -43,8 +47,11 @@ import torch.nn.functional as F
 
 from qkv.models import GPT, GPTConfig
 from qkv.positional import RopeScaling
+from qkv.studies import extrapolation_real
+from qkv.studies.extrapolation_real import SMOLLM2_SIZES
+from qkv.studies.extrapolation_verdict import PAST, RATIO, verdicts
 from qkv.studies.inputs import data_order, documentation_lm
-from qkv.studies.record import StudyResult, Verdict, grade
+from qkv.studies.record import StudyResult
 from qkv.training.optim import build_optimizer
 from qkv.training.schedule import build_scheduler
 
@@ -57,7 +64,9 @@ CLAIM = (
     "their perplexity past L, learned and sinusoidal absolute positions and plain RoPE (Su et "
     "al. 2021) to degrade, no positions at all (Haviv et al. 2022) to sit between, and RoPE "
     "scalings applied at inference (Chen et al. 2023; Peng et al. 2023) to recover part of "
-    "RoPE's loss without retraining."
+    "RoPE's loss without retraining. A real LLM, SmolLM2-135M-Instruct, is expected to do the "
+    "same past its trained context of 8192 tokens: plain RoPE to degrade, the scalings to "
+    "recover part of it."
 )
 ENCODINGS = ("none", "learned", "sinusoidal", "rope", "alibi", "t5")
 SCALINGS = ("linear", "dynamic", "yarn", "llama3")  # applied to the RoPE model at inference
@@ -72,6 +81,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "batch_size": 4, "learning_rate": 3e-3, "warmup_steps": 1, "weight_decay": 0.1,
         "eval_tokens": 256, "validation_fraction": 0.1, "llama3_low_freq_factor": 1.0,
         "llama3_high_freq_factor": 4.0, "stable_within": 0.1, "blow_up": 2.0,
+        **SMOLLM2_SIZES["tiny"],
     },
     "default": {
         "train_length": 64, "length_multiples": [1, 2, 4, 8], "vocab_size": 1024,
@@ -79,7 +89,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "train_steps": 700, "batch_size": 16, "learning_rate": 3e-3, "warmup_steps": 35,
         "weight_decay": 0.1, "eval_tokens": 16384, "validation_fraction": 0.1,
         "llama3_low_freq_factor": 1.0, "llama3_high_freq_factor": 4.0, "stable_within": 0.1,
-        "blow_up": 2.0,
+        "blow_up": 2.0, **SMOLLM2_SIZES["default"],
     },
 }  # fmt: skip
 
@@ -107,14 +117,21 @@ def run(settings: dict[str, Any], *, seed: int) -> StudyResult:
             perplexity[label] = [score[0] for score in scores]
             past_training[label] = [score[1] for score in scores]
             logger.info("%s: ppl %s at lengths %s", label, _rounded(perplexity[label]), lengths)
+    smollm2 = extrapolation_real.measure_smollm2(
+        settings, SCALINGS, lambda kind, n, L: _scaling(kind, n, L, settings)
+    )
     series = {
         "train_length": L, "lengths": lengths, "perplexity": perplexity,
-        "perplexity_past_train_length": past_training,
+        "perplexity_past_train_length": past_training, "smollm2": smollm2,
     }  # fmt: skip
-    columns, rows = _table(series)
+    columns, rows = _table(series, settings)
+    rows += extrapolation_real.smollm2_rows(
+        smollm2, {"L": "L", "ppl@L": _column(1), "ppl@2L": _column(2), "past": PAST, "ratio": RATIO}
+    )
+    findings = _findings(series, settings) + extrapolation_real.smollm2_findings(smollm2)
     return StudyResult(
         name="extrapolation", title=TITLE, claim=CLAIM, columns=columns, rows=rows,
-        findings=_findings(series, settings), series=series,
+        findings=findings, series=series,
     )  # fmt: skip
 
 
@@ -192,15 +209,14 @@ def _evaluated(encoding: str, config: GPTConfig, lengths: list[int], settings: d
         yield (
             f"rope + {kind}",
             lambda n, kind=kind: dataclasses.replace(
-                config, rope_scaling=_scaling(kind, n, settings)
+                config, rope_scaling=_scaling(kind, n, settings["train_length"], settings)
             ),
         )
 
 
-def _scaling(kind: str, length: int, settings: dict[str, Any]) -> RopeScaling:
+def _scaling(kind: str, length: int, L: int, settings: dict[str, Any]) -> RopeScaling:
     """The rule `kind` for windows of `length` tokens, original length L: factor n / L, or 1
     for dynamic NTK, whose scale follows each call's own length."""
-    L = settings["train_length"]
     factor = 1.0 if kind == "dynamic" else length / L
     extra = {}
     if kind == "llama3":
@@ -251,22 +267,23 @@ def _rounded(values: list[float]) -> list[float]:
     return [round(value, 2) for value in values]
 
 
-def _table(series: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]]]:
-    """One row per encoding (and RoPE scaling): ppl at each length, ppl on the positions past L
-    in the longest windows, and the ratio ppl@8L / ppl@L."""
-    L, lengths = series["train_length"], series["lengths"]
-    longest = lengths[-1]
-    past_column = f"ppl@{longest} past {L}"
-    ratio_column = f"ppl@{longest} / ppl@{L}"
-    columns = ["encoding", *[f"ppl@{n}" for n in lengths], past_column, ratio_column]
+def _column(multiple: int) -> str:
+    """The column of perplexity on windows of multiple * L tokens: "ppl@L", "ppl@2L", ..."""
+    return "ppl@L" if multiple == 1 else f"ppl@{multiple}L"
+
+
+def _table(series: dict[str, Any], settings: dict[str, Any]):
+    """(columns, one row per trained encoding and RoPE scaling): ppl at each multiple of L,
+    ppl on the positions past L in the longest windows, and ppl at the longest over ppl@L."""
+    L, multiples = series["train_length"], settings["length_multiples"]
+    model = f"GPT, {settings['num_layers']} layers of width {settings['embed_dim']}, trained here"
+    columns = ["model", "encoding", "L", *[_column(m) for m in multiples], PAST, RATIO]
     rows = []
     for label, values in series["perplexity"].items():
-        row = {
-            "encoding": label,
-            **{f"ppl@{n}": value for n, value in zip(lengths, values, strict=True)},
-        }
-        row[past_column] = series["perplexity_past_train_length"][label][-1]
-        row[ratio_column] = values[-1] / values[0]
+        row = {"model": model, "encoding": label, "L": L}
+        row |= {_column(m): value for m, value in zip(multiples, values, strict=True)}
+        row[PAST] = series["perplexity_past_train_length"][label][-1]
+        row[RATIO] = values[-1] / values[0]
         rows.append(row)
     return columns, rows
 
@@ -330,12 +347,13 @@ def _scalings_finding(series: dict[str, Any], longest: int) -> str:
 
 def figure(result: StudyResult):
     """Perplexity against evaluation length (log-log), one line per encoding, RoPE scalings
-    dashed, the training length marked."""
+    dashed, the training length marked; SmolLM2's perplexities beside it where measured."""
     from matplotlib.figure import Figure
 
     series = result.series
-    fig = Figure(figsize=(7.5, 4.8))
-    ax = fig.add_subplot()
+    real = "context" in series.get("smollm2", {})
+    fig = Figure(figsize=(13.5 if real else 7.5, 4.8))
+    ax = fig.add_subplot(1, 2 if real else 1, 1)
     for label, values in series["perplexity"].items():
         style = "--" if label.startswith("rope + ") else "-"
         ax.plot(series["lengths"], values, style, marker="o", markersize=4, label=label)
@@ -345,55 +363,10 @@ def figure(result: StudyResult):
     ax.set_xticks(series["lengths"], [str(n) for n in series["lengths"]])
     ax.set_xlabel("evaluation window (tokens)")
     ax.set_ylabel("validation perplexity")
-    ax.set_title(TITLE)
+    ax.set_title("Trained here: " + TITLE[0].lower() + TITLE[1:], fontsize=10)
     ax.legend(fontsize=8, ncol=2)
     ax.grid(True, which="both", alpha=0.3)
+    if real:
+        extrapolation_real.draw_smollm2(fig.add_subplot(1, 2, 2), series["smollm2"])
+    fig.tight_layout()
     return fig
-
-
-KEPT_WITHIN = 1.1  # "keeps its perplexity": at the longest window, at most 1.1x that at L
-WHY = (
-    "the decoders here have 2 layers of width 64 and train 700 steps on 64-token windows of a "
-    "1024-token vocabulary, where Press et al. 2022 train models of 247M parameters and more on "
-    "WikiText-103: T5's buckets past the longest trained distance and RoPE's low frequencies "
-    "are learned from far less text."
-)
-
-
-def verdicts(rows: list[dict[str, Any]]) -> list[Verdict]:
-    """Each part of CLAIM from the table: the last column is perplexity at the longest window
-    over perplexity at the training length L, per encoding."""
-    key = next(key for key in rows[0] if " / " in key)
-    ratio = {row["encoding"]: row[key] for row in rows}
-    longest = {row["encoding"]: row[key.split(" / ")[0]] for row in rows}
-    kept = f"within {KEPT_WITHIN}x its perplexity at L ({key})"
-    found = []
-    for name, label in (("alibi", "ALiBi keeps"), ("t5", "T5's bias keeps")):
-        found.append(Verdict(
-            f"{label} its perplexity past L", grade(ratio[name] <= KEPT_WITHIN, 1),
-            f"Supported if {name}'s perplexity at the longest window is {kept}.",
-            f"{name} {ratio[name]:.2f}x", WHY))  # fmt: skip
-    degrading, worst = ("learned", "sinusoidal", "rope"), max(longest, key=longest.get)
-    found.append(Verdict(
-        "learned, sinusoidal and plain RoPE positions degrade",
-        grade(sum(ratio[name] > KEPT_WITHIN for name in degrading), len(degrading)),
-        f"Supported if each of {', '.join(degrading)} ends above {KEPT_WITHIN}x its perplexity "
-        "at L, mixed if some do.",
-        ", ".join(f"{name} {ratio[name]:.2f}x" for name in degrading) + f"; worst at the "
-        f"longest window: {worst} ({longest[worst]:.3g}; Vaswani et al. 2017 hoped sinusoidal "
-        "positions would extrapolate, Press et al. 2022 found they do not)", WHY))  # fmt: skip
-    lowest = min(ratio[name] for name in degrading)
-    found.append(Verdict(
-        "no positions sit between", grade(KEPT_WITHIN < ratio["none"] < lowest, 1),
-        f"Supported if no positions' ratio is above {KEPT_WITHIN}x (it does not keep) and below "
-        "the lowest of learned, sinusoidal and plain RoPE.",
-        f"none {ratio['none']:.2f}x, lowest of the three {lowest:.2f}x", WHY))  # fmt: skip
-    scaled = [name for name in ratio if name.startswith("rope + ")]
-    found.append(Verdict(
-        "RoPE scalings at inference recover part of RoPE's loss",
-        grade(sum(longest[name] < longest["rope"] for name in scaled), len(scaled)),
-        "Supported if every scaling lowers plain RoPE's perplexity at the longest window, mixed "
-        "if some do.",
-        ", ".join(f"{name} {longest[name]:.3g}" for name in scaled)
-        + f" against rope {longest['rope']:.3g}", WHY))  # fmt: skip
-    return found
