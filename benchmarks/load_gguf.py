@@ -8,13 +8,16 @@ in a fresh Python process, as a user's first `qkv chat` does, the loaders taking
 round (so a busy spell of the machine hits each alike):
     qkv           qkv.models.gguf.read_gguf, model_from_file (dequantized to fp32), and the
                   tokenizer and chat template from the same read (qkv.data.gguf_tokenizer)
+    qkv quantized the same with qkv.acceleration.quantized_from_gguf: the linears and the
+                  embedding kept in the file's blocks (Q4_1, Q8_0), never dequantized
     transformers  AutoModelForCausalLM and AutoTokenizer from_pretrained(folder, gguf_file=...),
                   fp32 (its GGUF loader dequantizes with the gguf package)
     llama.cpp     llama_cpp.Llama(model_path, n_ctx=2048): the quantized weights mapped as they
                   are (only when llama-cpp-python is installed: `make bench-peers`)
 Reported per loader: seconds from the start of the import to a model ready to generate (the
 median over rounds, the import alone beside it), and the process's peak resident memory (the
-high-water mark, ru_maxrss), with qkv's ratio to each peer.
+high-water mark, ru_maxrss), with qkv's ratio to each peer, and how far the load raised it above
+its mark after the imports: what the model itself costs, against 1.3x the file's size.
 """
 
 from __future__ import annotations
@@ -31,18 +34,21 @@ from common import format_table, log, machine_info, write_json
 
 HERE = Path(__file__).resolve().parent
 
-# Each child prints one JSON line: {"import_s", "load_s", "peak_rss_mb"}.
+# Each child prints one JSON line: {"import_s", "load_s", "peak_rss_mb", "import_rss_mb"}.
 _CHILD = r"""
 import json, resource, sys, time
+def high_water_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 started = time.perf_counter()
 path = sys.argv[1]
-if sys.argv[2] == "qkv":
+if sys.argv[2] in ("qkv", "qkv quantized"):
+    from qkv.acceleration import quantized_from_gguf
     from qkv.data import chat_format_from_metadata, tokenizer_from_metadata
     from qkv.models.gguf import read_gguf
     from qkv.models.gguf.model import model_from_file
-    imported = time.perf_counter()
+    imported, import_mb = time.perf_counter(), high_water_mb()
     file = read_gguf(path)
-    model = model_from_file(file)
+    model = (model_from_file if sys.argv[2] == "qkv" else quantized_from_gguf)(file)
     tokenizer = tokenizer_from_metadata(file.metadata)
     chat = chat_format_from_metadata(file.metadata)
 elif sys.argv[2] == "transformers":
@@ -52,18 +58,17 @@ elif sys.argv[2] == "transformers":
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
-    imported = time.perf_counter()
+    imported, import_mb = time.perf_counter(), high_water_mb()
     folder, name = str(Path(path).parent), Path(path).name
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
 else:
     from llama_cpp import Llama
-    imported = time.perf_counter()
+    imported, import_mb = time.perf_counter(), high_water_mb()
     model = Llama(model_path=path, n_ctx=2048, verbose=False)
 done = time.perf_counter()
-peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 print(json.dumps({"import_s": imported - started, "load_s": done - started,
-                  "peak_rss_mb": peak_mb}))
+                  "peak_rss_mb": high_water_mb(), "import_rss_mb": import_mb}))
 """
 
 
@@ -103,7 +108,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(HERE / "results" / "load_gguf.json"))
     args = parser.parse_args()
     path = smollm2_file()
-    loaders = ["qkv", "transformers"]
+    loaders = ["qkv", "qkv quantized", "transformers"]
     if importlib.util.find_spec("llama_cpp") is not None:
         loaders.append("llama.cpp")
     runs = {loader: [] for loader in loaders}
@@ -113,15 +118,20 @@ def main() -> None:
             runs[loader].append(load_once(loader, path))
             log(f"round {round_index + 1}: {loader} {runs[loader][-1]}")
     rows = {loader: _summary(samples) for loader, samples in runs.items()}
+    file_mb = path.stat().st_size / 2**20
     for row in rows.values():
         row["qkv_speedup"] = row["load_s"] / rows["qkv"]["load_s"]
         row["qkv_memory_ratio"] = rows["qkv"]["peak_rss_mb"] / row["peak_rss_mb"]
+        row["load_rss_mb"] = row["peak_rss_mb"] - row["import_rss_mb"]
+        row["load_rss_over_file"] = row["load_rss_mb"] / file_mb
     table = [
         [name, f"{r['load_s']:.1f}", f"{r['import_s']:.1f}", f"{r['peak_rss_mb']:.0f}",
+         f"{r['load_rss_mb']:.0f}", f"{r['load_rss_over_file']:.2f}x",
          f"{r['qkv_speedup']:.1f}x", f"{r['qkv_memory_ratio']:.2f}"]
         for name, r in rows.items()
     ]  # fmt: skip
-    header = ["loader", "ready s", "import s", "peak RSS MB", "qkv faster", "qkv RSS / peer"]
+    header = ["loader", "ready s", "import s", "peak RSS MB", "RSS over import MB",
+              "x file", "qkv faster", "qkv RSS / peer"]  # fmt: skip
     print(format_table(table, header))
     payload = {
         "machine": machine_info("cpu"),
