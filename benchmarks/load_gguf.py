@@ -42,13 +42,15 @@ def high_water_mb():
 started = time.perf_counter()
 path = sys.argv[1]
 if sys.argv[2] in ("qkv", "qkv quantized"):
-    from qkv.acceleration import quantized_from_gguf
     from qkv.data import chat_format_from_metadata, tokenizer_from_metadata
     from qkv.models.gguf import read_gguf
-    from qkv.models.gguf.model import model_from_file
+    if sys.argv[2] == "qkv":
+        from qkv.models.gguf.model import model_from_file as load
+    else:
+        from qkv.acceleration import quantized_from_gguf as load
     imported, import_mb = time.perf_counter(), high_water_mb()
     file = read_gguf(path)
-    model = (model_from_file if sys.argv[2] == "qkv" else quantized_from_gguf)(file)
+    model = load(file)
     tokenizer = tokenizer_from_metadata(file.metadata)
     chat = chat_format_from_metadata(file.metadata)
 elif sys.argv[2] == "transformers":
