@@ -8,6 +8,7 @@ A bool is never taken for a number: True is an int in Python, but not a size or 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -72,11 +73,13 @@ def check_probability(name: str, value: object) -> float:
 
 
 def check_positive_float(name: str, value: object) -> float:
-    """`value` must be a number > 0 (an epsilon, a base)."""
+    """`value` must be a finite number > 0 (an epsilon, a base)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name}: expected a positive float, got {type(value).__name__} {value!r}")
     if not value > 0.0:
         raise ValueError(f"{name}: expected a positive float, got {value}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: expected a finite positive float, got {value}")
     return float(value)
 
 
@@ -94,12 +97,17 @@ def check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
 
 
-def preset(presets: Mapping[str, Config], name: str, overrides: Mapping[str, object]) -> Config:
-    """presets[name] (a dataclass) with the fields in `overrides` replaced: what every config's
-    `from_name` returns. An unknown name is a ValueError, an unknown field a TypeError."""
+def preset(
+    presets: Mapping[str, object], name: str, overrides: Mapping[str, object], config_class=None
+) -> Config:
+    """presets[name] (a dataclass, or the fields of a `config_class`) with the fields in
+    `overrides` replaced: what every config's `from_name` returns. An unknown name is a
+    ValueError, an unknown field a TypeError."""
     if name not in presets:
         raise ValueError(f"name: unknown preset {name!r}; expected one of {sorted(presets)}")
     chosen = presets[name]
+    if isinstance(chosen, Mapping):
+        chosen = config_class(**chosen)
     fields = {field.name for field in dataclasses.fields(chosen)}
     unknown = sorted(set(overrides) - fields)
     if unknown:

@@ -31,7 +31,8 @@ from torch import nn
 
 from qkv.acceleration.quantized_models import quantized_from_gguf, quantized_pays
 from qkv.data.gguf_tokenizer import ChatFormat, chat_format_from_metadata, tokenizer_from_metadata
-from qkv.generation.generate import DecodeOptions, stream
+from qkv.generation.options import DecodeOptions
+from qkv.generation.streaming import stream
 from qkv.generation.text import incremental_text, load_for_generation
 from qkv.models.checkpoints.bundled import PACKAGED_MODELS, packaged_model_path
 from qkv.models.gguf.file import read_gguf

@@ -3,7 +3,8 @@ them, and linear (kernelised) attention."""
 
 from qkv.attention import flex as _flex_backend
 from qkv.attention import masks, sparse
-from qkv.attention.core import BACKENDS, attention, explain, register_backend, serving_backends
+from qkv.attention.core import BACKENDS, attention, register_backend, serving_backends
+from qkv.attention.explain import explain
 from qkv.attention.linear import (
     FavorFeatureMap,
     LinearAttention,

@@ -1,4 +1,5 @@
-"""`qkv.attention` and `qkv.explain`: one entry point, several backends, one set of conventions.
+"""`qkv.attention`: one entry point, several backends, one set of conventions (explain.py says,
+for `qkv.explain`, which backend a call gets and why).
 
 A backend is a module (or any object) with:
     name: str, summary: str,
@@ -97,34 +98,6 @@ def attention(
     else:
         output, weights = chosen.run(request)
     return (output, weights) if request.return_weights else output
-
-
-@takes_options
-def explain(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str = "auto", **options
-) -> str:
-    """Which backend `attention` would run for these arguments, and why, in words."""
-    request = AttentionRequest(q, k, v, **options)
-    chosen = _choose(request, backend)
-    how = "named explicitly" if backend != "auto" else "the fastest backend that serves this call"
-    lines = [
-        f"backend {chosen.name!r}: {how}.",
-        f"  {chosen.name}: {chosen.summary}",
-        f"  call: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, {q.dtype}, "
-        f"{q.device}",
-    ]
-    lines += [f"  - {note}" for note in chosen.notes(request)]
-    if backend == "auto" and _takes_sdpa_at_once(request):
-        lines.append(
-            "  taken without asking the others: a plain call (no window, sparse pattern, ALiBi "
-            "slopes, soft-cap or score_mod), where PyTorch's fused kernels are the fastest"
-        )
-    elif backend == "auto":
-        for name, other in BACKENDS.items():
-            if name == chosen.name:
-                break
-            lines.append(f"  passed over {name!r}: {_why_not_auto(other, request)}")
-    return "\n".join(lines)
 
 
 @takes_options

@@ -3,9 +3,11 @@ greedy search, sampling and beam search are strategies (its options in one `Deco
 attention sinks, text in and out."""
 
 from qkv.generation.beam import beam_search, greedy_decode
-from qkv.generation.generate import DecodeStep, decode_steps, generate, make_cache, stream
+from qkv.generation.filters import filter_top_k, filter_top_p
+from qkv.generation.generate import DecodeStep, generate, make_cache
 from qkv.generation.options import DecodeOptions
-from qkv.generation.sampling import filter_top_k, filter_top_p, next_token
+from qkv.generation.sampling import next_token
+from qkv.generation.streaming import decode_steps, stream
 
 __all__ = [
     "DecodeOptions",

@@ -4,10 +4,10 @@ encoder-decoder models, by greedy search, sampling or beam search.
 One loop does all of it (qkv.generation.loop): a step source feeds the model (steps.py: the
 prefill of a decoder-only model's prompt, or the encoder and the decoder's start token), a
 strategy chooses the tokens (strategies.py: greedy, sampling; beam_strategy.py). Three entry
-points share that loop and one `DecodeOptions`: `decode_steps` yields a `DecodeStep` (tokens,
-the logits they were chosen from, the cache) per step; `stream` yields only the tokens;
-`generate` returns the whole sequences. All three check their arguments when called, before
-any decoding.
+points share that loop and one `DecodeOptions`: `generate` returns the whole sequences; in
+streaming.py, `decode_steps` yields a `DecodeStep` (tokens, the logits they were chosen from,
+the cache) per step and `stream` yields only the tokens. All three check their arguments when
+called, before any decoding.
 
 Decoder-only prompts of different lengths are left-padded, with an attention_mask; the output is
 the prompt followed by the new tokens. An encoder-decoder `Transformer` takes the source ids
@@ -33,19 +33,18 @@ from torch import nn
 
 from qkv import capabilities
 from qkv.generation.beam_strategy import BeamSearch
+from qkv.generation.encoder_decoder_steps import EncoderDecoderSteps, encoder_decoder_source
 from qkv.generation.loop import DecodeStep, decode_loop
-from qkv.generation.options import DecodeOptions, decode_options
-from qkv.generation.steps import DecoderOnlySteps, EncoderDecoderSteps, make_cache, prompt_mask
+from qkv.generation.options import DecodeOptions, check_tokens, decode_options
+from qkv.generation.steps import DecoderOnlySteps, make_cache, prompt_mask
 from qkv.generation.strategies import TokenChoice
 from qkv.models.encoder_decoder import Transformer
 
 __all__ = [
     "DecodeOptions",
     "DecodeStep",
-    "decode_steps",
     "generate",
     "make_cache",
-    "stream",
 ]
 
 
@@ -98,45 +97,6 @@ def generate(
     return torch.cat([prompt, added], dim=1)
 
 
-def stream(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    options: DecodeOptions | None = None,
-    *,
-    attention_mask: torch.Tensor | None = None,
-    steps: Callable | None = None,
-    **fields: object,
-) -> Iterator[torch.Tensor]:
-    """The same decoding as `generate`, yielding each step's tokens (B,) as they come
-    (greedy search or sampling: beam search knows its tokens only at the end)."""
-    options = decode_options(options, fields)
-    if options.num_beams > 1:
-        raise ValueError(
-            f"num_beams: beam search knows its tokens only at the end; expected num_beams=1 to "
-            f"stream, got {options.num_beams} (generate returns the best hypotheses)"
-        )
-    decoding = start_decoding(model, input_ids, options, attention_mask, steps)
-    return (step.tokens for step in decoding.steps)
-
-
-def decode_steps(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    options: DecodeOptions | None = None,
-    *,
-    attention_mask: torch.Tensor | None = None,
-    steps: Callable | None = None,
-    **fields: object,
-) -> Iterator[DecodeStep]:
-    """The same decoding as `generate`, yielding a `DecodeStep` (tokens, logits, cache, and with
-    beam search each beam's parent row) per step.
-
-    Arguments are checked here, when called; the decoding runs as the iterator is consumed.
-    """
-    options = decode_options(options, fields)
-    return start_decoding(model, input_ids, options, attention_mask, steps).steps
-
-
 @dataclass(frozen=True)
 class Prepared:
     """A decoding call's model side, checked: its step source, the prompt (B, L0) the new tokens
@@ -187,7 +147,7 @@ def prepare(model, input_ids, options: DecodeOptions, attention_mask, steps=None
                 "steps: for decoder-only models; an encoder-decoder Transformer decodes through "
                 "its own `decode`; expected steps=None"
             )
-        return Prepared(*_encoder_decoder(model, input_ids, options, attention_mask))
+        return Prepared(*encoder_decoder_source(model, input_ids, options, attention_mask))
     return Prepared(*_decoder_only(model, input_ids, options, attention_mask, steps))
 
 
@@ -238,26 +198,6 @@ def _has_bf16_linears(model: nn.Module) -> bool:
                for m in model.modules())  # fmt: skip
 
 
-def _encoder_decoder(model, input_ids, options: DecodeOptions, attention_mask):
-    """(EncoderDecoderSteps, the start tokens, eos_token_id) of an encoder-decoder's call."""
-    config = model.config
-    if options.sinks is not None:
-        raise ValueError(
-            "sinks: StreamingLLM caches are for decoder-only models; expected sinks=None for an "
-            "encoder-decoder Transformer"
-        )
-    eos = config.eos_token_id if options.eos_token_id is None else options.eos_token_id
-    _check_tokens(options, config.tgt_vocab_size, eos)
-    if 1 + options.max_new_tokens > config.max_positions:
-        raise ValueError(
-            f"max_new_tokens: the start token + {options.max_new_tokens} new tokens exceed the "
-            f"model's target context of {config.max_positions}; expected at most "
-            f"{config.max_positions - 1}"
-        )
-    source = EncoderDecoderSteps(model, input_ids, attention_mask, options.max_new_tokens)
-    return source, source.start, eos
-
-
 def _generator(seed: int | None, device) -> torch.Generator | None:
     if seed is None:
         return None
@@ -270,7 +210,7 @@ def _check_call(config, input_ids, options: DecodeOptions) -> tuple[int, int]:
     """What the options ask of this model and prompt; (B, L)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids: expected a non-empty (B, L) tensor, got {input_ids!r}")
-    _check_tokens(options, config.vocab_size, options.eos_token_id)
+    check_tokens(options, config.vocab_size, options.eos_token_id)
     B, L = input_ids.shape
     max_new_tokens = options.max_new_tokens
     context = config.context_length  # max_positions, or RoPE scaling's extended context
@@ -283,13 +223,6 @@ def _check_call(config, input_ids, options: DecodeOptions) -> tuple[int, int]:
     if options.sinks is not None:
         _check_sinks(config, options.sinks)
     return B, L
-
-
-def _check_tokens(options: DecodeOptions, vocab_size: int, eos: int | None) -> None:
-    if eos is not None and not 0 <= eos < vocab_size:
-        raise ValueError(f"eos_token_id: {eos} is outside the vocabulary [0, {vocab_size})")
-    if options.top_k is not None and options.top_k > vocab_size:
-        raise ValueError(f"top_k: {options.top_k} exceeds the vocabulary size {vocab_size}")
 
 
 def _check_sinks(config, sinks) -> None:

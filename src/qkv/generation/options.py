@@ -127,3 +127,11 @@ def _check_beams(options: DecodeOptions) -> None:
             f"num_beams: beam search is deterministic; expected temperature=0 with "
             f"num_beams={options.num_beams}, got temperature={options.temperature}"
         )
+
+
+def check_tokens(options: DecodeOptions, vocab_size: int, eos: int | None) -> None:
+    """eos_token_id and top_k fit a vocabulary of `vocab_size` tokens."""
+    if eos is not None and not 0 <= eos < vocab_size:
+        raise ValueError(f"eos_token_id: {eos} is outside the vocabulary [0, {vocab_size})")
+    if options.top_k is not None and options.top_k > vocab_size:
+        raise ValueError(f"top_k: {options.top_k} exceeds the vocabulary size {vocab_size}")

@@ -10,9 +10,8 @@ source reorders its caches so that row i continues row parents[i].
   cache: O(t) per step instead of O(t^2). Prompts of different lengths are left-padded: pad
   tokens are masked out as keys and each row's position ids count only its real tokens, so a
   row's tokens get the positions (and RoPE angles) they would have alone.
-- `EncoderDecoderSteps` (the encoder-decoder `Transformer`): the encoder runs once; the decoder
-  starts from the start token and keeps a `DecoderCache`, whose cross-attention keys/values are
-  projected from the memory once per source and shared by every row of that source.
+- `EncoderDecoderSteps` (the encoder-decoder `Transformer`, encoder_decoder_steps.py): the
+  encoder runs once; the decoder starts from the start token and keeps a `DecoderCache`.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from qkv.generation.loop import Choice, Logits
 from qkv.layers.kv_cache import StaticKVCache
 from qkv.layers.sink_cache import SinkKVCache
 
-__all__ = ["DecoderOnlySteps", "EncoderDecoderSteps", "make_cache", "prompt_mask"]
+__all__ = ["DecoderOnlySteps", "make_cache", "prompt_mask"]
 
 
 class DecoderOnlySteps:
@@ -70,43 +69,6 @@ class DecoderOnlySteps:
                 **options,
             )  # fmt: skip
         return Logits(output.logits[:, -1].float(), output.top_logit, output.top_token)
-
-
-class EncoderDecoderSteps:
-    """An encoder-decoder `Transformer`: the source encoded once (here, under no_grad, which
-    also checks its ids), then the target from the config's start token, cached.
-
-    input_ids (B, L_src) with attention_mask (B, L_src) (1/True on real tokens) or None.
-    """
-
-    def __init__(self, model, input_ids, attention_mask, max_new_tokens: int) -> None:
-        with torch.no_grad():
-            self.memory = model.encode(input_ids, attention_mask)  # (B, L_src, E)
-        B = self.memory.shape[0]
-        self.model, self.memory_mask = model, attention_mask
-        self.cache = model.new_decoder_cache(B, max(1, max_new_tokens))
-        bos = model.config.bos_token_id
-        self.start = torch.full((B, 1), bos, dtype=torch.long, device=self.memory.device)
-
-    def first(self) -> Logits:
-        return self._logits(self.start)  # (B, V)
-
-    def next(self, choice: Choice) -> Logits:
-        if choice.prompts is not None:  # rows of one source share its memory's keys/values
-            self.memory = self.memory[choice.prompts]
-            if self.memory_mask is not None:
-                self.memory_mask = self.memory_mask[choice.prompts]
-            self.cache.reorder_cross_attention(choice.prompts)
-        if choice.parents is not None:
-            self.cache.reorder_self_attention(choice.parents)
-        return self._logits(choice.tokens.unsqueeze(1))
-
-    def _logits(self, tokens: torch.Tensor) -> Logits:
-        """Feed each row's newest token: logits of the token after it, (R, V), fp32."""
-        logits = self.model.decode(
-            tokens, self.memory, memory_mask=self.memory_mask, cache=self.cache
-        )
-        return Logits(logits[:, -1].float())
 
 
 def make_cache(

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import qkv.models as models
-from qkv.generation.generate import stream
+from qkv.generation.streaming import stream
 from qkv.models.checkpoints.core import read_tokenizer
 
 __all__ = ["incremental_text", "load_for_generation", "stream_text"]

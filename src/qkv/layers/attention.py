@@ -25,11 +25,12 @@ from torch.utils.hooks import RemovableHandle
 from qkv.attention import attention
 from qkv.attention.sparse import SparsePattern
 from qkv.layers import torch_interop
+from qkv.layers.attention_checks import check_heads, check_rope, check_sizes
 from qkv.layers.kv_cache import CrossAttentionCache, LayerCache
 from qkv.positional import RotaryEmbedding, alibi_bias
-from qkv.validation import check_positive_int, check_probability
+from qkv.validation import check_probability
 
-__all__ = ["MultiHeadAttention", "check_heads", "check_rope"]
+__all__ = ["MultiHeadAttention", "check_heads", "check_rope"]  # the checks: attention_checks.py
 
 
 class MultiHeadAttention(nn.Module):
@@ -74,7 +75,7 @@ class MultiHeadAttention(nn.Module):
     ) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        _check_sizes(embed_dim, num_heads, num_kv_heads, context_dim)
+        check_sizes(embed_dim, num_heads, num_kv_heads, context_dim)
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim = embed_dim // num_heads
         self.context_dim = context_dim
@@ -258,50 +259,6 @@ def _sum_biases(alibi: torch.Tensor | None, bias: torch.Tensor | None) -> torch.
     if alibi is None or bias is None:
         return bias if alibi is None else alibi
     return alibi + bias
-
-
-def _check_sizes(
-    embed_dim: int, num_heads: int, num_kv_heads: int, context_dim: int | None
-) -> None:
-    check_positive_int("embed_dim", embed_dim)
-    check_positive_int("num_heads", num_heads)
-    check_positive_int("num_kv_heads", num_kv_heads)
-    if context_dim is not None:
-        check_positive_int("context_dim", context_dim)
-    check_heads(embed_dim, num_heads, num_kv_heads)
-
-
-def check_heads(embed_dim: int, num_heads: int, num_kv_heads: int) -> None:
-    """Heads that split embed_dim evenly, and K/V heads that each serve the same number of query
-    heads (MHA: as many, GQA: a divisor, MQA: one; Ainslie et al. 2023)."""
-    if embed_dim % num_heads:
-        raise ValueError(
-            f"embed_dim: {embed_dim} is not divisible by num_heads={num_heads}; expected a "
-            f"multiple of num_heads (head_dim = embed_dim // num_heads)"
-        )
-    if num_heads % num_kv_heads:
-        raise ValueError(
-            f"num_kv_heads: {num_kv_heads} does not divide num_heads={num_heads}; expected a "
-            f"divisor (MHA: equal, GQA: a divisor, MQA: 1)"
-        )
-
-
-def check_rope(
-    rope: RotaryEmbedding | None, head_dim: int, *, size: str = "embed_dim // num_heads"
-) -> RotaryEmbedding | None:
-    """`rope` is None or a rotary embedding built for `head_dim` (`size` says what that is)."""
-    if rope is None:
-        return None
-    if not isinstance(rope, nn.Module):
-        raise TypeError(
-            f"rope: expected a qkv.positional.RotaryEmbedding or None, got {type(rope).__name__}"
-        )
-    rope_dim = getattr(rope, "head_dim", head_dim)
-    if rope_dim != head_dim:
-        raise ValueError(
-            f"rope: built for head_dim={rope_dim}, expected head_dim={head_dim} ({size})"
-        )
-    return rope
 
 
 def _check_sequence(name: str, tensor: torch.Tensor, width: int) -> None:

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from qkv.attention import attention
-from qkv.layers.attention import check_heads, check_rope
+from qkv.layers.attention_checks import check_heads, check_rope
 from qkv.layers.norms import RMSNorm
 from qkv.positional import RotaryEmbedding
 from qkv.validation import check_positive_int, describe

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qkv.layers.attention import check_heads
+from qkv.layers.attention_checks import check_heads
 from qkv.layers.feedforward import ACTIVATIONS
 from qkv.models.patch_grid import SquarePatches
 from qkv.validation import (

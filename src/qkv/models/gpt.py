@@ -8,8 +8,8 @@
 Causal self-attention is what makes it a language model: position i sees only positions j <= i
 (the look-ahead mask), so logits[:, i] predict token i + 1 and the loss compares them with the
 labels shifted by one. Which norm, which FFN and which position encoding a block uses is the
-config's choice, made once by the factory functions below; the forward pass never asks which
-family it runs. Keys and values may have fewer heads than queries (GQA, Ainslie et al. 2023;
+config's choice, made once by the factory functions of gpt_parts.py; the forward pass never asks
+which family it runs. Keys and values may have fewer heads than queries (GQA, Ainslie et al. 2023;
 MQA, Shazeer 2019), and the output head may share the token embedding matrix (weight tying,
 Press & Wolf 2017).
 
@@ -26,12 +26,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkv.attention.sparse import Packed, SparsePattern
-from qkv.layers import FeedForward, LayerNorm, MultiHeadAttention, RMSNorm, SwiGLU, pre_norm
+from qkv.attention.sparse import SparsePattern
+from qkv.layers import MultiHeadAttention, pre_norm
 from qkv.layers._dropout import make_dropout
 from qkv.layers.kv_cache import LayerCache, StaticKVCache
 from qkv.layers.sink_cache import SinkKVCache
 from qkv.models.gpt_config import GPTConfig
+from qkv.models.gpt_packed import packed_call
+from qkv.models.gpt_parts import (
+    make_ffn,
+    make_norm,
+    make_position_embedding,
+    make_relative_bias,
+    make_rope,
+    once_per_shape,
+)
 from qkv.models.losses import IGNORE_INDEX, cross_entropy
 from qkv.models.outputs import CausalLMOutput
 from qkv.models.pretrained import PretrainedIO
@@ -40,58 +49,9 @@ from qkv.models.sizes import check_model_fits
 from qkv.positional import (
     LearnedPositionalEmbedding,
     RotaryEmbedding,
-    SinusoidalPositionalEncoding,
-    T5RelativeBias,
 )
 
 __all__ = ["GPT", "GPTBlock", "GPTConfig", "make_ffn", "make_norm", "make_rope", "next_token_loss"]
-
-
-def make_norm(config: GPTConfig) -> nn.Module:
-    """The norm a config asks for: LayerNorm (GPT-2) or RMSNorm (Llama), over E features."""
-    if config.norm == "layernorm":
-        return LayerNorm(config.embed_dim, eps=config.norm_eps, bias=config.bias)
-    return RMSNorm(config.embed_dim, eps=config.norm_eps)
-
-
-def make_ffn(config: GPTConfig) -> nn.Module:
-    """The feed-forward sub-layer: GELU(tanh) MLP (GPT-2) or SwiGLU (Llama; Shazeer 2020)."""
-    if config.ffn == "gelu_tanh":
-        return FeedForward(
-            config.embed_dim, config.ffn_dim, activation="gelu_tanh", bias=config.bias
-        )
-    return SwiGLU(config.embed_dim, config.ffn_dim, bias=config.bias)
-
-
-def make_rope(config: GPTConfig) -> RotaryEmbedding | None:
-    """RoPE for the attention layers when positions are rotary, else None (learned positions
-    are added to the embeddings instead). Half-split layout: that of Hugging Face's Llama."""
-    if config.position == "rope":
-        return RotaryEmbedding(
-            config.head_dim, base=config.rope_base, layout="half", scaling=config.rope_scaling
-        )
-    return None
-
-
-def make_position_embedding(config: GPTConfig) -> nn.Module | None:
-    """What is added to the token embeddings: a learned table (GPT-2) or the sinusoids of
-    Vaswani et al. 2017 (s3.5, computed past the table on the fly); None for the kinds that act
-    inside attention (rope, alibi, t5) and for "none"."""
-    if config.position == "learned":
-        return LearnedPositionalEmbedding(config.max_positions, config.embed_dim)
-    if config.position == "sinusoidal":
-        return SinusoidalPositionalEncoding(config.embed_dim, config.max_positions)
-    return None
-
-
-def make_relative_bias(config: GPTConfig) -> T5RelativeBias | None:
-    """T5's causal bucketed bias (Raffel et al. 2020, s2.1), one table for all the layers."""
-    if config.position != "t5":
-        return None
-    return T5RelativeBias(
-        config.num_heads, bidirectional=False, num_buckets=config.relative_buckets,
-        max_distance=config.relative_max_distance,
-    )  # fmt: skip
 
 
 def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -251,9 +211,11 @@ class GPT(PretrainedIO, nn.Module):
         mask = _key_mask(attention_mask, B, L + (0 if cache is None else cache.length), check_ids)
         _check_labels(labels, B, L, logits_to_keep)
         _check_position_ids(position_ids, B, L)
-        pattern, position_ids, labels = _packed(
-            sequence_lengths, L, cache, position_ids, labels, input_ids.device
-        )
+        pattern = None
+        if sequence_lengths is not None:  # several sequences along L, each on its own
+            pattern, position_ids, labels = packed_call(
+                sequence_lengths, L, cache, position_ids, labels, input_ids.device
+            )
         x = self.token_embedding(input_ids)  # (B, L, E)
         if self.config.position == "sinusoidal":  # as large as the sinusoids (Vaswani s3.4)
             x = x * self.config.embed_dim**0.5
@@ -265,7 +227,7 @@ class GPT(PretrainedIO, nn.Module):
             )
             x = x + self.position_embedding(positions)  # (B, L, E): added once, here
         x = self.dropout(x)
-        relative_bias = None if self.relative_bias is None else _once_per_shape(self.relative_bias)
+        relative_bias = None if self.relative_bias is None else once_per_shape(self.relative_bias)
         for index, block in enumerate(self.blocks):
             layer_cache = None if cache is None else cache.layer(index)
             x = block(
@@ -279,43 +241,6 @@ class GPT(PretrainedIO, nn.Module):
         logits = self.lm_head(kept)  # (B, L, V), or (B, n, V)
         loss = None if labels is None else next_token_loss(logits, labels)
         return CausalLMOutput(logits=logits, loss=loss, last_hidden_state=hidden)
-
-
-def _once_per_shape(bias):
-    """`bias(L_q, L_k)` computed once per shape and shared by every layer of one forward (T5's
-    table is one for all layers; each layer learns L_k only from its cache)."""
-    computed: dict[tuple[int, int], torch.Tensor] = {}
-
-    def shared(L_q: int, L_k: int) -> torch.Tensor:
-        if isinstance(L_q, torch.SymInt) or isinstance(L_k, torch.SymInt):
-            return bias(L_q, L_k)  # a symbolic size (torch.export) has no hash: one per layer
-        if (L_q, L_k) not in computed:
-            computed[L_q, L_k] = bias(L_q, L_k)
-        return computed[L_q, L_k]
-
-    return shared
-
-
-def _packed(sequence_lengths, L: int, cache, position_ids, labels, device):
-    """(pattern, position_ids, labels) of a packed call (see GPT.forward), or the given ones."""
-    if sequence_lengths is None:
-        return None, position_ids, labels
-    if cache is not None:
-        raise ValueError("sequence_lengths: packed sequences are for training and scoring; "
-                         "expected cache=None")  # fmt: skip
-    pattern = Packed.from_lengths(sequence_lengths)
-    if pattern.query_offsets[-1] != L:
-        raise ValueError(
-            f"sequence_lengths: {list(sequence_lengths)} sum to {pattern.query_offsets[-1]}, "
-            f"expected the packed length L={L}"
-        )
-    starts = torch.tensor(pattern.query_offsets[:-1], device=device)
-    if position_ids is None:  # 0 .. n_s - 1 in each sequence
-        position_ids = pattern.positions(device)
-    if labels is not None:  # a sequence's first token is not predicted from the one before
-        labels = labels.clone()
-        labels[:, starts[1:]] = IGNORE_INDEX
-    return pattern, position_ids, labels
 
 
 def _check_input_ids(input_ids: object, config: GPTConfig, check_values: bool) -> tuple[int, int]:

@@ -18,8 +18,8 @@ from qkv.models.checkpoints import bert, gpt2, llama, t5, vit
 from qkv.models.checkpoints.bundled import PACKAGED_MODELS, packaged_model_path
 from qkv.models.encoder_decoder_config import TRANSFORMER_PRESETS, TransformerConfig
 from qkv.models.gguf import gguf_config, read_gguf
-from qkv.models.gpt_config import PRESETS as GPT_PRESETS
 from qkv.models.gpt_config import GPTConfig
+from qkv.models.gpt_presets import PRESETS as GPT_PRESETS
 from qkv.models.t5_config import T5_PRESETS, T5Config
 from qkv.models.vit_config import PRESETS as VIT_PRESETS
 from qkv.models.vit_config import ViTConfig
