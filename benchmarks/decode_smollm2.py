@@ -73,12 +73,20 @@ class LlamaCpp:
         """(seconds for new_tokens - 1 steps after the first, the new tokens)."""
         self.llm.reset()
         self.llm.eval(ids)
-        tokens = [int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))]
+        tokens = [self._greedy()]
         started = time.perf_counter()
         for _ in range(new_tokens - 1):
             self.llm.eval([tokens[-1]])
-            tokens.append(int(np.argmax(self.llm.scores[self.llm.n_tokens - 1])))
+            tokens.append(self._greedy())
         return time.perf_counter() - started, tokens
+
+    def _greedy(self) -> int:
+        """The argmax of the last position's logits, read from llama.cpp's context (`scores`
+        holds logits only with logits_all=True, which would compute every position's)."""
+        import llama_cpp
+
+        pointer = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        return int(np.ctypeslib.as_array(pointer, shape=(self.llm.n_vocab(),)).argmax())
 
     def prefill(self, ids: list[int]) -> float:
         self.llm.reset()

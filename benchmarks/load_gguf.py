@@ -16,8 +16,10 @@ round (so a busy spell of the machine hits each alike):
                   are (only when llama-cpp-python is installed: `make bench-peers`)
 Reported per loader: seconds from the start of the import to a model ready to generate (the
 median over rounds, the import alone beside it), and the process's peak resident memory (the
-high-water mark, ru_maxrss), with qkv's ratio to each peer, and how far the load raised it above
-its mark after the imports: what the model itself costs, against 1.3x the file's size.
+high-water mark, VmHWM), with qkv's ratio to each peer, and how far the load raised it above
+its mark after the imports: what the model itself costs, against 1.3x the file's size. Then
+each decodes a context of 512 prompt tokens and 16 new ones (greedy), and the mark after it,
+less the KV cache, is given against the file's size too: the memory of a model in use.
 """
 
 from __future__ import annotations
@@ -34,11 +36,18 @@ from common import format_table, log, machine_info, write_json
 
 HERE = Path(__file__).resolve().parent
 
-# Each child prints one JSON line: {"import_s", "load_s", "peak_rss_mb", "import_rss_mb"}.
+# Each child prints one JSON line: {"import_s", "load_s", "peak_rss_mb", "import_rss_mb",
+# "context_rss_mb"} (the high-water marks after the imports, the load, and a 512-token context).
 _CHILD = r"""
 import json, resource, sys, time
 def high_water_mb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    # VmHWM: this process's own mark. ru_maxrss starts at the parent's RSS when it forked
+    # (Linux keeps the pre-exec copy's mark), which would floor every loader at the parent's.
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(l.split()[1]) for l in status if l.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 started = time.perf_counter()
 path = sys.argv[1]
 if sys.argv[2] in ("qkv", "qkv quantized"):
@@ -69,8 +78,23 @@ else:
     imported, import_mb = time.perf_counter(), high_water_mb()
     model = Llama(model_path=path, n_ctx=2048, verbose=False)
 done = time.perf_counter()
+loaded_mb = high_water_mb()
+# then a context: 512 prompt tokens and 16 new ones, greedy (the same ids for every loader)
+prompt = [(17 + 7919 * i) % 49152 for i in range(512)]
+if sys.argv[2].startswith("qkv"):
+    import torch, qkv
+    qkv.generate(model, torch.tensor([prompt]), max_new_tokens=16)
+elif sys.argv[2] == "transformers":
+    model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
+else:
+    import llama_cpp, numpy as np
+    model.eval(prompt)
+    for _ in range(16):  # greedy: the argmax of the last position's logits
+        last = llama_cpp.llama_get_logits_ith(model.ctx, -1)
+        model.eval([int(np.ctypeslib.as_array(last, shape=(model.n_vocab(),)).argmax())])
 print(json.dumps({"import_s": imported - started, "load_s": done - started,
-                  "peak_rss_mb": high_water_mb(), "import_rss_mb": import_mb}))
+                  "peak_rss_mb": loaded_mb, "import_rss_mb": import_mb,
+                  "context_rss_mb": high_water_mb()}))
 """
 
 
@@ -92,6 +116,20 @@ def write_again(path: Path, folder: Path, weight_type: str) -> Path:
     keys = {k: v for k, v in file.metadata.items() if k.startswith("tokenizer.")}
     target = folder / f"{path.stem.rsplit('.', 1)[0]}.{weight_type}.gguf"
     return save_gguf(model_from_file(file), target, weight_type=weight_type, extra_metadata=keys)
+
+
+def kv_cache_mb(path: Path, loader: str) -> float:
+    """MiB of the KV cache each loader holds after the context: fp32 keys and values of the
+    528 positions for qkv and transformers, f16 of all n_ctx = 2048 for llama.cpp (allocated
+    with the context)."""
+    from qkv.models.gguf import read_gguf
+
+    meta = read_gguf(path).metadata
+    layers, heads = meta["llama.block_count"], meta["llama.attention.head_count"]
+    kv_heads = meta["llama.attention.head_count_kv"]
+    head_dim = meta["llama.embedding_length"] // heads
+    positions, size = (2048, 2) if loader == "llama.cpp" else (512 + 16, 4)
+    return 2 * layers * kv_heads * head_dim * positions * size / 2**20
 
 
 def load_once(loader: str, path: Path) -> dict:
@@ -121,19 +159,25 @@ def main() -> None:
             log(f"round {round_index + 1}: {loader} {runs[loader][-1]}")
     rows = {loader: _summary(samples) for loader, samples in runs.items()}
     file_mb = path.stat().st_size / 2**20
-    for row in rows.values():
+    for name, row in rows.items():
         row["qkv_speedup"] = row["load_s"] / rows["qkv"]["load_s"]
         row["qkv_memory_ratio"] = rows["qkv"]["peak_rss_mb"] / row["peak_rss_mb"]
         row["load_rss_mb"] = row["peak_rss_mb"] - row["import_rss_mb"]
         row["load_rss_over_file"] = row["load_rss_mb"] / file_mb
+        row["kv_cache_mb"] = kv_cache_mb(path, name)
+        row["context_over_import_mb"] = row["context_rss_mb"] - row["import_rss_mb"]
+        row["context_over_file"] = (row["context_over_import_mb"] - row["kv_cache_mb"]) / file_mb
     table = [
         [name, f"{r['load_s']:.1f}", f"{r['import_s']:.1f}", f"{r['peak_rss_mb']:.0f}",
          f"{r['load_rss_mb']:.0f}", f"{r['load_rss_over_file']:.2f}x",
-         f"{r['qkv_speedup']:.1f}x", f"{r['qkv_memory_ratio']:.2f}"]
+         f"{r['context_over_import_mb']:.0f}", f"{r['kv_cache_mb']:.0f}",
+         f"{r['context_over_file']:.2f}x", f"{r['qkv_speedup']:.1f}x",
+         f"{r['qkv_memory_ratio']:.2f}"]
         for name, r in rows.items()
     ]  # fmt: skip
     header = ["loader", "ready s", "import s", "peak RSS MB", "RSS over import MB",
-              "x file", "qkv faster", "qkv RSS / peer"]  # fmt: skip
+              "x file", "after 512 tokens MB", "KV cache MB", "x file (less KV)",
+              "qkv faster", "qkv RSS / peer"]  # fmt: skip
     print(format_table(table, header))
     payload = {
         "machine": machine_info("cpu"),

@@ -28,7 +28,7 @@ from qkv.acceleration.quantized import (
     quantized_kernel,
 )
 from qkv.acceleration.quantized_embedding import QuantizedEmbedding
-from qkv.models.building import built_on_meta
+from qkv.models.building import built_on_meta, return_freed_heap
 from qkv.models.gguf.config import gguf_config
 from qkv.models.gguf.file import GGUFError, GGUFFile, GGUFTensor, read_gguf
 from qkv.models.gguf.model import gguf_keys, gguf_tensor_names, rope_rows_to_qkv
@@ -106,14 +106,10 @@ def quantized_from_gguf(source: str | Path | GGUFFile) -> GPT:
     dense, quantized = _file_tensors(file, model)
     tied = config.tie_embeddings and "output.weight" not in file.tensors
     embedding = quantized.pop("token_embedding", None)  # (blocks, kind) or None: dense
-    if embedding is not None:
-        model.token_embedding = QuantizedEmbedding(*embedding)
-        if tied:  # one table in memory, read by the lookup and by the output layer
-            quantized["lm_head"] = (model.token_embedding.blocks, embedding[1])
-    for path, (blocks, kind) in quantized.items():
-        bias = dense.pop(f"{path}.bias", None)
-        parent, _, name = path.rpartition(".")
-        model.get_submodule(parent).register_module(name, QuantizedLinear(blocks, kind, bias=bias))
+    if embedding is not None and tied:  # one table in memory, for the lookup and the output
+        quantized = {"lm_head": embedding, **quantized}  # first: its pages go before the rest
+    biases = {path: dense.pop(f"{path}.bias", None) for path in quantized}
+    # The dense tensors first: loading a state dict lays every QuantizedLinear out again
     result = model.load_state_dict(dense, strict=False, assign=True)
     if tied and embedding is None:
         model.lm_head.weight = model.token_embedding.weight  # one fp32 (V, E) matrix
@@ -128,6 +124,15 @@ def quantized_from_gguf(source: str | Path | GGUFFile) -> GPT:
             f"path: {file.path} does not fit the model its metadata describes: missing "
             f"{missing[:10]}, unexpected {unexpected}"
         )
+    if embedding is not None:
+        model.token_embedding = QuantizedEmbedding(*embedding)
+    for path, (blocks, kind) in quantized.items():
+        parent, _, name = path.rpartition(".")
+        linear = QuantizedLinear(blocks, kind, bias=biases[path])
+        model.get_submodule(parent).register_module(name, linear)
+        file.release(blocks)  # laid out for its kernel: the file's pages go until read again
+        return_freed_heap()  # and the temporaries of the layout
+    file.release()  # what else was read: the q/k rows copied in qkv's order, the fp32 ones
     logger.info("loaded %s: %d quantized linears; %s", file.path, len(quantized), config)
     return model.eval()
 
@@ -200,8 +205,10 @@ def _keys(name: str, names: dict[str, str], file: GGUFFile) -> list[str]:
 
 
 def _block_rows(tensor: GGUFTensor) -> torch.Tensor:
-    """A GGUF matrix's blocks, (out, row bytes) uint8, copied out of the file's mapping."""
-    return torch.from_numpy(tensor.raw.reshape(tensor.shape[0], -1).copy())
+    """A GGUF matrix's blocks, (out, row bytes) uint8: a view of the file's (private) mapping,
+    a copy for a file small enough to have been read whole."""
+    rows = tensor.raw.reshape(tensor.shape[0], -1)
+    return torch.from_numpy(rows if rows.flags.writeable else rows.copy())
 
 
 def explain_quantized(model: nn.Module) -> str:

@@ -8,17 +8,24 @@ meta kernel through a function wrapped to keep torch.compile out, whose first ca
 `torch._dynamo`, several seconds of a cold start (torch 2.13: 5 s on a quiet 2-core machine),
 for values that do not exist. `built_on_meta` makes the fills of `torch.nn.init` do nothing
 while the model is built, as transformers' `no_init_weights` does.
+
+A loader that lays hundreds of tensors out, each through temporaries of a few MB, also leaves
+glibc's heap full of freed pages it keeps for later: `return_freed_heap` gives them back, so
+that what the process holds after a load is the model, not the temporaries it was made with.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
 from torch import nn
 
-__all__ = ["built_on_meta"]
+__all__ = ["built_on_meta", "return_freed_heap"]
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
@@ -45,3 +52,20 @@ def built_on_meta(build: Callable[[], ModuleT]) -> ModuleT:
     finally:
         for name, fill in saved.items():
             setattr(nn.init, name, fill)
+
+
+def return_freed_heap() -> None:
+    """Return the freed pages of the C heap to the system (glibc's `malloc_trim(0)`; nothing
+    where the C library has none). glibc serves an allocation below its adaptive threshold
+    (up to 32 MB, raised by each large block freed) from its heap, and keeps the heap's freed
+    pages: a loader's temporaries would stay resident, interleaved with the tensors it keeps."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    name = ctypes.util.find_library("c")
+    library = ctypes.CDLL(name) if name else None
+    return getattr(library, "malloc_trim", None)

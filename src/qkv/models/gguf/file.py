@@ -12,15 +12,18 @@ than the file holds (a reader that believes it loops over the whole file, buildi
 allocates the claimed size). So the header is read front to back with `struct`, and the first
 number that does not fit in the file is refused by name, before anything large is allocated.
 The tensors are then mapped from the file, not read: a 10^12-element shape costs nothing until
-it is refused. The gguf package (the format's own reader) is the reference the tests hold this
-reader to; qkv reads a file without it, several times faster (its reader makes an object of
-every string of a 49k-token vocabulary).
+it is refused. The mapping is private (copy-on-write): the arrays are writable, so tensors can
+be made from them without a copy, and a write changes this process's pages, never the file.
+The gguf package (the format's own reader) is the reference the tests hold this reader to;
+qkv reads a file without it, several times faster (its reader makes an object of every string
+of a 49k-token vocabulary).
 """
 
 from __future__ import annotations
 
+import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -75,15 +78,39 @@ class GGUFTensor:
 
 @dataclass(frozen=True)
 class GGUFFile:
-    """A checked GGUF file: metadata as plain Python values, tensors by name."""
+    """A checked GGUF file: metadata as plain Python values, tensors by name (`mapping`: the
+    file's private memory map, None for a file small enough to have been read)."""
 
     path: Path
     metadata: dict[str, object]
     tensors: dict[str, GGUFTensor]
+    mapping: mmap.mmap | None = field(default=None, repr=False, compare=False)
 
     @property
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))
+
+    def release(self, values=None) -> None:
+        """Let the pages of `values` (an array or tensor whose bytes lie in this file's
+        mapping; anything else is left alone; None: the whole mapping) leave this process's
+        memory: they are read back from the file when touched again. Only for bytes nothing
+        has written since the file was mapped (a write would be lost): a loader calls it once
+        it has laid a tensor out elsewhere, so that the file is not resident on top of the
+        model. Only whole pages inside `values` are released, never a neighbour's."""
+        if self.mapping is None:
+            return
+        base = np.frombuffer(self.mapping, dtype=np.uint8)
+        if values is None:
+            values = base
+        if isinstance(values, np.ndarray):
+            start, size = values.ctypes.data - base.ctypes.data, values.nbytes
+        else:  # a torch tensor, contiguous
+            start = values.data_ptr() - base.ctypes.data
+            size = values.numel() * values.element_size()
+        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # page-aligned, inside values
+        end = (start + size) // mmap.PAGESIZE * mmap.PAGESIZE
+        if start >= 0 and start + size <= len(self.mapping) and first < end:
+            self.mapping.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
 @dataclass(frozen=True)
@@ -101,9 +128,9 @@ def read_gguf(path: str | Path) -> GGUFFile:
     naming the field for anything the file cannot hold."""
     path, data = _open(path)
     metadata, infos, start = _Walker(memoryview(data), path).walk()
-    mapped = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
+    mapped = np.frombuffer(data, dtype=np.uint8)  # writable where `data` is the mapping
     tensors = {info.name: _tensor(mapped, start, info) for info in infos}
-    return GGUFFile(path, metadata, tensors)
+    return GGUFFile(path, metadata, tensors, data if isinstance(data, mmap.mmap) else None)
 
 
 def check_gguf(path: str | Path) -> Path:
@@ -114,15 +141,17 @@ def check_gguf(path: str | Path) -> Path:
     return path
 
 
-def _open(path: str | Path) -> tuple[Path, np.ndarray | bytes]:
-    """The file's bytes: read when small, else memory-mapped read-only (nothing is read yet)."""
+def _open(path: str | Path) -> tuple[Path, mmap.mmap | bytes]:
+    """The file's bytes: read when small, else memory-mapped copy-on-write (nothing is read
+    yet, and nothing is ever written to the file)."""
     path = Path(path)
     if not path.is_file():
         raise GGUFError(f"path: no GGUF file at {path}")
     try:
         if path.stat().st_size < 1 << 16:
             return path, path.read_bytes()
-        return path, np.memmap(path, dtype=np.uint8, mode="r")
+        with open(path, "rb") as file:  # the mapping outlives the descriptor
+            return path, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
     except OSError as error:
         raise GGUFError(f"path: cannot read {path}: {error.strerror}") from error
 

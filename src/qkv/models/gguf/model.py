@@ -128,6 +128,7 @@ def load_gguf_tensors(
     tensors = {}
     for name, tensor in file.tensors.items():
         values = dequantize(tensor.raw, tensor.kind, tensor.shape).to(dtype)
+        file.release(tensor.raw)  # decoded: its pages need not stay on top of the model
         tensors |= _renamed(name, values, names, config)
     if config.tie_embeddings:
         tensors["lm_head.weight"] = tensors["token_embedding.weight"]
