@@ -15,9 +15,9 @@ from qkv.acceleration import (
     decoding_steps,
     exported,
     packed_linears,
-    quantize,
     quantize_blocks,
 )
+from qkv.acceleration.quantized import QuantizedLinear
 from qkv.acceleration.quantized_embedding import QuantizedEmbedding
 from qkv.generation import decode_steps, generate
 from tests.acceleration.new_process import decodes_from_the_store
@@ -176,32 +176,28 @@ def test_non_finite_logits_from_the_library_fail_at_their_step(llama):
             embedding[first] = saved
 
 
-def test_packed_products_are_served(store):
-    """Inside packed_linears, the one-row products are streaming reductions in the library:
-    the eager tokens, from a library of its own (the packed model's step is another)."""
-    model = redraw(qkv_model("tiny-llama"), seed=5)
-    prompt = torch.arange(3, 9).unsqueeze(0)
-    expected = generate(model, prompt, max_new_tokens=NEW_TOKENS)
-    compiled_before = len(store[1])
-    with packed_linears(model):
-        got = generate(model, prompt, max_new_tokens=NEW_TOKENS, steps=decoding_steps(model))
-    assert torch.equal(got, expected)
-    assert len(store[1]) == compiled_before + 1
-
-
 @pytest.mark.slow
-def test_quantized_linears_are_served_with_the_constants_inductor_adds(store):
-    """Q4_1 linears (int4pack where it runs) and a Q8_0 embedding table: inductor's lowering of
-    the int4pack product adds a constant of its own (the group size), which the library records
-    and supplies itself; the eager tokens, through the library."""
-    model = quantize(redraw(qkv_model("tiny-llama"), seed=6), "Q4_1")
+def test_packed_and_quantized_products_are_served_with_the_constants_inductor_adds(store):
+    """One library for both kinds of swapped products: the attention's linears packed
+    (inside packed_linears the one-row products are streaming reductions in the library),
+    the FFN's Q4_1 linears (int4pack where it runs), a Q8_0 head and a Q8_0 embedding table.
+    Inductor's lowering of the int4pack product adds a constant of its own (the group size),
+    which the library records and supplies itself; the eager tokens, through the library."""
+    model = redraw(qkv_model("tiny-llama"), seed=6)
+    for block in model.blocks:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            linear = getattr(block.ffn, name)
+            setattr(block.ffn, name, QuantizedLinear.from_linear(linear, "Q4_1"))
+    model.lm_head = QuantizedLinear.from_linear(model.lm_head, "Q8_0")
     table = quantize_blocks(model.token_embedding.weight.detach(), "Q8_0")
     model.token_embedding = QuantizedEmbedding(table, "Q8_0")
     prompt = torch.arange(3, 9).unsqueeze(0)
     expected = generate(model, prompt, max_new_tokens=NEW_TOKENS)
     compiled_before = len(store[1])
-    steps = decoding_steps(model)
-    got = generate(model, prompt, max_new_tokens=NEW_TOKENS, steps=steps)
+    with packed_linears(model):
+        assert type(model.blocks[0].self_attn.q_proj) is not torch.nn.Linear  # packed
+        steps = decoding_steps(model)
+        got = generate(model, prompt, max_new_tokens=NEW_TOKENS, steps=steps)
     assert torch.equal(got, expected)
     assert len(store[1]) == compiled_before + 1  # served by a library, not the eager fallback
     (runner,) = steps.exported.runners.values()
