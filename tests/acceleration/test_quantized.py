@@ -111,11 +111,10 @@ def test_outputs_are_the_dequantized_product_in_the_kernels_dtype(kind, shape):
     exact = F.linear(x.double(), weight.double(), linear.bias.double())
     bound = dense_error_bound(x.reshape(-1, 96), weight, layer.compute_dtype)
     assert (y.double() - exact).abs().max().item() <= bound
-    expected_kernel = "int8-blockwise" if kind == "Q8_0" else "int4pack"
-    if quantized_module.int4pack_products() or kind == "Q8_0":
-        assert layer.kernel == expected_kernel
+    if quantized_module.int4pack_products():
+        assert layer.kernel == ("int4pack-pair" if kind == "Q8_0" else "int4pack")
     else:  # e.g. ATEN_CPU_CAPABILITY=default
-        assert layer.kernel == "dequantized"
+        assert layer.kernel == ("int8-blockwise" if kind == "Q8_0" else "dequantized")
 
 
 def test_a_width_that_is_not_whole_blocks_is_refused_by_name():
@@ -243,12 +242,12 @@ def test_smollm2_quantized_loads_the_files_blocks_and_decodes_its_greedy_tokens(
         assert top2[0] - top2[1] < 1e-2, f"token {first} differs with a margin of {top2}"
 
 
-def test_quantized_pays_for_q4_files_where_int4pack_runs_and_not_for_q8_0(
+def test_quantized_pays_where_int4pack_runs_and_not_where_it_is_missing(
     smollm2_file, tmp_path, monkeypatch
 ):
     """`quantized_pays` (what `qkv chat` decides by default) from the file and the kernels:
-    SmolLM2's Q4_1 linears where int4pack serves them; a Q8_0 file (qkv's writer) never; and
-    the Q4_1 file where int4pack is reported missing."""
+    SmolLM2's Q4_1 linears and a Q8_0 file (qkv's writer) where int4pack serves them (Q8_0 in
+    its pair form); neither where int4pack is reported missing."""
     from qkv.acceleration.quantized_models import quantized_pays
     from qkv.models.gguf.writer import save_gguf
 
@@ -259,8 +258,13 @@ def test_quantized_pays_for_q4_files_where_int4pack_runs_and_not_for_q8_0(
     config = GPTConfig(vocab_size=64, embed_dim=64, num_layers=1, num_heads=2, ffn_dim=128,
                        position="rope", norm="rmsnorm", ffn="swiglu", bias=False)  # fmt: skip
     path = save_gguf(GPT(config), tmp_path / "tiny.gguf", weight_type="Q8_0")
-    refused = quantized_pays(path)
-    assert not refused and refused.reason.startswith("Q8_0 linear weights: 0% of the file")
+    q8_0 = quantized_pays(path)
+    assert bool(q8_0) == bool(quantized_module.int4pack_products())
+    if q8_0:
+        assert q8_0.reason.startswith("8 Q8_0 linear weights (")  # with the untied output
     monkeypatch.setattr(quantized_module, "int4pack_products", lambda: Support(False, "masked"))
     masked = quantized_pays(smollm2_file)
     assert not masked and "masked" in masked.reason and "Q4_1" in masked.reason
+    refused = quantized_pays(path)
+    assert not refused and refused.reason.startswith("Q8_0 linear weights: 0% of the file")
+    assert "masked" in refused.reason

@@ -39,9 +39,10 @@ __all__ = ["explain_quantized", "quantize", "quantized_from_gguf", "quantized_pa
 
 EMBEDDING = "token_embedding.weight"
 # the kinds whose kernel here decodes faster than the fp32 model, where it is the kernel chosen
-# (benchmarks/decode_smollm2.py): int4pack reads a quarter of the bytes of bf16; Q8_0's exact
-# int8-blocks product reads its int8 codes but writes fp32 chunks, no faster than fp32 itself
-FASTER_THAN_FP32 = {"Q4_0": "int4pack", "Q4_1": "int4pack"}
+# (benchmarks/decode_smollm2.py): int4pack reads a quarter of the bytes of bf16, its pair form
+# half (Q8_0); Q8_0's exact int8-blocks product reads int8 codes but writes fp32 chunks, no
+# faster than fp32 itself, so a Q8_0 file pays only where the pair form runs
+FASTER_THAN_FP32 = {"Q4_0": "int4pack", "Q4_1": "int4pack", "Q8_0": "int4pack-pair"}
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,8 @@ def quantize(model: nn.Module, kind: str = "Q4_1", *, head_kind: str | None = "Q
     in place, and return the model. A linear whose in_features is not a multiple of 32 (a
     block) is left as it is, and logged. The model's `lm_head` (a GPT's output layer, tied to
     the embedding or not) gets `head_kind` instead: Q8_0 by default, as llama.cpp keeps the
-    output layer at a higher precision than the rest; None leaves it as it is. A tied head is
+    output layer at a higher precision than the rest, and with fp32 outputs (`fp32_output`: its
+    logits are not rounded to bf16); None leaves it as it is. A tied head is
     untied: the embedding keeps its float weight. A linear shared by several parents becomes
     one QuantizedLinear."""
     if not isinstance(model, nn.Module):
@@ -71,7 +73,8 @@ def quantize(model: nn.Module, kind: str = "Q4_1", *, head_kind: str | None = "Q
                     left.append(f"{label} ({reason})")
                 continue
             if child not in done:
-                done[child] = QuantizedLinear.from_linear(child, wanted)
+                head = parent is model and name == "lm_head"  # logits: fp32 where it can
+                done[child] = QuantizedLinear.from_linear(child, wanted, fp32_output=head)
             setattr(parent, name, done[child])
     logger.info("quantize: %d linears quantized; left as nn.Linear: %s", len(done),
                 "; ".join(left) or "none")  # fmt: skip
@@ -128,7 +131,8 @@ def quantized_from_gguf(source: str | Path | GGUFFile) -> GPT:
         model.token_embedding = QuantizedEmbedding(*embedding)
     for path, (blocks, kind) in quantized.items():
         parent, _, name = path.rpartition(".")
-        linear = QuantizedLinear(blocks, kind, bias=biases[path])
+        head = path == "lm_head"  # its logits stay fp32 where a kernel can (Q8_0)
+        linear = QuantizedLinear(blocks, kind, bias=biases[path], fp32_output=head)
         model.get_submodule(parent).register_module(name, linear)
         file.release(blocks)  # laid out for its kernel: the file's pages go until read again
         return_freed_heap()  # and the temporaries of the layout
@@ -140,7 +144,8 @@ def quantized_from_gguf(source: str | Path | GGUFFile) -> GPT:
 def quantized_pays(source: str | Path | GGUFFile) -> capabilities.Support:
     """Should the GGUF file at `source` decode with its blocks kept (`quantized_from_gguf`)
     rather than dequantized to fp32? Yes where most of its linear weights (by bytes) are of a
-    kind whose kernel here is faster than fp32 (`FASTER_THAN_FP32`: Q4_0, Q4_1 by int4pack).
+    kind whose kernel here is faster than fp32 (`FASTER_THAN_FP32`: Q4_0, Q4_1 by int4pack,
+    Q8_0 by its pair form).
     Decided from the file and what this machine's PyTorch can run, never from a timing."""
     file = source if isinstance(source, GGUFFile) else read_gguf(source)
     names = gguf_tensor_names(gguf_config(file).num_layers)
@@ -156,7 +161,7 @@ def quantized_pays(source: str | Path | GGUFFile) -> capabilities.Support:
                                           "the file) by PyTorch's int4pack kernel")  # fmt: skip
     why = f"{kinds} linear weights: {share:.0%} of the file has a kernel faster than fp32 here"
     unserved = [t.kind for t in linear if t.kind in FASTER_THAN_FP32]
-    if unserved:  # Q4_0/Q4_1 weights whose int4pack kernel does not serve here: say why
+    if unserved:  # weights whose int4pack kernel does not serve here: say why
         why += f" ({quantized_kernel(unserved[0])[1].reason})"
     return capabilities.Support(False, why)
 
@@ -221,7 +226,7 @@ def explain_quantized(model: nn.Module) -> str:
     counts = Counter((m.kind, m.kernel, m.kernel_reason.reason) for m in quantized.values())
     lines = [f"{len(quantized)} quantized linears"]
     for (kind, kernel, reason), count in sorted(counts.items()):
-        dtype = "bf16" if kernel == "int4pack" else "fp32"
+        dtype = "bf16" if kernel.startswith("int4pack") else "fp32"
         lines.append(f"  {count} {kind} by {kernel} ({dtype} compute): {reason}")
     tables = [f"{n} ({m.kind})" for n, m in modules.items() if isinstance(m, QuantizedEmbedding)]
     if tables:
