@@ -69,7 +69,7 @@ FAST_PATH_TESTS := tests/acceleration/test_packing.py tests/layers/test_dropout.
 	tests/acceleration/test_compiled.py::test_packed_and_compiled_equals_eager_and_one_graph_serves_every_later_call
 # The AOTInductor step builds the same kernels: held to AVX2 only, where a CPU without AVX-512
 # is likeliest (a library per masked run costs ~20 s).
-AVX2_TESTS := tests/acceleration/test_exported.py::test_packed_products_are_served
+AVX2_TESTS := tests/acceleration/test_exported.py::test_packed_and_quantized_products_are_served_with_the_constants_inductor_adds
 # On a CPU whose best is AVX2 (no AVX-512, AVX-VNNI or AMX), or without AVX at all, the main run
 # already took the AVX2 kernels (or none), and the AVX2 cap would repeat it kernel for kernel.
 BEYOND_AVX2 := $(shell grep -qwE 'avx512f|avx_vnni|amx_tile' /proc/cpuinfo 2>/dev/null && echo yes)

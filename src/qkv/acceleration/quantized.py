@@ -234,7 +234,7 @@ class QuantizedLinear(nn.Module):
             y = self._kernel_product(rows)
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def _kernel_product(self, rows: torch.Tensor) -> torch.Tensor:
         """(N, in) -> (N, out), in the kernel's compute dtype."""
