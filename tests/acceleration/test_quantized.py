@@ -117,6 +117,28 @@ def test_outputs_are_the_dequantized_product_in_the_kernels_dtype(kind, shape):
         assert layer.kernel == ("int8-blockwise" if kind == "Q8_0" else "dequantized")
 
 
+def test_q8_0_rows_of_a_prompt_are_computed_in_fp32_and_a_steps_in_the_pair_product():
+    """A Q8_0 layer of the pair kernel: fewer than PAIR_ROWS rows (decoding steps) through the
+    bf16 pair product, within the bf16 bound; PAIR_ROWS rows or more (a prompt) through the
+    int8 blocks in fp32, within fp32's. An fp32_output layer takes fp32 for every row."""
+    generator = torch.Generator().manual_seed(2)
+    linear = nn.Linear(96, 40, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(40, 96, generator=generator) * 0.1)
+    layer = QuantizedLinear.from_linear(linear, "Q8_0")
+    head = QuantizedLinear.from_linear(linear, "Q8_0", fp32_output=True)
+    assert head.kernel == "int8-blockwise" and "fp32 outputs" in head.kernel_reason.reason
+    weight = layer.dequantized_weight()
+    for rows in (1, quantized_module.PAIR_ROWS - 1, quantized_module.PAIR_ROWS, 40):
+        x = torch.randn(rows, 96, generator=generator)
+        exact = F.linear(x.double(), weight.double())
+        fp32_bound = dense_error_bound(x, weight, torch.float32)
+        assert (head(x).double() - exact).abs().max().item() <= fp32_bound
+        pair = layer.kernel == "int4pack-pair" and rows < quantized_module.PAIR_ROWS
+        bound = dense_error_bound(x, weight, torch.bfloat16) if pair else fp32_bound
+        assert (layer(x).double() - exact).abs().max().item() <= bound
+
+
 def test_a_width_that_is_not_whole_blocks_is_refused_by_name():
     with pytest.raises(ValueError, match="in_features=50 is not a multiple"):
         QuantizedLinear.from_linear(nn.Linear(50, 16), "Q4_1")

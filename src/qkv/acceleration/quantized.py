@@ -16,8 +16,9 @@ formats) and computes x W^T + b with the first of these kernels that this machin
 - "int4pack-pair" (Q8_0): the same int4pack product, as two nibbles. A Q8_0 value d * q (q an
   int8) is d * (16 h + l - 128) with h, l the nibbles of q + 128, so one product over [x, x]
   with the codes [h | l] along the input, scale 16d and zero 0 for the h groups, scale d and
-  zero 8d for the l groups, gives x W^T (the codes exact, d rounded to bf16 as above): 2.4x
-  faster than "int8-blockwise" on an AVX2 CPU, in bf16 as the Q4 products are.
+  zero 8d for the l groups, gives x W^T (the codes exact, d rounded to bf16 as above): 2.1x
+  faster than "int8-blockwise" for one row on an AVX2 CPU, in bf16 as the Q4 products are.
+  From `PAIR_ROWS` rows on (a prompt), int8-blockwise computes it instead, in fp32.
   PyTorch's int8 product (`_weight_int8pack_mm`) takes one scale per output row, not per block
   of 32, so it cannot hold Q8_0 without changing its values.
 - "int8-blockwise" (Q8_0, where int4pack does not run): the int8 codes (a view of the blocks)
@@ -42,6 +43,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qkv.acceleration.quantized_kernels import (
+    BLOCK,
+    int4pack_layout,
+    int4pack_pair_layout,
+    int4pack_product,
+    int8_blockwise_product,
+    int8_layout,
+)
 from qkv.capabilities import Support
 from qkv.models.gguf.quants import (
     BLOCK_FORMATS,
@@ -61,12 +70,13 @@ __all__ = [
 ]
 
 KINDS = ("Q4_0", "Q4_1", "Q8_0")
-BLOCK = 32  # values per block of every kind here, and int4pack's group size
 _QUANTIZERS = {"Q4_0": quantize_q4_0, "Q4_1": quantize_q4_1, "Q8_0": quantize_q8_0}
 INT4PACK_OPS = ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu")
 _VECTORISED = ("AVX2", "AVX512")  # the ISAs int4pack's CPU kernel has vector code for
-# fp32 values dequantized at once by the Q8_0 kernel: a scratch of 2 MiB, kept in cache
-SCRATCH_VALUES = 1 << 19
+# From this many rows on, a Q8_0 product dequantizes chunks for F.linear (fp32) rather than
+# running the pair product, whose cost grows with the rows (AVX2, 576 x 1536: 1 row 176 us
+# against 371, 16 rows 736 against 645, a 512-token prefill 23 ms against 6)
+PAIR_ROWS = 16
 
 
 def quantize_blocks(weight: torch.Tensor, kind: str) -> torch.Tensor:
@@ -101,7 +111,7 @@ def _int4pack_proved() -> Support:
     x = torch.randn(3, 2 * BLOCK, generator=generator)
     blocks = quantize_q4_1(weight)
     try:
-        y = _int4pack_product(x, *_int4pack_layout(blocks, "Q4_1", 16, 2 * BLOCK), 16)
+        y = int4pack_product(x, *int4pack_layout(blocks, "Q4_1", 16, 2 * BLOCK), 16)
     except RuntimeError as error:
         first_line = (str(error).strip().splitlines() or ["no message"])[0]
         return Support(False, f"PyTorch's int4pack product failed here: {first_line}")
@@ -187,13 +197,15 @@ class QuantizedLinear(nn.Module):
         self.kernel, self.kernel_reason = quantized_kernel(self.kind, fp32_output=self.fp32_output)
         shape = (self.out_features, self.in_features)
         if self.kernel == "int4pack":
-            packed, scales_and_zeros = _int4pack_layout(self.blocks, self.kind, *shape)
+            packed, scales_and_zeros = int4pack_layout(self.blocks, self.kind, *shape)
             laid_out = {"packed": packed, "scales_and_zeros": scales_and_zeros}
-        elif self.kernel == "int4pack-pair":
-            packed, scales_and_zeros = _int4pack_pair_layout(self.blocks, *shape)
-            laid_out = {"packed": packed, "scales_and_zeros": scales_and_zeros}
+        elif self.kernel == "int4pack-pair":  # and int8-blockwise's for PAIR_ROWS rows or more
+            packed, scales_and_zeros = int4pack_pair_layout(self.blocks, *shape)
+            codes, scales = int8_layout(self.blocks, *shape)
+            laid_out = {"packed": packed, "scales_and_zeros": scales_and_zeros,
+                        "codes": codes, "scales": scales}  # fmt: skip
         elif self.kernel == "int8-blockwise":
-            codes, scales = _int8_layout(self.blocks, *shape)
+            codes, scales = int8_layout(self.blocks, *shape)
             laid_out = {"codes": codes, "scales": scales}
         else:
             laid_out = {"dense_weight": self.dequantized_weight()}
@@ -204,7 +216,8 @@ class QuantizedLinear(nn.Module):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype the kernel computes in (inputs are cast to it, outputs cast back)."""
+        """The dtype the kernel computes in (inputs are cast to it, outputs cast back), for
+        fewer than PAIR_ROWS rows (int4pack-pair's products of more rows are fp32)."""
         return torch.bfloat16 if self.kernel.startswith("int4pack") else torch.float32
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -239,13 +252,13 @@ class QuantizedLinear(nn.Module):
     def _kernel_product(self, rows: torch.Tensor) -> torch.Tensor:
         """(N, in) -> (N, out), in the kernel's compute dtype."""
         if self.kernel == "int4pack":
-            return _int4pack_product(rows, self.packed, self.scales_and_zeros, self.out_features)
-        if self.kernel == "int4pack-pair":  # [x, x]: the h nibbles' groups, then the l ones'
+            return int4pack_product(rows, self.packed, self.scales_and_zeros, self.out_features)
+        if self.kernel == "int4pack-pair" and rows.shape[0] < PAIR_ROWS:  # [x, x]: h, then l
             rows = rows.to(torch.bfloat16)
             pair = torch.cat((rows, rows), dim=1)  # (N, 2 in)
-            return _int4pack_product(pair, self.packed, self.scales_and_zeros, self.out_features)
-        if self.kernel == "int8-blockwise":
-            return _int8_blockwise_product(rows, self.codes, self.scales)
+            return int4pack_product(pair, self.packed, self.scales_and_zeros, self.out_features)
+        if self.kernel in ("int8-blockwise", "int4pack-pair"):
+            return int8_blockwise_product(rows, self.codes, self.scales)
         return F.linear(rows.float(), self.dense_weight)
 
     def requires_grad_(self, requires_grad: bool = True) -> QuantizedLinear:
@@ -290,88 +303,6 @@ class _QuantizedProduct(torch.autograd.Function):
 
 
 _LAID_OUT = ("packed", "scales_and_zeros", "codes", "scales", "dense_weight")
-
-
-def _int4pack_layout(
-    blocks: torch.Tensor, kind: str, out_features: int, in_features: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_0/Q4_1 blocks packed for `_weight_int4pack_mm_for_cpu` (the layout of this process's
-    ISA): (packed codes, (groups, out + padding, 2) bf16 scales and zeros). The output rows are
-    padded to a multiple of 16, as the packing requires (scale 0, zero 0)."""
-    groups = in_features // BLOCK
-    fields = blocks.reshape(out_features, groups, BLOCK_FORMATS[kind].nbytes)
-    d = _f16(fields, 0)  # (out, groups)
-    zero = _f16(fields, 2) + 8 * d if kind == "Q4_1" else torch.zeros_like(d)  # exact: f64
-    codes = fields[..., -BLOCK // 2 :]  # (out, groups, 16): value i low, value i + 16 high
-    q = torch.cat((codes & 15, codes >> 4), dim=-1).reshape(out_features, in_features)
-    padding = -out_features % 16
-    q = F.pad(q.to(torch.int32), (0, 0, 0, padding))  # (out + padding, in)
-    scales_and_zeros = F.pad(torch.stack((d, zero), dim=-1), (0, 0, 0, 0, 0, padding))
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    # each value rounded once from its exact float64
-    return packed, scales_and_zeros.transpose(0, 1).contiguous().to(torch.bfloat16)
-
-
-def _int4pack_pair_layout(
-    blocks: torch.Tensor, out_features: int, in_features: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q8_0 blocks as one int4pack weight of (out, 2 in): the high nibbles h of q + 128 (scale
-    16d, zero 0: (h - 8) 16d = 16dh - 128d), then the low ones l (scale d, zero 8d: dl); their
-    sum over [x, x] is x (d q)^T. Rows padded to 16 as `_int4pack_layout` pads them."""
-    groups = in_features // BLOCK
-    fields = blocks.reshape(out_features, groups, BLOCK_FORMATS["Q8_0"].nbytes)
-    d = _f16(fields, 0)  # (out, groups) float64
-    q = fields[..., 2:].view(torch.int8).to(torch.int32) + 128  # (out, groups, 32) in [0, 255]
-    codes = torch.cat(((q >> 4).reshape(out_features, in_features),
-                       (q & 15).reshape(out_features, in_features)), dim=1)  # fmt: skip
-    padding = -out_features % 16
-    codes = F.pad(codes, (0, 0, 0, padding))  # (out + padding, 2 in)
-    high = torch.stack((16 * d, torch.zeros_like(d)), dim=-1)  # (out, groups, 2)
-    low = torch.stack((d, 8 * d), dim=-1)
-    scales_and_zeros = F.pad(torch.cat((high, low), dim=1), (0, 0, 0, 0, 0, padding))
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-    return packed, scales_and_zeros.transpose(0, 1).contiguous().to(torch.bfloat16)
-
-
-def _int4pack_product(
-    rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int
-) -> torch.Tensor:
-    """(N, in) -> (N, out) bf16."""
-    x = rows.to(torch.bfloat16).contiguous()
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, BLOCK, scales_and_zeros)
-    return y if y.shape[1] == out_features else y[:, :out_features]  # rows padded to 16
-
-
-def _int8_layout(
-    blocks: torch.Tensor, out_features: int, in_features: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q8_0 blocks -> (codes (out, groups, 32) int8, a view of the blocks; scales (out,
-    groups, 1) fp32)."""
-    fields = blocks.reshape(out_features, in_features // BLOCK, 34)
-    return fields[..., 2:].view(torch.int8), fields[..., :2].view(torch.float16).float()
-
-
-def _int8_blockwise_product(
-    rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
-) -> torch.Tensor:
-    """Q8_0: codes times fp32 scales, a cache-sized chunk of rows at a time, each chunk
-    multiplied by F.linear in fp32: the exact weights, never all at once. (N, in) -> (N, out)."""
-    rows = rows.float()
-    out_features, groups = codes.shape[:2]
-    y = rows.new_empty(rows.shape[0], out_features)
-    step = max(16, SCRATCH_VALUES // (groups * BLOCK))
-    scratch = rows.new_empty(min(step, out_features), groups, BLOCK)
-    for start in range(0, out_features, step):
-        stop = min(start + step, out_features)
-        weight = scratch[: stop - start].copy_(codes[start:stop])  # int8 -> fp32
-        weight.mul_(scales[start:stop])  # (rows, groups, 32): dequantize's values
-        y[:, start:stop] = F.linear(rows, weight.view(stop - start, -1))
-    return y
-
-
-def _f16(fields: torch.Tensor, offset: int) -> torch.Tensor:
-    """(out, groups, bytes) blocks -> (out, groups) float64: the f16 field at byte `offset`."""
-    return fields[..., offset : offset + 2].contiguous().view(torch.float16).squeeze(-1).double()
 
 
 def _check_kind(kind: object) -> None:

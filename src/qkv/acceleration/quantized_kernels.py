@@ -1,0 +1,112 @@
+"""The kernels behind `QuantizedLinear` (quantized.py): how GGUF blocks are laid out for each
+product, and the products. Shapes: blocks (out, in // 32 * block bytes) uint8, rows (N, in).
+
+- int4pack (Q4_0, Q4_1): `int4pack_layout`, `int4pack_product` (PyTorch's
+  `_weight_int4pack_mm_for_cpu`: w = (q - 8) * scale + zero per group of 32, bf16);
+- int4pack-pair (Q8_0): `int4pack_pair_layout`, the same product over [x, x];
+- int8-blockwise (Q8_0): `int8_layout`, `int8_blockwise_product` (fp32, exact weights).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qkv.models.gguf.quants import BLOCK_FORMATS
+
+__all__ = [
+    "BLOCK",
+    "SCRATCH_VALUES",
+    "f16",
+    "int4pack_layout",
+    "int4pack_pair_layout",
+    "int4pack_product",
+    "int8_blockwise_product",
+    "int8_layout",
+]
+
+BLOCK = 32  # values per block of every kind here, and int4pack's group size
+# fp32 values dequantized at once by the Q8_0 kernel: a scratch of 2 MiB, kept in cache
+SCRATCH_VALUES = 1 << 19
+
+
+def int4pack_layout(
+    blocks: torch.Tensor, kind: str, out_features: int, in_features: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_0/Q4_1 blocks packed for `_weight_int4pack_mm_for_cpu` (the layout of this process's
+    ISA): (packed codes, (groups, out + padding, 2) bf16 scales and zeros). The output rows are
+    padded to a multiple of 16, as the packing requires (scale 0, zero 0)."""
+    groups = in_features // BLOCK
+    fields = blocks.reshape(out_features, groups, BLOCK_FORMATS[kind].nbytes)
+    d = f16(fields, 0)  # (out, groups)
+    zero = f16(fields, 2) + 8 * d if kind == "Q4_1" else torch.zeros_like(d)  # exact: f64
+    codes = fields[..., -BLOCK // 2 :]  # (out, groups, 16): value i low, value i + 16 high
+    q = torch.cat((codes & 15, codes >> 4), dim=-1).reshape(out_features, in_features)
+    padding = -out_features % 16
+    q = F.pad(q.to(torch.int32), (0, 0, 0, padding))  # (out + padding, in)
+    scales_and_zeros = F.pad(torch.stack((d, zero), dim=-1), (0, 0, 0, 0, 0, padding))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    # each value rounded once from its exact float64
+    return packed, scales_and_zeros.transpose(0, 1).contiguous().to(torch.bfloat16)
+
+
+def int4pack_pair_layout(
+    blocks: torch.Tensor, out_features: int, in_features: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 blocks as one int4pack weight of (out, 2 in): the high nibbles h of q + 128 (scale
+    16d, zero 0: (h - 8) 16d = 16dh - 128d), then the low ones l (scale d, zero 8d: dl); their
+    sum over [x, x] is x (d q)^T. Rows padded to 16 as `_int4pack_layout` pads them."""
+    groups = in_features // BLOCK
+    fields = blocks.reshape(out_features, groups, BLOCK_FORMATS["Q8_0"].nbytes)
+    d = f16(fields, 0)  # (out, groups) float64
+    q = fields[..., 2:].view(torch.int8).to(torch.int32) + 128  # (out, groups, 32) in [0, 255]
+    codes = torch.cat(((q >> 4).reshape(out_features, in_features),
+                       (q & 15).reshape(out_features, in_features)), dim=1)  # fmt: skip
+    padding = -out_features % 16
+    codes = F.pad(codes, (0, 0, 0, padding))  # (out + padding, 2 in)
+    high = torch.stack((16 * d, torch.zeros_like(d)), dim=-1)  # (out, groups, 2)
+    low = torch.stack((d, 8 * d), dim=-1)
+    scales_and_zeros = F.pad(torch.cat((high, low), dim=1), (0, 0, 0, 0, 0, padding))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    return packed, scales_and_zeros.transpose(0, 1).contiguous().to(torch.bfloat16)
+
+
+def int4pack_product(
+    rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int
+) -> torch.Tensor:
+    """(N, in) -> (N, out) bf16."""
+    x = rows.to(torch.bfloat16).contiguous()
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, BLOCK, scales_and_zeros)
+    return y if y.shape[1] == out_features else y[:, :out_features]  # rows padded to 16
+
+
+def int8_layout(
+    blocks: torch.Tensor, out_features: int, in_features: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 blocks -> (codes (out, groups, 32) int8, a view of the blocks; scales (out,
+    groups, 1) fp32)."""
+    fields = blocks.reshape(out_features, in_features // BLOCK, 34)
+    return fields[..., 2:].view(torch.int8), fields[..., :2].view(torch.float16).float()
+
+
+def int8_blockwise_product(
+    rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor:
+    """Q8_0: codes times fp32 scales, a cache-sized chunk of rows at a time, each chunk
+    multiplied by F.linear in fp32: the exact weights, never all at once. (N, in) -> (N, out)."""
+    rows = rows.float()
+    out_features, groups = codes.shape[:2]
+    y = rows.new_empty(rows.shape[0], out_features)
+    step = max(16, SCRATCH_VALUES // (groups * BLOCK))
+    scratch = rows.new_empty(min(step, out_features), groups, BLOCK)
+    for start in range(0, out_features, step):
+        stop = min(start + step, out_features)
+        weight = scratch[: stop - start].copy_(codes[start:stop])  # int8 -> fp32
+        weight.mul_(scales[start:stop])  # (rows, groups, 32): dequantize's values
+        y[:, start:stop] = F.linear(rows, weight.view(stop - start, -1))
+    return y
+
+
+def f16(fields: torch.Tensor, offset: int) -> torch.Tensor:
+    """(out, groups, bytes) blocks -> (out, groups) float64: the f16 field at byte `offset`."""
+    return fields[..., offset : offset + 2].contiguous().view(torch.float16).squeeze(-1).double()
