@@ -97,7 +97,7 @@ class GGUFFile:
         has written since the file was mapped (a write would be lost): a loader calls it once
         it has laid a tensor out elsewhere, so that the file is not resident on top of the
         model. Only whole pages inside `values` are released, never a neighbour's."""
-        if self.mapping is None:
+        if self.mapping is None or not hasattr(mmap, "MADV_DONTNEED"):  # Windows has none
             return
         base = np.frombuffer(self.mapping, dtype=np.uint8)
         if values is None:
