@@ -17,8 +17,8 @@ formats) and computes x W^T + b with the first of these kernels that this machin
   int8) is d * (16 h + l - 128) with h, l the nibbles of q + 128, so one product over [x, x]
   with the codes [h | l] along the input, scale 16d and zero 0 for the h groups, scale d and
   zero 8d for the l groups, gives x W^T (the codes exact, d rounded to bf16 as above): 2.1x
-  faster than "int8-blockwise" for one row on an AVX2 CPU, in bf16 as the Q4 products are.
-  From `PAIR_ROWS` rows on (a prompt), int8-blockwise computes it instead, in fp32.
+  faster than "int8-blockwise" for one row on an AVX2 CPU, in bf16 as the Q4_0 and Q4_1
+  products are. From `PAIR_ROWS` rows on (a prompt), int8-blockwise computes it, in fp32.
   PyTorch's int8 product (`_weight_int8pack_mm`) takes one scale per output row, not per block
   of 32, so it cannot hold Q8_0 without changing its values.
 - "int8-blockwise" (Q8_0, where int4pack does not run): the int8 codes (a view of the blocks)
@@ -148,7 +148,7 @@ class QuantizedLinear(nn.Module):
     mapping is). bias: (out_features,) or None, a trainable Parameter as nn.Linear's.
     fp32_output: for a model's output layer, keep Q8_0 outputs in fp32 ("int8-blockwise"):
     logits rounded to bf16 move in steps of 1/8 around 16, which ties a greedy choice and
-    coarsens sampling (the Q4 kinds have no fp32 kernel here but the dequantized fallback).
+    coarsens sampling (Q4_0 and Q4_1 have no fp32 kernel here but the dequantized fallback).
     (..., in_features) -> (..., out_features) in x's dtype; `kernel` names what computes it.
     """
 
