@@ -136,7 +136,6 @@ def quantized_from_gguf(source: str | Path | GGUFFile) -> GPT:
         model.get_submodule(parent).register_module(name, linear)
         file.release(blocks)  # laid out for its kernel: the file's pages go until read again
         return_freed_heap()  # and the temporaries of the layout
-    file.release()  # what else was read: the q/k rows copied in qkv's order, the fp32 ones
     logger.info("loaded %s: %d quantized linears; %s", file.path, len(quantized), config)
     return model.eval()
 
@@ -193,12 +192,16 @@ def _file_tensors(file: GGUFFile, model: GPT) -> tuple[dict, dict]:
         values = (
             _block_rows(tensor) if blocks else dequantize(tensor.raw, tensor.kind, tensor.shape)
         )
+        viewed = False  # whether a part keeps the file's bytes (blocks not reordered)
         for key, part in zip(keys, values.chunk(len(keys), dim=0), strict=True):
-            part = rope_rows_to_qkv(key, part, config)
+            moved = rope_rows_to_qkv(key, part, config)
             if blocks:  # an embedding's rows are blocks as a linear's are
-                quantized[key.removesuffix(".weight")] = (part, tensor.kind)
+                quantized[key.removesuffix(".weight")] = (moved, tensor.kind)
+                viewed = viewed or moved is part
             else:
-                dense[key] = part
+                dense[key] = moved
+        if not viewed:  # decoded or copied: the file's pages are not needed again
+            file.release(tensor.raw)
     return dense, quantized
 
 

@@ -90,18 +90,16 @@ class GGUFFile:
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))
 
-    def release(self, values=None) -> None:
+    def release(self, values) -> None:
         """Let the pages of `values` (an array or tensor whose bytes lie in this file's
-        mapping; anything else is left alone; None: the whole mapping) leave this process's
-        memory: they are read back from the file when touched again. Only for bytes nothing
-        has written since the file was mapped (a write would be lost): a loader calls it once
-        it has laid a tensor out elsewhere, so that the file is not resident on top of the
-        model. Only whole pages inside `values` are released, never a neighbour's."""
+        mapping; anything else is left alone) leave this process's memory: they are read back
+        from the file when touched again. Only for bytes nothing has written since the file
+        was mapped (a write would be lost): a loader calls it once it has decoded a tensor or
+        laid it out elsewhere, so that the file is not resident on top of the model. Only
+        whole pages inside `values` are released, never a neighbour's."""
         if self.mapping is None or not hasattr(mmap, "MADV_DONTNEED"):  # Windows has none
             return
         base = np.frombuffer(self.mapping, dtype=np.uint8)
-        if values is None:
-            values = base
         if isinstance(values, np.ndarray):
             start, size = values.ctypes.data - base.ctypes.data, values.nbytes
         else:  # a torch tensor, contiguous
