@@ -17,7 +17,6 @@ from qkv.models.gguf.quants import BLOCK_FORMATS
 __all__ = [
     "BLOCK",
     "SCRATCH_VALUES",
-    "f16",
     "int4pack_layout",
     "int4pack_pair_layout",
     "int4pack_product",
@@ -38,8 +37,8 @@ def int4pack_layout(
     padded to a multiple of 16, as the packing requires (scale 0, zero 0)."""
     groups = in_features // BLOCK
     fields = blocks.reshape(out_features, groups, BLOCK_FORMATS[kind].nbytes)
-    d = f16(fields, 0)  # (out, groups)
-    zero = f16(fields, 2) + 8 * d if kind == "Q4_1" else torch.zeros_like(d)  # exact: f64
+    d = _f16(fields, 0)  # (out, groups)
+    zero = _f16(fields, 2) + 8 * d if kind == "Q4_1" else torch.zeros_like(d)  # exact: f64
     codes = fields[..., -BLOCK // 2 :]  # (out, groups, 16): value i low, value i + 16 high
     q = torch.cat((codes & 15, codes >> 4), dim=-1).reshape(out_features, in_features)
     padding = -out_features % 16
@@ -58,7 +57,7 @@ def int4pack_pair_layout(
     sum over [x, x] is x (d q)^T. Rows padded to 16 as `_int4pack_layout` pads them."""
     groups = in_features // BLOCK
     fields = blocks.reshape(out_features, groups, BLOCK_FORMATS["Q8_0"].nbytes)
-    d = f16(fields, 0)  # (out, groups) float64
+    d = _f16(fields, 0)  # (out, groups) float64
     q = fields[..., 2:].view(torch.int8).to(torch.int32) + 128  # (out, groups, 32) in [0, 255]
     codes = torch.cat(((q >> 4).reshape(out_features, in_features),
                        (q & 15).reshape(out_features, in_features)), dim=1)  # fmt: skip
@@ -107,6 +106,6 @@ def int8_blockwise_product(
     return y
 
 
-def f16(fields: torch.Tensor, offset: int) -> torch.Tensor:
+def _f16(fields: torch.Tensor, offset: int) -> torch.Tensor:
     """(out, groups, bytes) blocks -> (out, groups) float64: the f16 field at byte `offset`."""
     return fields[..., offset : offset + 2].contiguous().view(torch.float16).squeeze(-1).double()
