@@ -233,7 +233,9 @@ def test_smollm2_quantized_loads_the_files_blocks_and_decodes_its_greedy_tokens(
     """The linears are the file's Q4_1 blocks (q/k rows in qkv's layout) and the tied head the
     embedding's Q8_0 blocks; 32 greedy tokens of a chat are the fp32 model's argmax at every
     step (so its greedy decoding makes the same tokens), or the first step where they are not
-    is a near-tie of the fp32 model (top-2 margin < 1e-2)."""
+    is a near-tie of the fp32 model: a top-2 margin under twice what the same model with dense
+    bf16 products (autocast) moves that step's logits by, as the int4pack kernel takes bf16
+    activations (on AVX-512 one such step came at a margin of 0.10 on logits near 25)."""
     model = quantized_from_gguf(smollm2_file)
     assert not [n for n, m in model.named_modules() if type(m) is nn.Linear]
     assert model.lm_head.kind == "Q8_0" and model.blocks[0].ffn.up_proj.kind == "Q4_1"
@@ -261,7 +263,10 @@ def test_smollm2_quantized_loads_the_files_blocks_and_decodes_its_greedy_tokens(
     if len(different):
         first = different[0].item()
         top2 = logits[first].topk(2).values
-        assert top2[0] - top2[1] < 1e-2, f"token {first} differs with a margin of {top2}"
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            dense_bf16 = smollm2(tokens[:, : ids.shape[1] + first]).logits[0, -1].float()  # (V,)
+        bound = 2 * (dense_bf16 - logits[first]).abs().max()
+        assert top2[0] - top2[1] < bound, f"token {first}: margin {top2} against {bound}"
 
 
 def test_quantized_pays_where_int4pack_runs_and_not_where_it_is_missing(
