@@ -19,7 +19,9 @@ Forward rows on the CPU also time "qkv packed": a copy of qkv's model inside
 into oneDNN's blocked layout, a bf16 copy under autocast; q/k/v and gate/up fused), the block held
 open so the weights are packed once, by the warm-up call, as a program that loads a model and runs
 many batches has it; "pack ms" is what packing adds to that first call. Training rows have no packed
-path (packed weights carry no gradients).
+path (packed weights carry no gradients); they time "qkv speed_up" instead: a copy of qkv's model
+inside `qkv.acceleration.speed_up(model)`, the stand-ins that pay on this CPU, as
+`qkv.training.train` runs by default (its loss taken from the logits, as qkv's gpt task does).
 
 Reported per row: tokens/s (B * L / median seconds per call) of each, the speed ratio
 qkv/transformers (> 1: qkv is faster; target >= 1.0 on every row by the model as a user
@@ -44,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import transformers
 from common import (
     DTYPES,
@@ -58,7 +61,7 @@ from common import (
 )
 from torch import nn
 
-from qkv.acceleration import PackedLinear, packed_linears
+from qkv.acceleration import PackedLinear, packed_linears, speed_up, speed_up_choices
 from qkv.models.gpt import GPT, GPTConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -144,7 +147,10 @@ def build_llama(batch: int, length: int, device: str) -> Pair:
         reference=theirs.to(device),
         call_qkv=lambda m: m(input_ids).logits,
         call_reference=lambda m: m(input_ids=input_ids).logits,
-        loss_qkv=lambda m: m(input_ids, labels=input_ids).loss,
+        # the loss outside the model, from its logits, as qkv.training's gpt task computes it
+        loss_qkv=lambda m: F.cross_entropy(
+            m(input_ids).logits[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten()
+        ),
         loss_reference=lambda m: m(input_ids=input_ids, labels=input_ids).loss,
         forward_flops=flops,
     )
@@ -210,11 +216,14 @@ def bench_row(pair: Pair, mode: str, dtype: str, rates: dict, args) -> dict:
             "qkv": forward_step(pair.qkv, pair.call_qkv, args.device, dtype),
             "transformers": forward_step(pair.reference, pair.call_reference, args.device, dtype),
         }
-    packed = contextlib.ExitStack()
+    held = contextlib.ExitStack()
     packing = None
     if not training and args.device == "cpu":
-        packed_model, packing = packed_copy(pair, dtype, packed)
+        packed_model, packing = packed_copy(pair, dtype, held)
         candidates["qkv_packed"] = forward_step(packed_model, pair.call_qkv, args.device, dtype)
+    if training and args.device == "cpu":  # what qkv.training.train runs by default
+        swapped = held.enter_context(speed_up(copy.deepcopy(pair.qkv)))
+        candidates["qkv_speed_up"] = train_step(swapped, pair.loss_qkv, args.device, dtype)
     log(f"timing {pair.name} {mode} {dtype} ...")
     timings = time_interleaved(
         candidates,
@@ -224,7 +233,7 @@ def bench_row(pair: Pair, mode: str, dtype: str, rates: dict, args) -> dict:
         min_repeats=min(args.repeats, 3),
         budget_s=args.budget,
     )
-    packed.close()
+    held.close()
     del candidates
     gc.collect()
     flops = pair.forward_flops * (3 if training else 1)
@@ -236,6 +245,13 @@ def bench_row(pair: Pair, mode: str, dtype: str, rates: dict, args) -> dict:
             "packed_ratio": theirs.median / timings["qkv_packed"].median,
             "packed_paired_ratio": paired_ratio(theirs, timings["qkv_packed"]),
             "packing": packing,
+        }
+    if "qkv_speed_up" in timings:
+        extra = {
+            "speed_up_ratio": theirs.median / timings["qkv_speed_up"].median,
+            "speed_up_paired_ratio": paired_ratio(theirs, timings["qkv_speed_up"]),
+            "speed_up_over_plain": paired_ratio(ours, timings["qkv_speed_up"]),
+            "speed_up": {name: why.reason for name, why in speed_up_choices().items() if why},
         }
     return {
         "model": pair.name,
@@ -277,7 +293,8 @@ def paired_ratio(slow: Timing, fast: Timing) -> float:
 
 def table(rows: list[dict]) -> str:
     header = ["model", "B x L", "mode", "dtype", "qkv tok/s", "hf tok/s", "qkv/hf", "paired"]
-    header += ["packed tok/s", "packed/hf", "paired", "pack ms", "qkv GF/s", "qkv %mm", "hf %mm"]
+    header += ["packed|speed_up tok/s", "/hf", "paired", "pack ms"]
+    header += ["qkv GF/s", "qkv %mm", "hf %mm"]
     body = []
     for r in rows:
         gflops = r["flops"] / (r["batch"] * r["length"]) * r["tokens_per_s"]["qkv"] / 1e9
@@ -288,6 +305,13 @@ def table(rows: list[dict]) -> str:
                 f"{r['packed_ratio']:.3f}",
                 f"{r['packed_paired_ratio']:.3f}",
                 f"{r['packing']['ms']:.0f}",
+            ]
+        if "speed_up_ratio" in r:
+            packed = [
+                f"{r['tokens_per_s']['qkv_speed_up']:.0f}",
+                f"{r['speed_up_ratio']:.3f}",
+                f"{r['speed_up_paired_ratio']:.3f}",
+                "-",
             ]
         body.append(
             [

@@ -44,9 +44,19 @@ def models(results: dict[str, dict]) -> str:
     return "\n".join(found)  # the AVX2 heading follows the last table line directly
 
 
+# The second path of a row: the packed forward, or training inside `speed_up`
+SECOND_PATHS = (("packed", "packed_ratio"), ("speed_up", "speed_up_ratio"))
+
+
+def _default_ratio(r: dict) -> float | None:
+    """The ratio of the path qkv takes by default: the model as called, and for a training
+    step what `qkv.training.train` runs (inside `speed_up`) where the file has it."""
+    return r.get("speed_up_ratio", r.get("ratio"))
+
+
 def _best_ratio(r: dict) -> float | None:
-    """The faster of the default and the packed path's ratio to transformers."""
-    found = [x for x in (r.get("ratio"), r.get("packed_ratio")) if is_number(x)]
+    """The faster of the plain path and the second path's ratio to transformers."""
+    found = [r.get(key) for _, key in ((None, "ratio"), *SECOND_PATHS) if is_number(r.get(key))]
     return max(found) if found else None
 
 
@@ -54,13 +64,12 @@ def _model_cell(r: dict | None) -> str:
     """'0.972 (0.952); packed **1.088 (1.089)**': the faster path in bold."""
     if r is None:
         return "-"
-    plain = paired(r.get("ratio"), r.get("paired_ratio"))
-    if "packed_ratio" not in r:
-        return f"**{plain}**" if r.get("ratio") == _best_ratio(r) else plain
-    packed = paired(r.get("packed_ratio"), r.get("packed_paired_ratio"))
-    if r.get("packed_ratio") == _best_ratio(r):
-        return f"{plain}; packed **{packed}**"
-    return f"**{plain}**; packed {packed}"
+    cells = [("", "ratio")] + [(f"{name} ", key) for name, key in SECOND_PATHS if key in r]
+    shown = []
+    for label, key in cells:
+        text = paired(r.get(key), r.get(key.replace("ratio", "paired_ratio")))
+        shown.append(f"{label}**{text}**" if r.get(key) == _best_ratio(r) else f"{label}{text}")
+    return "; ".join(shown)
 
 
 def _models_figures(stem: str, data: dict) -> str:
@@ -68,7 +77,7 @@ def _models_figures(stem: str, data: dict) -> str:
     modes = {"forward": 0, "train": 1}
     rows = sorted(data.get("rows", []), key=lambda r: (
         str(r.get("model")), modes.get(r.get("mode"), 2), dtype_rank(r.get("dtype"))))  # fmt: skip
-    default = [r["ratio"] for r in rows if is_number(r.get("ratio"))]
+    default = [x for r in rows if is_number(x := _default_ratio(r))]
     best = [x for r in rows if (x := _best_ratio(r)) is not None]
     verdict = rates = ""
     if default:
@@ -85,6 +94,7 @@ def _models_figures(stem: str, data: dict) -> str:
         **r, "dtype": dtype_name(r.get("dtype")), "shape": f"{r.get('batch')} x {r.get('length')}",
         "plain": paired(r.get("ratio"), r.get("paired_ratio")),
         "packed": paired(r.get("packed_ratio"), r.get("packed_paired_ratio")),
+        "speed_up": paired(r.get("speed_up_ratio"), r.get("speed_up_paired_ratio")),
     } for r in rows]  # fmt: skip
     dtypes = sorted({r.get("dtype") for r in rows}, key=dtype_rank)
     groups: dict[tuple, dict] = {}  # a row of the summary: a cell per dtype

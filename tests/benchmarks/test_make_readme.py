@@ -91,9 +91,11 @@ def results(tmp_path: Path) -> Path:
                 "length": 8,
                 "mode": "train",
                 "dtype": "fp32",
-                "tokens_per_s": {"qkv": 1234.4, "transformers": 1000.0},
+                "tokens_per_s": {"qkv": 1234.4, "transformers": 1000.0, "qkv_speed_up": 1300.0},
                 "ratio": 1.2344,
                 "paired_ratio": 1.2,
+                "speed_up_ratio": 1.3,
+                "speed_up_paired_ratio": 1.25,
                 "fraction_of_matmul": {"qkv": 0.5, "transformers": 0.4},
                 "max_abs_diff": 0.0,
             }
@@ -133,7 +135,11 @@ def test_the_page_shows_the_figures_and_the_machine_of_the_files(results):
     assert "| threads (torch) | 3 (of 4 CPUs) |" in page
     assert "| torch | 9.9.0+cpu |" in page
     # models: a row and its ratio
-    assert "| tiny-bert | 2 x 8 | train | fp32 | 1,234 | 1,000 | - | 1.234 (1.200) |" in page
+    row = "| tiny-bert | 2 x 8 | train | fp32 | 1,234 | 1,000 | - | 1,300 | 1.234 (1.200) | - | "
+    assert row + "1.300 (1.250) |" in page
+    # a training step's default is `speed_up`'s (qkv.training.train), the faster path in bold
+    assert "| tiny-bert | 2 x 8 | train | 1.234 (1.200); speed_up **1.300 (1.250)** |" in page
+    assert "qkv by default: 1.300x transformers' tokens/s over 1 rows" in page
     # no GPU file: said so, not left blank
     assert "There is no `results/flash_gpu.json`" in page
     # the smoke run is left out

@@ -2,15 +2,17 @@
 
 import json
 import math
+from collections import Counter
 
 import pytest
 import torch
 
 from qkv import capabilities
+from qkv.acceleration import FastRotaryEmbedding, OneDNNLinear, fused_loss, speed_up_choices
 from qkv.training import LossNotFiniteError, TrainingConfig, train
 from qkv.training.checkpoint import CHECKPOINT_NAME
 from qkv.training.runlock import RunFolderInUseError
-from qkv.training.tasks import TranslateTask
+from qkv.training.tasks import GPTOptions, GPTTask, TranslateTask
 
 from .tiny import TINY
 
@@ -223,3 +225,38 @@ def test_bf16_training_says_what_it_costs_before_starting_where_bf16_is_emulated
     [warning] = caplog.records
     assert "training with bf16 autocast" in warning.message and "40x" in warning.message
     assert "fp32 runs at full speed here" in warning.message and steps  # and it trained
+
+
+def test_the_steps_run_with_the_stand_ins_that_pay_and_end_where_plain_pytorch_does(
+    tmp_path, monkeypatch
+):
+    """`speed_up` (the default) swaps the rolled RoPE and the fused cross-entropy backward into a
+    Llama-style GPT for the steps, and oneDNN's float32 products where this CPU's choice says
+    so; the model comes back with PyTorch's own classes, on the weights of the same run with
+    speed_up=False (PyTorch's blocks alone) up to float rounding."""
+    task = GPTTask(GPTOptions(
+        family="llama", vocab_size=512, block_size=32, embed_dim=32, num_layers=1, num_heads=2,
+        ffn_dim=64, dropout=0.0,
+    ))  # fmt: skip
+    calls = Counter()
+
+    def counted(owner, name):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, **k: calls.update([name]) or real(*a, **k))
+
+    counted(FastRotaryEmbedding, "rotate")
+    counted(fused_loss, "fused_cross_entropy")
+    counted(OneDNNLinear, "forward")
+    config = dict(steps=3, batch_size=8, warmup_steps=1, checkpoint_every=0)
+    fast = train(task, TrainingConfig(**config), out_dir=tmp_path / "fast")
+    assert calls["rotate"] and calls["fused_cross_entropy"] == 3  # a loss per step
+    assert bool(calls["forward"]) == bool(speed_up_choices()["onednn_linears"])
+    swapped = (FastRotaryEmbedding, OneDNNLinear)
+    assert not [m for m in fast.model.modules() if isinstance(m, swapped)]
+    calls.clear()
+    plain = train(task, TrainingConfig(**config, speed_up=False), out_dir=tmp_path / "plain")
+    assert not calls
+    for (name, a), b in zip(
+        _weights(fast.model).items(), _weights(plain.model).values(), strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)

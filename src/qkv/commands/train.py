@@ -34,6 +34,8 @@ _HELP = {
     "checkpoint_every": "write checkpoint.safetensors every N steps",
     "fsdp": "with torchrun: shard parameters, gradients and optimizer state over the processes "
     "(PyTorch's fully_shard) instead of replicating them (DDP)",
+    "speed_up": "swap in the CPU stand-ins for PyTorch's blocks that pay on this CPU "
+    "(qkv.acceleration.speed_up_choices says which)",
     "data": "your own data file instead of the embedded one",
     "embed_dim": "model width E",
     "num_heads": "attention heads per layer",

@@ -26,6 +26,10 @@ class TrainingConfig:
     masking follow its own data_seed).
     fsdp: with several processes, shard parameters, gradients and optimizer state over them
     (`qkv.training.sharded`) instead of replicating them (DDP); the same updates either way.
+    speed_up: on the CPU, the stand-ins for PyTorch's blocks that pay on this CPU
+    (`qkv.acceleration.speed_up`: oneDNN's float32 products on AMD CPUs with AVX-512, the fused
+    cross-entropy backward, the rolled RoPE) are swapped into the model for the run; the same
+    function, the gradients equal up to float rounding.
     """
 
     steps: int = 400
@@ -44,6 +48,7 @@ class TrainingConfig:
     log_every: int = 10
     seed: int = 0
     fsdp: bool = False
+    speed_up: bool = True
 
     def __post_init__(self) -> None:
         check_int("steps", self.steps, minimum=1)

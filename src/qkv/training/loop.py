@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from qkv import capabilities
+from qkv.acceleration.swaps import speed_up
 from qkv.training import sharded
 from qkv.training.checkpoint import CHECKPOINT_NAME, save_checkpoint
 from qkv.training.config import TrainingConfig
@@ -251,42 +252,50 @@ def _train(
     order = DataOrder(len(task), seed=config.seed)
     step_timer = Throughput()
     model.train()
-    for step in range(start, config.steps):
-        loss_terms, tokens = _train_step(task, wrapped, order, step, config, context)
-        check_loss(loss_terms, step, out_dir)
-        clip_and_check_gradient(model, config.clip_norm, step, out_dir)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        done = step + 1
-        step_timer.add(tokens)
-        records = []
-        if _due(done, config.log_every, config.steps):
-            records.append({"step": done, "kind": "train", **loss_terms,
-                            "lr": scheduler.get_last_lr()[0], **step_timer.read()})  # fmt: skip
-        evaluate = _due(done, config.eval_every, config.steps)
-        checkpoint = _due(done, config.checkpoint_every, config.steps)
-        if evaluate or checkpoint:  # first: decoding with inf weights would fail less clearly
-            check_weights(model, done, out_dir, context)
-        if evaluate:
-            evaluated = sharded.refresh_replica(replica, model) if fsdp else replica
-            metrics = _evaluate(task, evaluated, context)
-            records.append({"step": done, "kind": "eval", **metrics})
-        save = None
-        if checkpoint:
-            extra = {**run_info, "kernels": capabilities.kernel_choices(), "metrics": metrics}
-            save = functools.partial(
-                save_checkpoint, out_dir / CHECKPOINT_NAME, model=model, optimizer=optimizer,
-                scheduler=scheduler, step=done, extra=extra,
-                **(sharded.gather_state(model, optimizer) if fsdp else {}),
-            )  # fmt: skip
-        _write_on_main(log, records, save, context, device)
+    with _swaps(model, config, device):
+        for step in range(start, config.steps):
+            loss_terms, tokens = _train_step(task, wrapped, order, step, config, context)
+            check_loss(loss_terms, step, out_dir)
+            clip_and_check_gradient(model, config.clip_norm, step, out_dir)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            done = step + 1
+            step_timer.add(tokens)
+            records = []
+            if _due(done, config.log_every, config.steps):
+                records.append({"step": done, "kind": "train", **loss_terms,
+                                "lr": scheduler.get_last_lr()[0], **step_timer.read()})  # fmt: skip
+            evaluate = _due(done, config.eval_every, config.steps)
+            checkpoint = _due(done, config.checkpoint_every, config.steps)
+            if evaluate or checkpoint:  # first: decoding with inf weights would fail less clearly
+                check_weights(model, done, out_dir, context)
+            if evaluate:
+                evaluated = sharded.refresh_replica(replica, model) if fsdp else replica
+                metrics = _evaluate(task, evaluated, context)
+                records.append({"step": done, "kind": "eval", **metrics})
+            save = None
+            if checkpoint:
+                extra = {**run_info, "kernels": capabilities.kernel_choices(), "metrics": metrics}
+                save = functools.partial(
+                    save_checkpoint, out_dir / CHECKPOINT_NAME, model=model, optimizer=optimizer,
+                    scheduler=scheduler, step=done, extra=extra,
+                    **(sharded.gather_state(model, optimizer) if fsdp else {}),
+                )  # fmt: skip
+            _write_on_main(log, records, save, context, device)
     if fsdp:
         sharded.refresh_replica(replica, model)
     replica.eval()
     return TrainingResult(
         model=replica, step=config.steps, metrics=metrics, resumed_from=start or None
     )
+
+
+def _swaps(model: nn.Module, config: TrainingConfig, device: torch.device):
+    """The stand-ins for PyTorch's blocks that pay on this CPU (`qkv.acceleration.speed_up`),
+    swapped into `model` for the steps where `config.speed_up`: the same function, faster. Inside
+    `kernels_as`, so a resumed run takes the kernels its checkpoint recorded."""
+    return speed_up(model) if config.speed_up and device.type == "cpu" else nullcontext()
 
 
 def _lock(out_dir: Path, context: Distributed, device: torch.device) -> RunLock | None:
