@@ -26,6 +26,7 @@ from qkv.data import minilm_wordpiece
 from qkv.layers.attention import MultiHeadAttention
 from qkv.models import (
     BertConfig,
+    BertForPreTraining,
     BertForSequenceClassification,
     BertModel,
     RNNSeq2SeqConfig,
@@ -36,6 +37,7 @@ from qkv.models import (
     ViTConfig,
 )
 from qkv.models.rnn_seq2seq import RNNSeq2Seq
+from tests.generation.reference_models import redraw
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}  # fp32, the same products summed in another order
 PATTERN = {"rtol": 0, "atol": 1e-5}
@@ -157,6 +159,31 @@ def _vit_pair():
         for mine, their in pairs:
             mine.copy_(their)
     return ours, theirs
+
+
+def test_bert_logit_lens_reads_each_layer_through_transformers_masked_lm_head(tmp_path):
+    """A BertForPreTraining saved by qkv and loaded by transformers: the lens of layer i is
+    transformers' MLM head (`cls.predictions`) on hidden_states[i + 1], the last one the
+    model's own MLM logits; any other model than a GPT or BertForPreTraining is refused."""
+    config = BertConfig(vocab_size=120, embed_dim=32, num_layers=3, num_heads=4, ffn_dim=64)
+    ours = redraw(BertForPreTraining(config), std=0.3, seed=5).eval()  # layers that matter
+    ours.save_pretrained(tmp_path)
+    theirs = transformers.BertForPreTraining.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 120, (2, 9), generator=torch.Generator().manual_seed(6))
+    mask = torch.tensor([[1] * 9, [1] * 6 + [0] * 3])
+    lens = inspect.logit_lens(ours, ids, attention_mask=mask)
+    assert lens.shape == (3, 2, 9, 120)
+    with torch.no_grad():
+        hidden = theirs(ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        expected = torch.stack([theirs.cls.predictions(h) for h in hidden[1:]])
+        torch.testing.assert_close(lens, expected, **TOLERANCE)
+        own = ours(ids, attention_mask=mask).logits
+        torch.testing.assert_close(lens[-1], own, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(lens[0], lens[-1], atol=1e-2)  # the early layers read otherwise
+    top = inspect.logit_lens(ours, ids, top_k=2, attention_mask=mask)
+    assert torch.equal(top, lens.topk(2, dim=-1).indices)
+    with pytest.raises(TypeError, match="model: expected a qkv.models.GPT or BertForPreTraining"):
+        inspect.logit_lens(ours.bert, ids)
 
 
 def test_vit_points_equal_transformers_vit_with_the_same_weights():

@@ -61,6 +61,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from qkv.analysis.inspection.points import HookFn, install, layout, split_name
+from qkv.models.bert_heads import BertForPreTraining
 from qkv.models.gpt import GPT
 
 __all__ = ["ActivationCache", "activation_names", "hooks", "logit_lens", "run_with_cache"]
@@ -139,20 +140,41 @@ def run_with_cache(
 
 
 def logit_lens(
-    model: GPT, input_ids: torch.Tensor, *, top_k: int | None = None, **forward_kwargs
+    model: GPT | BertForPreTraining,
+    input_ids: torch.Tensor,
+    *,
+    top_k: int | None = None,
+    **forward_kwargs,
 ) -> torch.Tensor:
-    """Each layer's resid_post read out by the final norm and lm_head: the logit lens
-    (nostalgebraist 2020, "interpreting GPT: the logit lens"). A `GPT` only.
+    """Each layer's resid_post read out by the model's own output head: the logit lens
+    (nostalgebraist 2020, "interpreting GPT: the logit lens"). A `GPT` reads through its final
+    norm and lm_head; a `BertForPreTraining` through its masked-LM head (dense, GELU, LayerNorm,
+    the tied token embedding), the encoder's lens of Dar et al. 2023 ("Analyzing Transformers
+    in Embedding Space"): BERT's blocks end in a norm, so each resid_post is what the head
+    reads at the last layer.
 
     Returns logits (N, B, L, V), one entry per block (the last is the model's own logits), or
     with top_k the k most likely token ids (N, B, L, k), best first.
     """
-    _check_model(model)
+    if isinstance(model, BertForPreTraining):
+        table = model.bert.embeddings.token_embedding.weight  # (V, E), the tied decoder
+
+        def read_out(resid):
+            return model.mlm_head(resid, table)
+    elif isinstance(model, GPT):
+
+        def read_out(resid):
+            return model.lm_head(model.final_norm(resid))
+    else:
+        raise TypeError(
+            f"model: expected a qkv.models.GPT or BertForPreTraining, got {type(model).__name__}"
+        )
+
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k: expected a positive int or None, got {top_k!r}")
     _, cache = run_with_cache(model, input_ids, "blocks.*.resid_post", **forward_kwargs)
     with torch.no_grad():
-        logits = model.lm_head(model.final_norm(cache.stack("resid_post")))  # (N, B, L, V)
+        logits = read_out(cache.stack("resid_post"))  # (N, B, L, V)
     return logits if top_k is None else logits.topk(top_k, dim=-1).indices  # (N, B, L, k)
 
 
