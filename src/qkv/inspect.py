@@ -10,11 +10,11 @@
 The points exist for `GPT`, `BertModel` (and the BERT heads), `ViT`, the encoder-decoder
 `Transformer` and `T5Transformer` ("encoder.blocks.{i}.…", "decoder.blocks.{i}.cross_attn.…");
 the logit lens reads a GPT's lm_head or a BertForPreTraining's masked-LM head, the attribution
-tools a GPT's lm_head. The points are checked against TransformerLens' on the same weights. The points follow the residual
-stream of Elhage et al. 2021 ("A Mathematical Framework for Transformer Circuits"); editing
-them is activation patching (Vig et al. 2020; Meng et al. 2022); the lens is nostalgebraist
-2020 ("interpreting GPT: the logit lens"). The names, their shapes and where each is taken
-are listed in `qkv.analysis.inspection.hooks`.
+tools a GPT's lm_head; the points are checked against TransformerLens' on the same weights.
+The points follow the residual stream of Elhage et al. 2021 ("A Mathematical Framework for
+Transformer Circuits"); editing them is activation patching (Vig et al. 2020; Meng et al.
+2022); the lens is nostalgebraist 2020 ("interpreting GPT: the logit lens"). The names, their
+shapes and where each is taken are listed in `qkv.analysis.inspection.hooks`.
 """
 
 from qkv.analysis.inspection.attribution import (

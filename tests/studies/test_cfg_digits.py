@@ -97,7 +97,7 @@ def test_the_measures_are_accuracy_and_mean_pairwise_distance():
             logits[:, 0] = 10.0  # reads every image as a 0
             return type("Output", (), {"logits": logits})()
 
-    measured = cfg_digits._measure(Reader(), images, labels, 2)
+    measured = cfg_digits.measure_samples(Reader(), images, labels, 2)
     assert measured["ViT accuracy"] == 0.5 and measured["samples"] == 4
     assert measured["pairwise distance"] == pytest.approx((8.0 + 0.0) / 2)
 

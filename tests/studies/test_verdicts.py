@@ -44,6 +44,21 @@ def _supported(name: str) -> list[dict]:
         for row in rows:
             row["validation loss"] = 3.9 if row["variant"] == "SwiGLU" else 4.0
             row["loss range over seeds"] = 0.01
+    elif name == "head-symmetry":  # still one head, worse than random ones; DropHead apart
+        _by(rows, "variant", "identical heads")["validation loss"] = 9.0
+        _by(rows, "variant", "identical heads")["separation range over seeds"] = [0.0, 0.0]
+        _by(rows, "variant", "identical heads + DropHead")["separation range over seeds"] = [
+            0.2,
+            0.3,
+        ]
+    elif name == "layer-sharing":  # separate < shared < one block, beyond the seed ranges
+        for row, loss in zip(rows, (4.0, 4.2, 4.4), strict=True):
+            row["validation loss"], row["loss range over seeds"] = loss, 0.01
+    elif name == "conditioning":  # adaLN-Zero lowest beyond the seeds, and most accurate
+        for row in rows:
+            ada = row["variant"] == "adaLN-Zero"
+            row["validation loss"], row["loss range over seeds"] = (0.05 if ada else 0.08), 0.01
+            row["ViT accuracy"] = 0.9 if ada else 0.8
     elif name == "exposure-bias":
         for row in rows:
             if row["training"] == "teacher forcing" and isinstance(row["seed"], int):
@@ -143,6 +158,19 @@ def _refuted(name: str) -> list[dict]:
                 row[key] = 1.0 if name == "ffn-width" else 0.01
             if name == "activations" and key == "validation loss":
                 row[key] = 4.1 if row["variant"] == "SwiGLU" else 4.0
+            if name == "head-symmetry" and key == "separation range over seeds":
+                row[key] = [1e-3, 1e-3] if row["variant"] == "identical heads" else [0.0, 1e-3]
+            if name == "head-symmetry" and key == "validation loss":
+                row[key] = 1.0 if row["variant"] == "identical heads" else 2.0
+            if name == "layer-sharing" and key == "validation loss":
+                row[key] = (4.4, 4.2, 4.0)[rows.index(row)]  # each variant below the one before
+            if name == "layer-sharing" and key == "loss range over seeds":
+                row[key] = 0.01
+            if name == "conditioning" and key in ("validation loss", "ViT accuracy"):
+                ada = row["variant"] == "adaLN-Zero"  # a higher loss, the fewest right
+                row[key] = (0.09 if ada else 0.05) if key == "validation loss" else 0.5 + (not ada)
+            if name == "conditioning" and key == "loss range over seeds":
+                row[key] = 0.01
     return rows
 
 

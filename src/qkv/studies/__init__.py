@@ -30,6 +30,9 @@ Studies (`STUDIES`):
   repeated random tokens, the repeat's loss with the induction heads ablated, and attention
   against gradient attribution per layer (Olsson et al. 2022; Elhage et al. 2021; Jain &
   Wallace 2019).
+- conditioning: a diffusion Transformer on the 8x8 digits with its timestep by adaLN-Zero, added to
+  the tokens (prompt by cross-attention) or as in-context tokens: validation loss and prompt
+  accuracy as read by a ViT, over paired seeds (Peebles & Xie 2023).
 - exposure-bias: a GRU encoder-decoder trained with teacher forcing against scheduled sampling
   on German -> English numbers: free-running token error by target position, after a correct
   prefix and overall, exact match, and the teacher-forced loss (Bengio et al. 2015).
@@ -42,9 +45,15 @@ Studies (`STUDIES`):
 - flash-io: the HBM traffic of standard attention, FlashAttention's Algorithm 1 and qkv's tiled
   loop, modelled exactly and counted tile by tile, against the block size (Dao et al. 2022,
   Theorem 2; Dao 2023).
+- head-symmetry: heads initialised identically stay identical in training, and DropHead, as a
+  `qkv.inspect` hook on the head outputs, separates them (Goodfellow et al. 2016; Zhou et al.
+  2020).
 - heads: validation loss against KV-cache bytes for MHA, GQA and MQA at equal parameters, against
   the number of heads at a fixed width, and with shared Q/K/V projections (Shazeer 2019; Ainslie
   et al. 2023; Vaswani et al. 2017, Table 3 (A); Michel et al. 2019).
+- layer-sharing: one block applied N times (ALBERT's cross-layer sharing) against N blocks and
+  against one block of the same parameters: validation loss over paired seeds (Lan et al. 2020;
+  Dehghani et al. 2019).
 - norms: what padding does to BatchNorm's statistics, against LayerNorm and RMSNorm; training
   with and without residuals at 2/6/12 layers; post-norm vs pre-norm with and without warm-up
   (Ioffe & Szegedy 2015; Ba et al. 2016; Zhang & Sennrich 2019; He et al. 2016; Xiong et al.
@@ -105,11 +114,14 @@ STUDIES = {  # name -> module under qkv.studies
     "before-transformer": "before_transformer",
     "cfg-digits": "cfg_digits",
     "circuits": "circuits",
+    "conditioning": "conditioning",
     "exposure-bias": "exposure_bias",
     "extrapolation": "extrapolation",
     "ffn-width": "ffn_width",
     "flash-io": "flash_io",
+    "head-symmetry": "head_symmetry",
     "heads": "heads",
+    "layer-sharing": "layer_sharing",
     "norms": "norms",
     "sinks": "sinks",
     "softmax": "softmax",

@@ -47,7 +47,10 @@ try:  # the figure needs matplotlib; the study's record and table do not
 except ImportError:  # pragma: no cover - without matplotlib the figure is not drawn
     guidance_figure = None
 
-__all__ = ["CLAIM", "COLUMNS", "SIZES", "TITLE", "figure", "run", "verdicts"]
+__all__ = [
+    "CLAIM", "COLUMNS", "SIZES", "TITLE", "figure", "measure_samples", "run", "train_quietly",
+    "verdicts",
+]  # fmt: skip
 
 TITLE = "Classifier-free guidance on the 8x8 digits: prompt accuracy against variety"
 CLAIM = (
@@ -116,16 +119,17 @@ def run(settings: dict[str, Any], *, seed: int) -> StudyResult:
         raise ValueError(f"attention_guidance: expected a scale > 0 (at 0 the prompt is not "
                          f"read), got {settings['attention_guidance']}")  # fmt: skip
     diffusion = DiffusionTask(DiffusionOptions(**settings["diffusion"]))
-    task, model, diffusion_seconds = _train(diffusion, settings["diffusion_training"], seed)
-    vit_task, vit, vit_seconds = _train(VitTask(VitOptions(**settings["vit"])),
-                                        settings["vit_training"], seed)  # fmt: skip
+    task, model, diffusion_seconds = train_quietly(diffusion, settings["diffusion_training"], seed)
+    vit_task, vit, vit_seconds = train_quietly(
+        VitTask(VitOptions(**settings["vit"])), settings["vit_training"], seed
+    )
     logger.info("trained the diffusion model in %.0f s and the ViT in %.0f s",
                 diffusion_seconds, vit_seconds)  # fmt: skip
     rows, grids = _sample_and_read(model, task.tokenizer, vit, settings, seed)
     real_images, real_labels, real_count = _real_digits(vit_task.test_set,
                                                         settings["samples_per_prompt"])  # fmt: skip
     rows.append({"guidance": "real test digits",
-                 **_measure(vit, real_images, real_labels, real_count)})  # fmt: skip
+                 **measure_samples(vit, real_images, real_labels, real_count)})  # fmt: skip
     series = {
         "grids": grids,
         "attention": _attention_through_steps(model, task.tokenizer, settings, seed),
@@ -139,7 +143,7 @@ def run(settings: dict[str, Any], *, seed: int) -> StudyResult:
     )  # fmt: skip
 
 
-def _train(task, training: dict[str, Any], seed: int):
+def train_quietly(task, training: dict[str, Any], seed: int):
     """(task, trained model in eval mode, seconds) of one `qkv train` run, not kept on disk."""
     config = TrainingConfig(seed=seed, log_every=0, eval_every=0, checkpoint_every=0,
                             **training)  # fmt: skip
@@ -162,7 +166,7 @@ def _sample_and_read(model, tokenizer, vit, settings: dict[str, Any], seed: int)
             model, tokenizer, prompts, guidance=guidance, seed=seed,
             sampler=settings["sampler"], steps=settings["sampling_steps"],
         )  # fmt: skip
-        rows.append({"guidance": guidance, **_measure(vit, images, labels, per_prompt)})
+        rows.append({"guidance": guidance, **measure_samples(vit, images, labels, per_prompt)})
         grids[str(guidance)] = _grid(images, per_prompt, settings["grid_columns"])
         logger.info("guidance %g: ViT accuracy %.3f, pairwise distance %.3f (%.0f s)", guidance,
                     rows[-1]["ViT accuracy"], rows[-1]["pairwise distance"],
@@ -171,7 +175,9 @@ def _sample_and_read(model, tokenizer, vit, settings: dict[str, Any], seed: int)
 
 
 @torch.no_grad()
-def _measure(vit, images: torch.Tensor, labels: torch.Tensor, per_prompt: int) -> dict[str, Any]:
+def measure_samples(
+    vit, images: torch.Tensor, labels: torch.Tensor, per_prompt: int
+) -> dict[str, Any]:
     """ViT accuracy and mean probability of the prompted digit; the mean pairwise distance
     within each prompt's samples (consecutive groups of per_prompt), averaged over prompts."""
     probabilities = vit(images).logits.float().softmax(dim=-1)  # (n, 10)

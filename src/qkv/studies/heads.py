@@ -28,10 +28,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import statistics
+from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
+from qkv import inspect
 from qkv.analysis.cost.estimate import kv_cache_bytes_per_sample
 from qkv.analysis.cost.layout import layout_of
 from qkv.models import GPT, GPTConfig
@@ -176,11 +179,16 @@ def _data(settings: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
 def _train(
     config: GPTConfig, sharing: str, blocks: torch.Tensor, order: torch.Tensor,
     settings: dict[str, Any], *, seed: int,
+    prepare: Callable[[GPT], GPT] | None = None,
+    hook_fns: dict[str, Callable] | None = None,
 ) -> GPT:  # fmt: skip
     """AdamW with linear warm-up and cosine decay, gradients clipped at norm 1, on
-    blocks[order[step]]; the model in eval mode."""
+    blocks[order[step]]; the model in eval mode. prepare(model) changes the initialised model
+    before training; hook_fns (`qkv.inspect.hooks`) act on its activations in training."""
     torch.manual_seed(seed)  # the same initial draws for every variant
     model = share_projections(GPT(config), sharing)
+    if prepare is not None:
+        model = prepare(model)
     optimizer = build_optimizer(
         model, learning_rate=settings["learning_rate"], weight_decay=settings["weight_decay"]
     )
@@ -190,7 +198,8 @@ def _train(
     model.train()
     for indices in order:
         batch = blocks[indices]  # (B, L)
-        loss = model(batch, labels=batch).loss
+        with inspect.hooks(model, hook_fns) if hook_fns else nullcontext():
+            loss = model(batch, labels=batch).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
