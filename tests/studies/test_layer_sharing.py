@@ -8,9 +8,10 @@ import json
 import pytest
 import torch
 
-from qkv.models import GPT, GPTConfig
+from qkv.generation import generate
+from qkv.models import GPT, GPTConfig, Transformer, TransformerConfig
 from qkv.studies import run_study
-from qkv.studies.layer_sharing import share_layers, verdicts
+from qkv.studies.layer_sharing import MODELS, share_layers, share_stack_layers, verdicts
 
 
 @pytest.fixture(scope="module")
@@ -19,16 +20,21 @@ def written(tmp_path_factory):
     return run_study("layer-sharing", size="tiny", out=out), out
 
 
-def test_writes_json_markdown_figure_and_the_three_variants(written):
+def test_writes_json_markdown_figure_and_the_three_variants_of_each_model(written):
     result, out = written
     for suffix in ("json", "md", "png"):
         assert (out / f"layer-sharing.{suffix}").stat().st_size > 0
     assert json.loads((out / "layer-sharing.json").read_text())["size"] == "tiny"
-    deep, shared, one = result.rows
-    assert (deep["distinct blocks"], shared["distinct blocks"], one["distinct blocks"]) == (2, 1, 1)
-    assert shared["parameters"] == one["parameters"] < deep["parameters"]
-    assert shared["FLOPs per token"] == deep["FLOPs per token"] > one["FLOPs per token"]
-    assert len(result.verdicts) == 2
+    for model in MODELS:
+        deep, shared, one = [row for row in result.rows if row["model"] == model]
+        assert [row["distinct blocks"] for row in (deep, shared, one)] == [2, 1, 1]
+        assert [row["layers applied"] for row in (deep, shared, one)] == [2, 2, 1]
+        assert shared["parameters"] == one["parameters"] < deep["parameters"]
+    gpt = [row for row in result.rows if row["model"] == "GPT"]
+    assert gpt[1]["FLOPs per token"] == gpt[0]["FLOPs per token"] > gpt[2]["FLOPs per token"]
+    pair = [row for row in result.rows if row["model"] == "encoder-decoder"]
+    assert all(0 <= row["exact match"] <= 1 for row in pair)
+    assert len(result.verdicts) == 4
 
 
 def test_a_shared_model_applies_its_one_block_n_times():
@@ -50,10 +56,13 @@ def test_a_shared_model_applies_its_one_block_n_times():
 
 
 def _rows(deep, shared, one, spread=0.01):
+    """The same three losses for each model."""
     return [
-        {"variant": label, "validation loss": loss, "loss range over seeds": spread}
+        {"model": model, "variant": label, "validation loss": loss,
+         "loss range over seeds": spread}
+        for model in MODELS
         for label, loss in (("N blocks", deep), ("shared", shared), ("1 block", one))
-    ]
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -65,4 +74,26 @@ def _rows(deep, shared, one, spread=0.01):
     ],
 )
 def test_verdict_rules(losses, expected):
-    assert [verdict.verdict for verdict in verdicts(_rows(*losses))] == expected
+    found = verdicts(_rows(*losses))
+    assert [verdict.verdict for verdict in found] == expected * 2
+    assert [verdict.claim.split(":")[0] for verdict in found] == [m for m in MODELS for _ in "ab"]
+
+
+def test_an_encoder_decoder_shares_within_each_stack_and_decodes_per_layer_caches():
+    """share_stack_layers: one block per stack, fewer parameters; greedy decoding with the
+    decoder's KV cache (a slot per layer, one block) picks the argmax of the teacher-forced
+    logits of its own tokens, recomputed without a cache."""
+    torch.manual_seed(0)
+    config = TransformerConfig(src_vocab_size=30, tgt_vocab_size=30, embed_dim=16, num_heads=2,
+                               num_encoder_layers=3, num_decoder_layers=3, ffn_dim=32,
+                               dropout=0.0)  # fmt: skip
+    model = share_stack_layers(Transformer(config)).eval()
+    for stack in (model.encoder, model.decoder):
+        assert all(block is stack.blocks[0] for block in stack.blocks)
+    separate = sum(p.numel() for p in Transformer(config).parameters())
+    assert sum(p.numel() for p in model.parameters()) < separate
+    source = torch.randint(3, 30, (2, 7))
+    tokens = generate(model, source, max_new_tokens=6, eos_token_id=None)  # (2, 1 + 6), cached
+    with torch.no_grad():  # every step again from scratch, no cache: the same argmax
+        logits = model(source, decoder_input_ids=tokens[:, :-1]).logits  # (2, 6, V)
+    assert torch.equal(logits.argmax(-1), tokens[:, 1:])

@@ -52,8 +52,8 @@ Studies (`STUDIES`):
   the number of heads at a fixed width, and with shared Q/K/V projections (Shazeer 2019; Ainslie
   et al. 2023; Vaswani et al. 2017, Table 3 (A); Michel et al. 2019).
 - layer-sharing: one block applied N times (ALBERT's cross-layer sharing) against N blocks and
-  against one block of the same parameters: validation loss over paired seeds (Lan et al. 2020;
-  Dehghani et al. 2019).
+  against one block of the same parameters, in a GPT and in the translate task's
+  encoder-decoder: validation loss over paired seeds (Lan et al. 2020; Dehghani et al. 2019).
 - norms: what padding does to BatchNorm's statistics, against LayerNorm and RMSNorm; training
   with and without residuals at 2/6/12 layers; post-norm vs pre-norm with and without warm-up
   (Ioffe & Szegedy 2015; Ba et al. 2016; Zhang & Sennrich 2019; He et al. 2016; Xiong et al.
