@@ -54,6 +54,9 @@ def _supported(name: str) -> list[dict]:
     elif name == "layer-sharing":  # separate < shared < one block, beyond the seed ranges
         for row, loss in zip(rows, (4.0, 4.2, 4.4) * 2, strict=True):  # GPT, encoder-decoder
             row["validation loss"], row["loss range over seeds"] = loss, 0.01
+    elif name == "own-predictions":  # teacher forcing well ahead
+        for row, value in zip(rows, (0.9, 0.5), strict=True):
+            row["exact match"], row["exact match range over seeds"] = value, 0.02
     elif name == "conditioning":  # adaLN-Zero lowest beyond the seeds, and most accurate
         for row in rows:
             ada = row["variant"] == "adaLN-Zero"
@@ -166,6 +169,10 @@ def _refuted(name: str) -> list[dict]:
                 row[key] = (4.4, 4.2, 4.0)[rows.index(row) % 3]  # each below the one before
             if name == "layer-sharing" and key == "loss range over seeds":
                 row[key] = 0.01
+            if name == "own-predictions" and key == "exact match":
+                row[key] = 0.5 if rows.index(row) == 0 else 0.9  # own predictions well ahead
+            if name == "own-predictions" and key == "exact match range over seeds":
+                row[key] = 0.02
             if name == "conditioning" and key in ("validation loss", "ViT accuracy"):
                 ada = row["variant"] == "adaLN-Zero"  # a higher loss, the fewest right
                 row[key] = (0.09 if ada else 0.05) if key == "validation loss" else 0.5 + (not ada)

@@ -58,6 +58,8 @@ Studies (`STUDIES`):
   with and without residuals at 2/6/12 layers; post-norm vs pre-norm with and without warm-up
   (Ioffe & Szegedy 2015; Ba et al. 2016; Zhang & Sennrich 2019; He et al. 2016; Xiong et al.
   2020).
+- own-predictions: a GRU encoder-decoder reading its own predictions from the first training
+  step against teacher forcing, over paired seeds (Bengio et al. 2015, Table 1).
 - sinks: attention mass on the first tokens, per layer and head, of a trained model, of
   MiniLM and of the real SmolLM2; window-only vs sinks + window caches past the training
   length or a window (Xiao et al. 2024).
@@ -123,6 +125,7 @@ STUDIES = {  # name -> module under qkv.studies
     "heads": "heads",
     "layer-sharing": "layer_sharing",
     "norms": "norms",
+    "own-predictions": "own_predictions",
     "sinks": "sinks",
     "softmax": "softmax",
     "numpy-lab": "numpy_lab",

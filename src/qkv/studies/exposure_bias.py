@@ -62,6 +62,7 @@ __all__ = [
     "inverse_sigmoid_decay",
     "run",
     "scheduled_sampling_loss",
+    "train_and_score",
 ]
 
 TITLE = "Exposure bias: teacher forcing vs scheduled sampling"
@@ -115,7 +116,7 @@ def run(settings: dict[str, Any], *, seed: int) -> StudyResult:
                            seed=one)  # fmt: skip
         for name in RUNS:
             schedule = epsilons if name == "scheduled" else None
-            series[name].append(_one_run(task, order, settings, schedule=schedule, seed=one))
+            series[name].append(train_and_score(task, order, settings, schedule=schedule, seed=one))
             logger.info("seed %d, %s: %.1f%% exact match", one, name,
                         100 * series[name][-1]["exact_match"])  # fmt: skip
     columns, rows = _table(series)
@@ -125,7 +126,7 @@ def run(settings: dict[str, Any], *, seed: int) -> StudyResult:
     )  # fmt: skip
 
 
-def _one_run(
+def train_and_score(
     task: TranslateTask,
     order: torch.Tensor,
     settings: dict[str, Any],
