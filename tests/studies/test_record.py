@@ -13,7 +13,14 @@ import pytest
 
 from qkv.cli import main
 from qkv.studies import STUDIES, report_section, run_study, write_index
-from qkv.studies.record import StudyResult, machine, markdown, read_result, write_result
+from qkv.studies.record import (
+    StudyResult,
+    beyond_noise,
+    machine,
+    markdown,
+    read_result,
+    write_result,
+)
 
 
 def _result() -> StudyResult:
@@ -116,3 +123,9 @@ def test_study_settings_are_checked_before_the_study_runs(capsys, tmp_path, sett
     with pytest.raises(error, match=re.escape(message)):
         run_study("heads", size="tiny", out=None, **{key: ast.literal_eval(text)})
     assert not list(tmp_path.iterdir())
+
+
+def test_beyond_noise_needs_the_gap_to_clear_the_spread_either_way():
+    assert beyond_noise(0.2, 0.1) == "supported"
+    assert beyond_noise(-0.2, 0.1) == "not supported"
+    assert beyond_noise(0.1, 0.1) == beyond_noise(-0.05, 0.1) == "mixed"

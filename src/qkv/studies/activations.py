@@ -22,7 +22,7 @@ from typing import Any
 
 from qkv.models import GPTConfig
 from qkv.studies.ablation_training import base_config, train_variants, variant_row
-from qkv.studies.record import StudyResult, Verdict
+from qkv.studies.record import StudyResult, Verdict, beyond_noise
 from qkv.studies.statistics import paired_t_p_value
 
 __all__ = ["CLAIM", "SIZES", "TITLE", "UNJUDGED", "figure", "run", "verdicts"]
@@ -124,7 +124,7 @@ def verdicts(rows: list[dict[str, Any]]) -> list[Verdict]:
     loss = {row["variant"]: row["validation loss"] for row in rows}
     spread = {row["variant"]: row["loss range over seeds"] for row in rows}
     gap, noise = loss["SwiGLU"] - loss["GELU"], max(spread["SwiGLU"], spread["GELU"])
-    verdict = "supported" if gap < -noise else "not supported" if gap > noise else "mixed"
+    verdict = beyond_noise(-gap, noise)  # SwiGLU expected below GELU
     return [Verdict(
         "SwiGLU's loss <= GELU's", verdict,
         "Supported if SwiGLU's mean loss is below GELU's by more than the larger of their loss "

@@ -30,7 +30,7 @@ from qkv.models import GPT
 from qkv.studies.ablation_training import base_config
 from qkv.studies.heads import _data, _train, _validation_loss
 from qkv.studies.inputs import data_order
-from qkv.studies.record import StudyResult, Verdict
+from qkv.studies.record import StudyResult, Verdict, beyond_noise
 
 __all__ = ["CLAIM", "COLUMNS", "SIZES", "TITLE", "figure", "identical_heads", "run", "verdicts"]
 
@@ -182,7 +182,7 @@ def verdicts(rows: list[dict[str, Any]]) -> list[Verdict]:
     apart = min(dropped["separation range over seeds"]) > APART
     gap = tied["validation loss"] - random["validation loss"]
     noise = max(tied["loss range over seeds"], random["loss range over seeds"])
-    worse = "supported" if gap > noise else "not supported" if gap < -noise else "mixed"
+    worse = beyond_noise(gap, noise)
     return [
         Verdict("identically initialised heads stay identical",
                 "supported" if stay else "not supported",

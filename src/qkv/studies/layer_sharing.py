@@ -29,7 +29,7 @@ from qkv.studies.ablation_training import base_config
 from qkv.studies.cfg_digits import train_quietly
 from qkv.studies.heads import _data, _train, _validation_loss
 from qkv.studies.inputs import data_order
-from qkv.studies.record import StudyResult, Verdict
+from qkv.studies.record import StudyResult, Verdict, beyond_noise
 from qkv.training.tasks.translate import TranslateOptions, TranslateTask
 
 __all__ = [
@@ -201,10 +201,6 @@ WHY = (
 )
 
 
-def _three_way(gap: float, noise: float) -> str:
-    return "supported" if gap > noise else "not supported" if gap < -noise else "mixed"
-
-
 def verdicts(rows: list[dict[str, Any]]) -> list[Verdict]:
     """Both parts of CLAIM for each model, from the means and ranges over seeds."""
     rule = ("Supported if the difference exceeds the larger of the two loss ranges over seeds, "
@@ -218,13 +214,13 @@ def verdicts(rows: list[dict[str, Any]]) -> list[Verdict]:
         depth = one["validation loss"] - shared["validation loss"]
         found += [
             Verdict(f"{model}: sharing costs loss against separate blocks",
-                    _three_way(cost, noise_deep), f"shared - separate; {rule}",
+                    beyond_noise(cost, noise_deep), f"shared - separate; {rule}",
                     f"{cost:+.3f} (range {noise_deep:.3f})",
-                    "" if _three_way(cost, noise_deep) == "supported" else WHY),
+                    "" if beyond_noise(cost, noise_deep) == "supported" else WHY),
             Verdict(f"{model}: the shared depth beats one block of the same parameters",
-                    _three_way(depth, noise_one), f"one block - shared; {rule}",
+                    beyond_noise(depth, noise_one), f"one block - shared; {rule}",
                     f"{depth:+.3f} (range {noise_one:.3f})",
-                    "" if _three_way(depth, noise_one) == "supported" else WHY),
+                    "" if beyond_noise(depth, noise_one) == "supported" else WHY),
         ]  # fmt: skip
     return found
 

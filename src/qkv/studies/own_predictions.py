@@ -21,7 +21,7 @@ from qkv.studies.exposure_bias import SIZES as EXPOSURE_SIZES
 from qkv.studies.exposure_bias import train_and_score
 from qkv.studies.exposure_bias_training import numbers_task
 from qkv.studies.inputs import data_order
-from qkv.studies.record import StudyResult, Verdict
+from qkv.studies.record import StudyResult, Verdict, beyond_noise
 from qkv.studies.statistics import paired_t_p_value
 
 __all__ = ["CLAIM", "COLUMNS", "RUNS", "SIZES", "TITLE", "figure", "run", "verdicts"]
@@ -108,7 +108,7 @@ def verdicts(rows: list[dict[str, Any]]) -> list[Verdict]:
     teacher, own = rows
     gap = teacher["exact match"] - own["exact match"]
     noise = max(teacher[RANGE], own[RANGE])
-    verdict = "supported" if gap > noise else "not supported" if gap < -noise else "mixed"
+    verdict = beyond_noise(gap, noise)
     return [Verdict(
         "own predictions from the start learn worse than teacher forcing", verdict,
         "Supported if teacher forcing's mean exact match is above that of the run on its own "

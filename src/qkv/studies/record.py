@@ -34,6 +34,7 @@ __all__ = [
     "OVERALL_RULE",
     "StudyResult",
     "Verdict",
+    "beyond_noise",
     "command_line",
     "grade",
     "judge",
@@ -76,6 +77,12 @@ class Verdict:
 def grade(passed: int, total: int) -> str:
     """Supported when all `total` cases pass, not supported when none does, else mixed."""
     return "supported" if passed == total else "not supported" if passed == 0 else "mixed"
+
+
+def beyond_noise(gap: float, noise: float) -> str:
+    """Supported when the expected difference `gap` exceeds `noise` (a spread over seeds), not
+    supported when it is below -noise (the opposite, as clearly), else mixed."""
+    return "supported" if gap > noise else "not supported" if gap < -noise else "mixed"
 
 
 def overall(verdicts: list[Verdict]) -> str | None:
