@@ -9,6 +9,7 @@ the all-reduce on CPU, nccl on GPU. With WORLD_SIZE unset the same code runs as 
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 
@@ -72,7 +73,17 @@ def setup_distributed(device: torch.device | str = "cpu") -> Distributed:
     if not dist.is_initialized():
         backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
         dist.init_process_group(backend=backend)
+        atexit.register(_leave_process_group)
     return Distributed(rank=dist.get_rank(), world_size=dist.get_world_size())
+
+
+def _leave_process_group() -> None:
+    """Destroy the process group this module joined, at exit while the interpreter is still
+    whole: left to the interpreter's finalisation, gloo's worker threads may still hold work
+    with Python references, and their destruction aborts the process (SIGABRT, "terminate
+    called without an active exception") after a run that ended well."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def shard(indices: list[int], context: Distributed) -> list[int]:
