@@ -196,15 +196,15 @@ def _train(
         optimizer, warmup_steps=settings["warmup_steps"], total_steps=len(order), kind="cosine"
     )
     model.train()
-    for indices in order:
-        batch = blocks[indices]  # (B, L)
-        with inspect.hooks(model, hook_fns) if hook_fns else nullcontext():
+    with inspect.hooks(model, hook_fns) if hook_fns else nullcontext():  # once, for every step
+        for indices in order:
+            batch = blocks[indices]  # (B, L)
             loss = model(batch, labels=batch).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
     return model.eval()
 
 

@@ -212,16 +212,15 @@ def verdicts(rows: list[dict[str, Any]]) -> list[Verdict]:
         noise_one = max(one[SPREAD], shared[SPREAD])
         cost = shared["validation loss"] - deep["validation loss"]
         depth = one["validation loss"] - shared["validation loss"]
-        found += [
-            Verdict(f"{model}: sharing costs loss against separate blocks",
-                    beyond_noise(cost, noise_deep), f"shared - separate; {rule}",
-                    f"{cost:+.3f} (range {noise_deep:.3f})",
-                    "" if beyond_noise(cost, noise_deep) == "supported" else WHY),
-            Verdict(f"{model}: the shared depth beats one block of the same parameters",
-                    beyond_noise(depth, noise_one), f"one block - shared; {rule}",
-                    f"{depth:+.3f} (range {noise_one:.3f})",
-                    "" if beyond_noise(depth, noise_one) == "supported" else WHY),
-        ]  # fmt: skip
+        parts = (("sharing costs loss against separate blocks", "shared - separate", cost,
+                  noise_deep),
+                 ("the shared depth beats one block of the same parameters",
+                  "one block - shared", depth, noise_one))  # fmt: skip
+        for claim, difference, gap, noise in parts:
+            verdict = beyond_noise(gap, noise)
+            found.append(Verdict(f"{model}: {claim}", verdict, f"{difference}; {rule}",
+                                 f"{gap:+.3f} (range {noise:.3f})",
+                                 "" if verdict == "supported" else WHY))  # fmt: skip
     return found
 
 
