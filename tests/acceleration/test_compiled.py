@@ -7,8 +7,10 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from qkv.acceleration import decoding_steps, packed_linears
+from qkv.acceleration import decoding_steps, packed_linears, quantized
+from qkv.acceleration.quantized import QuantizedLinear
 from qkv.generation import decode_steps, generate
+from tests.acceleration.error_bounds import dense_error_bound
 from tests.generation.reference_models import left_padded_prompts, qkv_model, redraw
 
 NEW_TOKENS = 10
@@ -205,3 +207,29 @@ def test_a_bad_mode_and_bad_steps_are_refused():
         decoding_steps(model, "yes")
     with pytest.raises(TypeError, match="steps: expected None or a callable"):
         generate(model, torch.ones(1, 2, dtype=torch.long), max_new_tokens=2, steps="aot")
+
+
+def test_a_q8_0_output_layer_is_one_reduction_in_a_graph_with_its_fp32_products(monkeypatch):
+    """A Q8_0 output layer (fp32 outputs) computes a step's rows, inside a compiled graph, as
+    one reduction over its int8 codes (never the chunks of its eager kernel, made to raise
+    here), within fp32's error bound of the exact product; a prompt's rows keep the chunks."""
+    generator = torch.Generator().manual_seed(3)
+    linear = torch.nn.Linear(96, 40, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(40, 96, generator=generator) * 0.1)
+    head = QuantizedLinear.from_linear(linear, "Q8_0", fp32_output=True)
+    weight = head.dequantized_weight()
+    x = torch.randn(3, 96, generator=generator)
+    eager = head(x)  # the chunks
+    monkeypatch.setattr(quantized, "int8_blockwise_product", _refused)
+    compiled = torch.compile(head, fullgraph=True)(x)
+    exact = torch.nn.functional.linear(x.double(), weight.double())
+    bound = dense_error_bound(x, weight, torch.float32)
+    for y in (eager, compiled):
+        assert y.dtype == torch.float32 and (y.double() - exact).abs().max().item() <= bound
+    with pytest.raises(AssertionError, match="chunks"):
+        head(torch.randn(quantized.PAIR_ROWS, 96))  # eager: the chunks, here refused
+
+
+def _refused(*args):
+    raise AssertionError("the chunks of int8_blockwise_product were called")

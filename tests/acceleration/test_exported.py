@@ -180,15 +180,17 @@ def test_non_finite_logits_from_the_library_fail_at_their_step(llama):
 def test_packed_and_quantized_products_are_served_with_the_constants_inductor_adds(store):
     """One library for both kinds of swapped products: the attention's linears packed
     (inside packed_linears the one-row products are streaming reductions in the library),
-    the FFN's Q4_1 linears (int4pack where it runs), a Q8_0 head and a Q8_0 embedding table.
-    Inductor's lowering of the int4pack product adds a constant of its own (the group size),
-    which the library records and supplies itself; the eager tokens, through the library."""
+    the FFN's Q4_1 and Q8_0 linears (int4pack and its pair form where they run), a Q8_0 head
+    with fp32 outputs (one reduction over its codes in the library) and a Q8_0 embedding
+    table. Inductor's lowering of the int4pack product adds a constant of its own (the group
+    size), which the library records and supplies itself; the eager tokens, through the
+    library."""
     model = redraw(qkv_model("tiny-llama"), seed=6)
     for block in model.blocks:
-        for name in ("gate_proj", "up_proj", "down_proj"):
+        for name, kind in (("gate_proj", "Q4_1"), ("up_proj", "Q4_1"), ("down_proj", "Q8_0")):
             linear = getattr(block.ffn, name)
-            setattr(block.ffn, name, QuantizedLinear.from_linear(linear, "Q4_1"))
-    model.lm_head = QuantizedLinear.from_linear(model.lm_head, "Q8_0")
+            setattr(block.ffn, name, QuantizedLinear.from_linear(linear, kind))
+    model.lm_head = QuantizedLinear.from_linear(model.lm_head, "Q8_0", fp32_output=True)
     table = quantize_blocks(model.token_embedding.weight.detach(), "Q8_0")
     model.token_embedding = QuantizedEmbedding(table, "Q8_0")
     prompt = torch.arange(3, 9).unsqueeze(0)

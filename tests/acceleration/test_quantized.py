@@ -30,6 +30,7 @@ from qkv.capabilities import Support
 from qkv.data import chat_format_from_metadata, tokenizer_from_metadata
 from qkv.generation import generate
 from qkv.models import GPT, GPTConfig
+from tests.acceleration.error_bounds import dense_error_bound
 
 KINDS = ["Q4_0", "Q4_1", "Q8_0"]
 
@@ -84,15 +85,6 @@ def test_blocks_are_ggufs_byte_for_byte(kind, rows, groups, scale, seed):
     np.testing.assert_array_equal(
         quantize_blocks(weight, kind).numpy(), reference_blocks(weight, kind)
     )
-
-
-def dense_error_bound(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> float:
-    """Twice the largest error of PyTorch's dense product in `dtype` against float64, or a few
-    ulps of the output's size where that error happens to be 0."""
-    exact = F.linear(x.double(), weight.double())
-    dense = F.linear(x.to(dtype), weight.to(dtype)).double()
-    floor = 4 * torch.finfo(dtype).eps * exact.abs().max().item()
-    return max(2 * (dense - exact).abs().max().item(), floor)
 
 
 @pytest.mark.parametrize("kind", KINDS)

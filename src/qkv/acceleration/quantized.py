@@ -24,6 +24,8 @@ formats) and computes x W^T + b with the first of these kernels that this machin
 - "int8-blockwise" (Q8_0, where int4pack does not run): the int8 codes (a view of the blocks)
   times their blocks' fp32 scales, dequantized a chunk of rows at a time into an fp32 scratch
   of 2 MiB that stays in cache, each chunk multiplied by F.linear: fp32, the exact weights.
+  Inside a compiled graph (the decoding steps of `qkv.acceleration.decoding_steps`), fewer
+  than `PAIR_ROWS` rows are one reduction over the codes instead (`int8_reduction_product`).
 - "dequantized" (the fallback): the weight dequantized once, at construction, to fp32, and
   F.linear: correct everywhere, 4 bytes per weight.
 
@@ -50,6 +52,7 @@ from qkv.acceleration.quantized_kernels import (
     int4pack_product,
     int8_blockwise_product,
     int8_layout,
+    int8_reduction_product,
 )
 from qkv.capabilities import Support
 from qkv.models.gguf.quants import (
@@ -258,6 +261,8 @@ class QuantizedLinear(nn.Module):
             pair = torch.cat((rows, rows), dim=1)  # (N, 2 in)
             return int4pack_product(pair, self.packed, self.scales_and_zeros, self.out_features)
         if self.kernel in ("int8-blockwise", "int4pack-pair"):
+            if torch.compiler.is_compiling() and rows.shape[0] < PAIR_ROWS:  # one reduction
+                return int8_reduction_product(rows, self.codes, self.scales)
             return int8_blockwise_product(rows, self.codes, self.scales)
         return F.linear(rows.float(), self.dense_weight)
 
