@@ -137,7 +137,8 @@ def quantized_kernel(kind: str, *, fp32_output: bool = False) -> tuple[str, Supp
         why = "fp32 outputs asked for" if fp32_output else support.reason
         return "int8-blockwise", Support(True, f"{why}; Q8_0: int8 codes times fp32 block "
                                                "scales, in cache-sized chunks (public ops, "
-                                               "any CPU)")  # fmt: skip
+                                               "any CPU), one reduction over the codes in a "
+                                               "compiled step")  # fmt: skip
     if support:
         return "int4pack", support
     return "dequantized", Support(False, f"{support.reason}: dequantized once to fp32, F.linear")
@@ -172,6 +173,7 @@ class QuantizedLinear(nn.Module):
         self.in_features = blocks.shape[1] // BLOCK_FORMATS[kind].nbytes * BLOCK
         self.register_buffer("blocks", blocks)
         self.bias = None if bias is None else nn.Parameter(_checked_bias(bias, self.out_features))
+        self._sharing = None  # (its QuantizedSharing, its index) once it shares inputs
         self._prepare()
         self.register_load_state_dict_post_hook(lambda module, _: module._prepare())
 
@@ -196,7 +198,10 @@ class QuantizedLinear(nn.Module):
     def _prepare(self) -> None:
         """Choose the kernel here (`quantized_kernel`) and lay the blocks out for it, in
         buffers that are not saved (the state dict holds the blocks alone) but that
-        torch.export sees, so that the exported decoding step reads them as the model's."""
+        torch.export sees, so that the exported decoding step reads them as the model's. A
+        layer laid out again computes alone (its `QuantizedSharing` is dissolved)."""
+        if getattr(self, "_sharing", None) is not None:
+            self._sharing[0].dissolve()
         self.kernel, self.kernel_reason = quantized_kernel(self.kind, fp32_output=self.fp32_output)
         shape = (self.out_features, self.in_features)
         if self.kernel == "int4pack":
@@ -234,8 +239,10 @@ class QuantizedLinear(nn.Module):
                              f"{tuple(x.shape)} on {x.device}")  # fmt: skip
         if x.requires_grad and torch.is_grad_enabled():
             y = _QuantizedProduct.apply(x, self)
-        else:
+        elif self._sharing is None or torch.compiler.is_compiling():
             y = self.product(x)
+        else:  # its slice of one product with the layers that read x too (quantized_sharing)
+            y = self._sharing[0].product(self._sharing[1], x)
         bias = self.bias
         return y if bias is None else y + bias.to(y.dtype)
 

@@ -7,7 +7,8 @@
 
 `quantize(model, "Q4_1")` quantizes a float model's linears in place (`QuantizedLinear`). The
 model's own modules are replaced for good, so that their float weights can be freed; the
-layers and models themselves stay plain PyTorch and know nothing of it.
+layers and models themselves stay plain PyTorch and know nothing of it. Both compute the linears
+that read one input (q, k and v; gate and up) as one product (`share_quantized_inputs`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from qkv.acceleration.quantized import (
     quantized_kernel,
 )
 from qkv.acceleration.quantized_embedding import QuantizedEmbedding
+from qkv.acceleration.quantized_sharing import share_quantized_inputs
 from qkv.models.building import built_on_meta, return_freed_heap
 from qkv.models.gguf.config import gguf_config
 from qkv.models.gguf.file import GGUFError, GGUFFile, GGUFTensor, read_gguf
@@ -78,7 +80,7 @@ def quantize(model: nn.Module, kind: str = "Q4_1", *, head_kind: str | None = "Q
             setattr(parent, name, done[child])
     logger.info("quantize: %d linears quantized; left as nn.Linear: %s", len(done),
                 "; ".join(left) or "none")  # fmt: skip
-    return model
+    return share_quantized_inputs(model)
 
 
 def _why_not(child: nn.Module, kind: str | None) -> str:
@@ -137,7 +139,7 @@ def quantized_from_gguf(source: str | Path | GGUFFile) -> GPT:
         file.release(blocks)  # laid out for its kernel: the file's pages go until read again
         return_freed_heap()  # and the temporaries of the layout
     logger.info("loaded %s: %d quantized linears; %s", file.path, len(quantized), config)
-    return model.eval()
+    return share_quantized_inputs(model).eval()
 
 
 def quantized_pays(source: str | Path | GGUFFile) -> capabilities.Support:
@@ -231,6 +233,11 @@ def explain_quantized(model: nn.Module) -> str:
     for (kind, kernel, reason), count in sorted(counts.items()):
         dtype = "bf16" if kernel.startswith("int4pack") else "fp32"
         lines.append(f"  {count} {kind} by {kernel} ({dtype} compute): {reason}")
+    joined = sum(m._sharing is not None for m in quantized.values())
+    if joined:
+        lines.append(f"  {joined} of them laid out with the others of their module and input "
+                     "width: those that read one tensor are one product "
+                     "(share_quantized_inputs)")  # fmt: skip
     tables = [f"{n} ({m.kind})" for n, m in modules.items() if isinstance(m, QuantizedEmbedding)]
     if tables:
         tables_text = ", ".join(tables)

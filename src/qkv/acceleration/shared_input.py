@@ -11,7 +11,8 @@ swapped for a `SharedInputMember` of one `SharedInputGroup`:
 - from then on, the members that read one tensor in that round are fused: the first of them
   to be called computes one product over their stacked weights and keeps the others' slices,
   which each takes if it is called with that very tensor, unchanged since (the same object,
-  the same `_version`); a member called with anything else computes a product of its own.
+  the same `_version`; an inference tensor has no version: the same object); a member called
+  with anything else computes a product of its own.
 
 So every output is a product of the member's own input: what is learned only decides how many
 products are computed (fewer, larger ones are faster on the CPU). Under torch.compile each member
@@ -21,12 +22,14 @@ computes its own product: a compiled one-row product is a reduction per linear a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from qkv.acceleration.packing import PackedLinear
 
-__all__ = ["SharedInputGroup", "SharedInputMember"]
+__all__ = ["InputSharing", "SharedInputGroup", "SharedInputMember"]
 
 
 class SharedInputMember(nn.Module):
@@ -49,54 +52,50 @@ class SharedInputMember(nn.Module):
         return f"{self.group.names[self.index]}, {how}"
 
 
-class SharedInputGroup:
-    """The linears `names` of one module (same input width and dtype), packed; members stand in
-    for them, and those found to read one tensor share one product (see the module doc)."""
+class InputSharing:
+    """What members of one module read: the first round of calls learns it, then the members
+    that read one tensor share one product and each takes its slice (see the module doc).
+    Subclasses say how a member computes alone (`_own`) and how a subset is fused (`_fuse`)."""
 
-    def __init__(self, names: tuple[str, ...], linears: tuple[nn.Linear, ...], batch_hint: int):
-        self.names, self.linears, self.batch_hint = names, linears, batch_hint
-        self.members = tuple(
-            SharedInputMember(self, i, PackedLinear(linear, batch_hint=batch_hint))
-            for i, linear in enumerate(linears)
-        )
-        self.reset()
+    def __init__(self, names: tuple[str, ...], widths: tuple[int, ...]) -> None:
+        self.names, self.widths = names, widths
+        self.forget()
 
-    def reset(self) -> None:
-        """Forget what was learned, the kept slices and every packed copy (a block's exit)."""
-        self.fused: dict[tuple[int, ...], PackedLinear] = {}
+    def forget(self) -> None:
+        """Forget what was learned and the kept slices."""
         # what the first round taught, empty until then: index -> (the members that read its
         # input, their fused product or None, their widths)
-        self._plans: dict[int, tuple[tuple[int, ...], PackedLinear | None, list[int]]] = {}
+        self._plans: dict[int, tuple[tuple[int, ...], Callable | None, list[int]]] = {}
         self._round: dict[int, torch.Tensor] = {}  # the learning round: index -> its input
         self._input: torch.Tensor | None = None  # the input of the kept slices
         self._version = -1
         self._kept: dict[int, torch.Tensor] = {}  # index -> its slice of the last fused product
-        for member in self.members:
-            member.own._packed.clear()
-            member.own.packing_seconds = 0.0
+
+    def _own(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _fuse(self, subset: tuple[int, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
+        raise NotImplementedError
 
     def shares_with(self, index: int) -> list[str]:
         subset = self._plans[index][0] if self._plans else (index,)
         return [self.names[j] for j in subset if j != index]
 
     def product(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        """Member `index`'s product of x: a kept slice, a new fused product, or its own. The
-        products are called through `_linear` (no module call, no shape check: the member
-        stands where a linear of these sizes was), as this runs for every projection of a
-        decoding step."""
+        """Member `index`'s product of x: a kept slice, a new fused product, or its own."""
         kept = self._kept
-        if kept and self._input is x and index in kept and x._version == self._version:
+        if kept and self._input is x and index in kept and _version(x) == self._version:
             return kept.pop(index)
         if not self._plans:
             if index not in self._round:
                 self._round[index] = x
-                return self.members[index].own._linear(x)
+                return self._own(index, x)
             self._learn()
         subset, fused, widths = self._plans[index]
         if fused is None:
-            return self.members[index].own._linear(x)
-        outputs = fused._linear(x).split(widths, dim=-1)  # one product, then its slices
-        self._input, self._version = x, x._version
+            return self._own(index, x)
+        outputs = fused(x).split(widths, dim=-1)  # one product, then its slices
+        self._input, self._version = x, _version(x)
         self._kept = {j: out for j, out in zip(subset, outputs, strict=True) if j != index}
         return outputs[subset.index(index)]
 
@@ -107,12 +106,47 @@ class SharedInputGroup:
             readers.setdefault(id(x), []).append(index)
         for indices in readers.values():
             subset = tuple(sorted(indices))
-            fused = None
-            if len(subset) > 1:
-                stacked = [self.linears[j] for j in subset]
-                fused = self.fused[subset] = PackedLinear(*stacked, batch_hint=self.batch_hint)
-            widths = [self.linears[j].out_features for j in subset]
+            fused = self._fuse(subset) if len(subset) > 1 else None
+            widths = [self.widths[j] for j in subset]
             self._plans.update({j: (subset, fused, widths) for j in subset})
-        for index in range(len(self.members)):  # never called in the round: alone
-            self._plans.setdefault(index, ((index,), None, [self.linears[index].out_features]))
+        for index in range(len(self.names)):  # never called in the round: alone
+            self._plans.setdefault(index, ((index,), None, [self.widths[index]]))
         self._round = {}
+
+
+class SharedInputGroup(InputSharing):
+    """The linears `names` of one module (same input width and dtype), packed; members stand in
+    for them, and those found to read one tensor share one product (see the module doc)."""
+
+    def __init__(self, names: tuple[str, ...], linears: tuple[nn.Linear, ...], batch_hint: int):
+        self.linears, self.batch_hint = linears, batch_hint
+        self.members = tuple(
+            SharedInputMember(self, i, PackedLinear(linear, batch_hint=batch_hint))
+            for i, linear in enumerate(linears)
+        )
+        super().__init__(names, tuple(linear.out_features for linear in linears))
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what was learned, the kept slices and every packed copy (a block's exit)."""
+        self.forget()
+        self.fused: dict[tuple[int, ...], PackedLinear] = {}
+        for member in self.members:
+            member.own._packed.clear()
+            member.own.packing_seconds = 0.0
+
+    def _own(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Through `_linear` (no module call, no shape check: the member stands where a linear
+        of these sizes was), as this runs for every projection of a decoding step."""
+        return self.members[index].own._linear(x)
+
+    def _fuse(self, subset: tuple[int, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
+        stacked = [self.linears[j] for j in subset]
+        fused = self.fused[subset] = PackedLinear(*stacked, batch_hint=self.batch_hint)
+        return fused._linear
+
+
+def _version(x: torch.Tensor) -> int:
+    """x's version counter; -2 for an inference tensor (torch.inference_mode), which has none:
+    there, the same object is taken as unchanged."""
+    return -2 if x.is_inference() else x._version

@@ -1,0 +1,138 @@
+"""Quantized linears of one module that read one input, multiplied as one product.
+
+A decoding step of SmolLM2 calls 7 quantized products a layer: q, k, v, the output projection,
+gate, up and down. q, k and v read one tensor, and so do gate and up; multiplied together they
+make 4 products a layer instead of 7 (and 4 casts to bf16 and back instead of 7), which is what a
+step at batch 1 pays for most: the calls, not the bytes (benchmarks/decode_smollm2.py).
+
+`share_quantized_inputs(model)` gives, in every module, the `QuantizedLinear` children served by
+int4pack (or its pair form, Q8_0) with one kind and input width, in order, one joint layout: a
+packed tensor holding their output rows one after another. Each child's own packed weight
+becomes a view of its rows, so no memory is added for the codes: int4pack's CPU layout keeps
+output rows in blocks of 64 (32 with AVX2), each laid out alone, so the children's packed
+weights one after another are the packed weight of all their rows, and a row range that starts
+and ends at a multiple of 64 is a packed weight of its own (checked on this machine once:
+`row_slices_hold`).
+
+Which children read one tensor is learned from the first round of calls, as `shared_input` learns
+it for `packed_linears` (`InputSharing`): out_proj reads the attention's output, not x. From then
+on those children, contiguous in the joint layout, are one product over their rows (their scales
+joined: a scale and a zero in bf16 per 32 weights, a quarter of the codes' bytes, for those
+children only), each taking its slice when called with that very tensor. A child called with
+another tensor, under autograd, or inside a compiled graph computes its own product on its view.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from qkv.acceleration.quantized import PAIR_ROWS, QuantizedLinear
+from qkv.acceleration.quantized_kernels import int4pack_layout, int4pack_product
+from qkv.acceleration.shared_input import InputSharing
+from qkv.models.gguf.quants import quantize_q4_1
+
+__all__ = ["QuantizedSharing", "row_slices_hold", "share_quantized_inputs"]
+
+ROW_BLOCK = 64  # a joint layout's children start and end at multiples of this many rows
+_KERNELS = ("int4pack", "int4pack-pair")
+
+
+def share_quantized_inputs(model: nn.Module) -> nn.Module:
+    """Give every module's int4pack-served QuantizedLinear children of one kind and input width
+    (two or more, each a multiple of 64 output rows) a joint layout and one `QuantizedSharing`
+    (see the module doc), in place; returns the model. Nothing is done where int4pack's rows
+    cannot be sliced here (`row_slices_hold`)."""
+    for module in model.modules():
+        families: dict[tuple, list[tuple[str, QuantizedLinear]]] = {}
+        for name, child in module.named_children():
+            if _joinable(child):
+                key = (child.kernel, child.kind, child.in_features)
+                families.setdefault(key, []).append((name, child))
+        for family in families.values():
+            if len(family) > 1 and row_slices_hold():
+                QuantizedSharing(*zip(*family, strict=True))
+    return model
+
+
+def _joinable(child: nn.Module) -> bool:
+    return (
+        type(child) is QuantizedLinear
+        and child.kernel in _KERNELS
+        and child.out_features % ROW_BLOCK == 0
+        and child._sharing is None
+    )
+
+
+class QuantizedSharing(InputSharing):
+    """QuantizedLinears `layers` of one module (one kernel, kind and input width), their packed
+    codes views of one joint layout; those found to read one tensor share one product."""
+
+    def __init__(self, names: tuple[str, ...], layers: tuple[QuantizedLinear, ...]) -> None:
+        super().__init__(names, tuple(layer.out_features for layer in layers))
+        self.layers = layers
+        first = layers[0]
+        self.kernel, self.in_features = first.kernel, first.in_features
+        # the layers' packed rows one after another: the packed weight of all their rows
+        # (`row_slices_hold`), built without reading their blocks again
+        self.packed = torch.cat([layer.packed for layer in layers])
+        self.starts = [0, *torch.tensor(self.widths).cumsum(0).tolist()]
+        for index, layer in enumerate(layers):
+            layer.packed = self.packed[self.starts[index] : self.starts[index + 1]]  # a view
+            layer._sharing = (self, index)
+
+    def dissolve(self) -> None:
+        """Each layer computes alone from now on (one was laid out again: a state dict loaded);
+        the others keep their views, whose codes are theirs."""
+        for layer in self.layers:
+            layer._sharing = None
+        self.forget()
+
+    def _own(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[index].product(x)
+
+    def _fuse(self, subset: tuple[int, ...]) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        if subset != tuple(range(subset[0], subset[-1] + 1)):
+            return None  # not one row range of the joint layout
+        rows = slice(self.starts[subset[0]], self.starts[subset[-1] + 1])
+        packed = self.packed[rows]
+        scales = torch.cat([self.layers[j].scales_and_zeros for j in subset], dim=1)
+        width = rows.stop - rows.start
+        pair = self.kernel == "int4pack-pair"
+
+        def fused(x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., width) in x's dtype
+            flat = x.reshape(-1, self.in_features)  # (N, in)
+            if x.dtype == torch.float64 or (pair and flat.shape[0] >= PAIR_ROWS):
+                return torch.cat([self._own(j, x) for j in subset], dim=-1)  # fp32, fp64
+            if pair:  # [x, x]: the high nibbles' groups, then the low ones'
+                flat = flat.to(torch.bfloat16)
+                flat = torch.cat((flat, flat), dim=1)
+            y = int4pack_product(flat, packed, scales, width).to(x.dtype)
+            return y.reshape(*x.shape[:-1], width)
+
+        return fused
+
+
+@functools.cache
+def row_slices_hold() -> bool:
+    """Is int4pack's packed weight (this PyTorch, this ISA) made of blocks of 64 output rows,
+    each laid out alone? Checked on a weight of 128 rows: its packed weight equals those of its
+    two halves one after the other, byte for byte, and the product over the second half's rows
+    of the whole's view equals that slice of the whole product, bit for bit."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(2 * ROW_BLOCK, 64, generator=generator)  # (out, in)
+    x = torch.randn(1, 64, generator=generator)
+    blocks = quantize_q4_1(weight)
+    try:
+        packed, scales = int4pack_layout(blocks, "Q4_1", 2 * ROW_BLOCK, 64)
+        halves = [int4pack_layout(half, "Q4_1", ROW_BLOCK, 64)[0] for half in blocks.chunk(2)]
+        whole = int4pack_product(x, packed, scales, 2 * ROW_BLOCK)[:, ROW_BLOCK:]
+        part = int4pack_product(
+            x, packed[ROW_BLOCK:], scales[:, ROW_BLOCK:].contiguous(), ROW_BLOCK
+        )
+    except RuntimeError:
+        return False
+    return torch.equal(torch.cat(halves), packed) and torch.equal(whole, part)
