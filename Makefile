@@ -65,7 +65,7 @@ test: lint browser
 # ATEN_CPU_CAPABILITY, and code vectorised for one ISA fails to build under another.
 FAST_PATH_TESTS := tests/acceleration/test_packing.py tests/layers/test_dropout.py \
 	tests/acceleration/test_swaps.py tests/attention/test_dropout.py \
-	tests/acceleration/test_quantized.py \
+	tests/acceleration/test_quantized.py tests/acceleration/test_quantized_sharing.py \
 	tests/acceleration/test_compiled.py::test_packed_and_compiled_equals_eager_and_one_graph_serves_every_later_call
 # The AOTInductor step builds the same kernels: held to AVX2 only, where a CPU without AVX-512
 # is likeliest (a library per masked run costs ~20 s).

@@ -74,7 +74,8 @@ class InputSharing:
     def _own(self, index: int, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def _fuse(self, subset: tuple[int, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def _fuse(self, subset: tuple[int, ...]) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """One product for the members `subset`, or None: each computes alone."""
         raise NotImplementedError
 
     def shares_with(self, index: int) -> list[str]:
