@@ -114,8 +114,9 @@ def int8_reduction_product(
     """Q8_0, as `int8_blockwise_product` computes it (fp32, the exact weights), written as one
     sum over each output's codes times its block scale times the input: inside a graph
     (torch.compile, AOTInductor) inductor makes it one streaming reduction that reads the int8
-    codes and converts them in registers, 6x faster than the chunks for one row of SmolLM2's
-    49152 x 576 output layer. Eager, it would hold (N, out, in) fp32 at once: graphs only.
+    codes and converts them in registers: for one row of SmolLM2's 49152 x 576 output layer,
+    1.6 ms where the eager chunks take ~10 (Intel AVX-512, 2 threads). Eager, it would hold
+    (N, out, in) fp32 at once: graphs only.
     (N, in) -> (N, out)."""
     out_features, groups, block = codes.shape
     x = rows.float().view(rows.shape[0], 1, groups, block)  # (N, 1, groups, 32)
