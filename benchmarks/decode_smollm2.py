@@ -23,7 +23,8 @@ hits each alike):
     same tokens    greedy tokens equal to llama.cpp's on the same file, to the first difference
     weights MB     the storages behind the model's parameters and buffers (qkv; llama.cpp maps
                    the file)
-and each qkv candidate's ratio to llama.cpp on its file. Written to results/decode_smollm2.json
+and each qkv candidate's ratio to llama.cpp on its file: the median over rounds of the ratio
+within a round. Written to results/decode_smollm2.json
 with the machine (CPU model, ISA, PyTorch's CPU capability) and the kernels.
 """
 
@@ -120,6 +121,12 @@ class Qkv:
             return time.perf_counter() - started
 
 
+def paired_ratio(ours: list[float], theirs: list[float]) -> float:
+    """The median over rounds of ours / theirs in the same round: a busy spell that slows one
+    round slows both sides of its ratio."""
+    return statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
+
+
 def same_prefix(ours: list[int], theirs: list[int]) -> int:
     pairs = enumerate(zip(ours, theirs, strict=False))
     return next((i for i, (a, b) in pairs if a != b), len(theirs))
@@ -181,8 +188,8 @@ def main() -> None:
             "samples": {"decode_tok_s": decode[(kind, name)],
                         "prefill_tok_s": prefill[(kind, name)]},
         }  # fmt: skip
-        row["decode_vs_llama_cpp"] = row["decode_tok_s"] / statistics.median(decode[peer])
-        row["prefill_vs_llama_cpp"] = row["prefill_tok_s"] / statistics.median(prefill[peer])
+        row["decode_vs_llama_cpp"] = paired_ratio(decode[(kind, name)], decode[peer])
+        row["prefill_vs_llama_cpp"] = paired_ratio(prefill[(kind, name)], prefill[peer])
         rows.append(row)
     print(format_table(
         [[r["file"], r["candidate"], f"{r['decode_tok_s']:.1f}", f"{r['decode_vs_llama_cpp']:.2f}x",
