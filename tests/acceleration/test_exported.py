@@ -16,9 +16,11 @@ from qkv.acceleration import (
     exported,
     packed_linears,
     quantize_blocks,
+    quantized_sharing,
 )
 from qkv.acceleration.quantized import QuantizedLinear
 from qkv.acceleration.quantized_embedding import QuantizedEmbedding
+from qkv.acceleration.quantized_sharing import share_quantized_inputs
 from qkv.generation import decode_steps, generate
 from tests.acceleration.new_process import decodes_from_the_store
 from tests.generation.reference_models import left_padded_prompts, qkv_model, redraw
@@ -177,20 +179,33 @@ def test_non_finite_logits_from_the_library_fail_at_their_step(llama):
 
 
 @pytest.mark.slow
-def test_packed_and_quantized_products_are_served_with_the_constants_inductor_adds(store):
+def test_packed_and_quantized_products_are_served_with_the_constants_inductor_adds(
+    store, monkeypatch
+):
     """One library for both kinds of swapped products: the attention's linears packed
     (inside packed_linears the one-row products are streaming reductions in the library),
     the FFN's Q4_1 and Q8_0 linears (int4pack and its pair form where they run), a Q8_0 head
     with fp32 outputs (one reduction over its codes in the library) and a Q8_0 embedding
     table. Inductor's lowering of the int4pack product adds a constant of its own (the group
     size), which the library records and supplies itself; the eager tokens, through the
-    library."""
+    library. Gate and up read one input: the library computes them as one product, as eager
+    steps do (`share_quantized_inputs`)."""
     model = redraw(qkv_model("tiny-llama"), seed=6)
     for block in model.blocks:
         for name, kind in (("gate_proj", "Q4_1"), ("up_proj", "Q4_1"), ("down_proj", "Q8_0")):
             linear = getattr(block.ffn, name)
             setattr(block.ffn, name, QuantizedLinear.from_linear(linear, kind))
     model.lm_head = QuantizedLinear.from_linear(model.lm_head, "Q8_0", fp32_output=True)
+    share_quantized_inputs(model)
+    traced = []  # the output widths of the shared products traced into the library
+    product = quantized_sharing.int4pack_product
+
+    def spied(*args):
+        if torch.compiler.is_exporting():
+            traced.append(args[-1])
+        return product(*args)
+
+    monkeypatch.setattr(quantized_sharing, "int4pack_product", spied)
     table = quantize_blocks(model.token_embedding.weight.detach(), "Q8_0")
     model.token_embedding = QuantizedEmbedding(table, "Q8_0")
     prompt = torch.arange(3, 9).unsqueeze(0)
@@ -204,6 +219,8 @@ def test_packed_and_quantized_products_are_served_with_the_constants_inductor_ad
     assert len(store[1]) == compiled_before + 1  # served by a library, not the eager fallback
     (runner,) = steps.exported.runners.values()
     assert runner is not None and set(runner.names) <= set(runner.constants)
+    if model.blocks[0].ffn.gate_proj.kernel == "int4pack":  # where int4pack runs
+        assert traced == [2 * model.config.ffn_dim] * model.config.num_layers  # gate + up
 
 
 def test_a_new_process_loads_the_library_from_the_store(llama, store):

@@ -239,7 +239,7 @@ class QuantizedLinear(nn.Module):
                              f"{tuple(x.shape)} on {x.device}")  # fmt: skip
         if x.requires_grad and torch.is_grad_enabled():
             y = _QuantizedProduct.apply(x, self)
-        elif self._sharing is None or torch.compiler.is_compiling():
+        elif self._sharing is None or _traced_alone():
             y = self.product(x)
         else:  # its slice of one product with the layers that read x too (quantized_sharing)
             y = self._sharing[0].product(self._sharing[1], x)
@@ -312,6 +312,14 @@ class _QuantizedProduct(torch.autograd.Function):
         dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
         weight = ctx.module.dequantized_weight(dtype)  # (out, in)
         return (grad.to(dtype) @ weight).to(grad.dtype), None  # (..., in)
+
+
+def _traced_alone() -> bool:
+    """Inside torch.compile's graphs each layer computes its own product (kept slices would be
+    state guarded in the graph); torch.export's tracing (non-strict: the Python runs, on fake
+    tensors) shares products as eager calls do, so the exported step holds one product per
+    shared input."""
+    return torch.compiler.is_compiling() and not torch.compiler.is_exporting()
 
 
 _LAID_OUT = ("packed", "scales_and_zeros", "codes", "scales", "dense_weight")

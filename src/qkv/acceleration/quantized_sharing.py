@@ -20,7 +20,9 @@ it for `packed_linears` (`InputSharing`): out_proj reads the attention's output,
 on those children, contiguous in the joint layout, are one product over their rows (their scales
 joined: a scale and a zero in bf16 per 32 weights, a quarter of the codes' bytes, for those
 children only), each taking its slice when called with that very tensor. A child called with
-another tensor, under autograd, or inside a compiled graph computes its own product on its view.
+another tensor or under autograd computes its own product on its view, and so does every child
+inside torch.compile's graphs; torch.export's tracing shares them as eager calls do, so that the
+exported decoding step (qkv.acceleration.exported) holds one product per shared input.
 """
 
 from __future__ import annotations
@@ -90,6 +92,8 @@ class QuantizedSharing(InputSharing):
         the others keep their views, whose codes are theirs."""
         for layer in self.layers:
             layer._sharing = None
+            for name in ("joined_packed", "joined_scales_and_zeros"):
+                layer._buffers.pop(name, None)
         self.forget()
 
     def _own(self, index: int, x: torch.Tensor) -> torch.Tensor:
@@ -99,8 +103,12 @@ class QuantizedSharing(InputSharing):
         if subset != tuple(range(subset[0], subset[-1] + 1)):
             return None  # not one row range of the joint layout
         rows = slice(self.starts[subset[0]], self.starts[subset[-1] + 1])
-        packed = self.packed[rows]
+        # the subset's layout, as buffers of its first layer (not saved): torch.export finds
+        # the exported step's tensors among the model's own
+        owner = self.layers[subset[0]]
+        owner.register_buffer("joined_packed", self.packed[rows], persistent=False)
         scales = torch.cat([self.layers[j].scales_and_zeros for j in subset], dim=1)
+        owner.register_buffer("joined_scales_and_zeros", scales, persistent=False)
         width = rows.stop - rows.start
         pair = self.kernel == "int4pack-pair"
 
@@ -111,7 +119,9 @@ class QuantizedSharing(InputSharing):
             if pair:  # [x, x]: the high nibbles' groups, then the low ones'
                 flat = flat.to(torch.bfloat16)
                 flat = torch.cat((flat, flat), dim=1)
-            y = int4pack_product(flat, packed, scales, width).to(x.dtype)
+            y = int4pack_product(
+                flat, owner.joined_packed, owner.joined_scales_and_zeros, width
+            ).to(x.dtype)
             return y.reshape(*x.shape[:-1], width)
 
         return fused

@@ -6,8 +6,8 @@ The linear children of one module with the same input width and dtype may read o
 the attention's output; in cross-attention q reads x while k and v read the memory). Each is
 swapped for a `SharedInputMember` of one `SharedInputGroup`:
 
-- the first round of calls (until a member is called a second time) runs each member's own
-  packed product and notes the tensor each one read;
+- the first round of calls (until every member was called, or one is called a second time)
+  runs each member's own packed product and notes the tensor each one read;
 - from then on, the members that read one tensor in that round are fused: the first of them
   to be called computes one product over their stacked weights and keeps the others' slices,
   which each takes if it is called with that very tensor, unchanged since (the same object,
@@ -88,9 +88,14 @@ class InputSharing:
         if kept and self._input is x and index in kept and _version(x) == self._version:
             return kept.pop(index)
         if not self._plans:
+            if torch.compiler.is_compiling():  # traced before any eager round: each alone
+                return self._own(index, x)
             if index not in self._round:
                 self._round[index] = x
-                return self._own(index, x)
+                own = self._own(index, x)
+                if len(self._round) == len(self.names):  # every member called: learned
+                    self._learn()
+                return own
             self._learn()
         subset, fused, widths = self._plans[index]
         if fused is None:
