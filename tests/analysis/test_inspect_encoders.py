@@ -409,3 +409,44 @@ def test_bad_names_models_and_edits_are_refused_by_name(seq2seq):
                                   ffn_dim=16, max_positions=8, share_layers=True))  # fmt: skip
     with pytest.raises(ValueError, match="share_layers=True"):
         inspect.run_with_cache(shared, torch.ones(1, 4, dtype=torch.long))
+
+
+def test_bert_attention_against_gradient_x_input_equals_transformers_autograd(tmp_path):
+    """BERT's masked-LM logit at a position: its attention (every position a source, both
+    ways) and gradient x input at the embeddings' output equal transformers' attentions and
+    autograd on the same weights, and rho is scipy's; direct logit attribution is refused
+    with the reason (post-norm blocks, the head's GELU)."""
+    from scipy import stats
+
+    config = BertConfig(vocab_size=120, embed_dim=32, num_layers=3, num_heads=4, ffn_dim=64)
+    ours = redraw(BertForPreTraining(config), std=0.3, seed=7).eval()
+    ours.save_pretrained(tmp_path)
+    theirs = transformers.BertForPreTraining.from_pretrained(
+        tmp_path, attn_implementation="eager"
+    ).eval()
+    ids = torch.randint(0, 120, (2, 9), generator=torch.Generator().manual_seed(8))
+    targets, position = torch.tensor([5, 77]), 4
+    result = inspect.attention_vs_attribution(ours, ids, targets, position=position)
+    embedded = []  # transformers' embedding output, made a leaf that autograd reaches
+
+    def leaf(module, inputs, output):
+        embedded.append(output.detach().requires_grad_(True))
+        return embedded[0]
+
+    handle = theirs.bert.embeddings.register_forward_hook(leaf)
+    try:
+        output = theirs(ids, output_attentions=True)
+        chosen = output.prediction_logits[torch.arange(2), position, targets].sum()
+        (grad,) = torch.autograd.grad(chosen, embedded[0])
+    finally:
+        handle.remove()
+    expected = (grad * embedded[0]).sum(-1).detach()  # (B, L): every position
+    torch.testing.assert_close(result.attribution, expected, rtol=1e-4, atol=1e-4)
+    for i in range(config.num_layers):
+        attention = output.attentions[i][:, :, position].mean(1).detach()  # (B, L)
+        torch.testing.assert_close(result.attention[i], attention, **TOLERANCE)
+        rho = [stats.spearmanr(a.numpy(), b.numpy()).statistic
+               for a, b in zip(attention, expected, strict=True)]  # fmt: skip
+        torch.testing.assert_close(result.correlation[:, i], torch.tensor(rho, dtype=torch.float64))
+    with pytest.raises(TypeError, match="direct logit attribution needs a qkv.models.GPT"):
+        inspect.direct_logit_attribution(ours, ids, targets)

@@ -19,6 +19,7 @@ import torch
 
 from qkv.analysis.inspection.hooks import _check_model, hooks, run_with_cache
 from qkv.layers.norms import LayerNorm, RMSNorm
+from qkv.models.bert_heads import BertForPreTraining
 from qkv.models.gpt import GPT
 
 __all__ = [
@@ -49,8 +50,9 @@ class LogitAttribution:
 @dataclass(frozen=True)
 class AttentionAttribution:
     """correlation (B, N): per row and layer, Spearman's rho over the source positions
-    0 .. position between attention (N, B, S), the weights from `position` averaged over heads,
-    and attribution (B, S), gradient x input of the target logit; S = position + 1."""
+    between attention (N, B, S), the weights from `position` averaged over heads, and
+    attribution (B, S), gradient x input of the target logit; S = position + 1 for a GPT, L
+    for BERT."""
 
     correlation: torch.Tensor
     attention: torch.Tensor
@@ -100,20 +102,28 @@ def direct_logit_attribution(
 
 
 def attention_vs_attribution(
-    model: GPT, input_ids: torch.Tensor, target_ids: torch.Tensor, *, position: int = -1
+    model: GPT | BertForPreTraining,
+    input_ids: torch.Tensor,
+    target_ids: torch.Tensor,
+    *,
+    position: int = -1,
 ) -> AttentionAttribution:
     """Attention from `position` against gradient x input of logits[b, position, target[b]].
 
-    Attention: each layer's softmax weights (`attn.pattern`) from `position` to the sources
-    0 .. position, averaged over heads. Gradient x input: the embeddings that enter block 0
-    (resid_pre, positions included) are replaced by a leaf tensor requiring grad; per source
-    position, sum over E of d logit / d x * x (Jain & Wallace 2019, s3; Wiegreffe & Pinter
-    2019). Later positions get no attention and no gradient (causal), so they are left out.
-    Returns the Spearman correlation per row and layer with both pieces (`AttentionAttribution`).
+    Attention: each layer's softmax weights (`attn.pattern`) from `position` to the sources,
+    averaged over heads. Gradient x input: the embeddings that enter block 0 (resid_pre,
+    positions included; BERT's after its embedding LayerNorm) are replaced by a leaf tensor
+    requiring grad; per source position, sum over E of d logit / d x * x (Jain & Wallace 2019,
+    s3; Wiegreffe & Pinter 2019). A GPT's sources are 0 .. position: later positions get no
+    attention and no gradient (causal). A `BertForPreTraining` (its masked-LM logits, e.g. at a
+    [MASK]) attends both ways: every position is a source, so rows are not padded (no
+    attention_mask). Returns the Spearman correlation per row and layer with both pieces
+    (`AttentionAttribution`).
     """
-    batch, length = _check_ids(model, input_ids)
+    batch, length = _check_ids(model, input_ids, encoders=True)
     target_ids = _check_targets(model, target_ids, batch)
     position = _check_position(position, length)
+    sources = length if isinstance(model, BertForPreTraining) else position + 1
     patterns: dict[str, torch.Tensor] = {}
     leaf: list[torch.Tensor] = []
 
@@ -122,16 +132,16 @@ def attention_vs_attribution(
         return leaf[0]
 
     def keep(tensor: torch.Tensor, name: str) -> None:
-        patterns[name] = tensor.detach()[:, :, position, : position + 1].mean(1)  # (B, S)
+        patterns[name] = tensor.detach()[:, :, position, :sources].mean(1)  # (B, S)
 
     edits = {"blocks.0.resid_pre": make_leaf, "blocks.*.attn.pattern": keep}
     with torch.enable_grad(), hooks(model, edits):
         logits = model(input_ids).logits  # (B, L, V)
         chosen = logits[torch.arange(batch), position, target_ids]  # (B,)
         (grad,) = torch.autograd.grad(chosen.sum(), leaf[0])  # (B, L, E)
-    attribution = (grad * leaf[0].detach()).sum(-1)[:, : position + 1].float()  # (B, S)
+    attribution = (grad * leaf[0].detach()).sum(-1)[:, :sources].float()  # (B, S)
     attention = torch.stack(
-        [patterns[f"blocks.{i}.attn.pattern"] for i in range(len(model.blocks))]
+        [patterns[f"blocks.{i}.attn.pattern"] for i in range(len(patterns))]
     )
     correlation = spearman(attention.float(), attribution.expand_as(attention))  # (N, B)
     return AttentionAttribution(correlation.T, attention, attribution)
@@ -201,17 +211,33 @@ def _norm_bias(model: GPT, target_ids: torch.Tensor) -> torch.Tensor:
     return rows @ bias.double() if bias is not None else rows.new_zeros(rows.shape[0])
 
 
-def _check_ids(model: GPT, input_ids: torch.Tensor) -> tuple[int, int]:
-    _check_model(model)
+def _check_ids(model: GPT, input_ids: torch.Tensor, *, encoders: bool = False) -> tuple[int, int]:
+    """(B, L) of input_ids, for a GPT, or a BertForPreTraining where `encoders`. Direct logit
+    attribution is the GPT's alone: a BERT block ends in a LayerNorm over the residual sum,
+    and its masked-LM head applies a GELU, so no sum of direct terms makes its logit."""
+    if not (encoders and isinstance(model, BertForPreTraining)):
+        if isinstance(model, BertForPreTraining):
+            raise TypeError(
+                "model: direct logit attribution needs a qkv.models.GPT (pre-norm: the "
+                "residual stream is a sum); a BertForPreTraining's post-norm blocks and the "
+                "GELU of its masked-LM head make its logits no sum of direct terms (its "
+                "attention_vs_attribution, logit_lens and patching work)"
+            )
+        _check_model(model)
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
         seen = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids
         raise ValueError(f"input_ids: expected token ids (B, L), got {seen!r}")
     return input_ids.shape[0], input_ids.shape[1]
 
 
-def _check_targets(model: GPT, target_ids, batch: int) -> torch.Tensor:
+def _check_targets(model: GPT | BertForPreTraining, target_ids, batch: int) -> torch.Tensor:
     target_ids = torch.as_tensor(target_ids)
-    vocab = model.lm_head.weight.shape[0]
+    table = (
+        model.bert.embeddings.token_embedding.weight  # the masked-LM head's tied decoder
+        if isinstance(model, BertForPreTraining)
+        else model.lm_head.weight
+    )
+    vocab = table.shape[0]
     if target_ids.shape != (batch,) or target_ids.is_floating_point():
         raise ValueError(
             f"target_ids: expected one token id per row, shape ({batch},), got "
@@ -219,7 +245,7 @@ def _check_targets(model: GPT, target_ids, batch: int) -> torch.Tensor:
         )
     if ((target_ids < 0) | (target_ids >= vocab)).any():
         raise ValueError(f"target_ids: expected token ids in [0, {vocab}), got {target_ids}")
-    return target_ids.to(model.lm_head.weight.device)
+    return target_ids.to(table.device)
 
 
 def _check_position(position: int, length: int) -> int:
