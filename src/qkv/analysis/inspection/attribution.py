@@ -140,9 +140,7 @@ def attention_vs_attribution(
         chosen = logits[torch.arange(batch), position, target_ids]  # (B,)
         (grad,) = torch.autograd.grad(chosen.sum(), leaf[0])  # (B, L, E)
     attribution = (grad * leaf[0].detach()).sum(-1)[:, :sources].float()  # (B, S)
-    attention = torch.stack(
-        [patterns[f"blocks.{i}.attn.pattern"] for i in range(len(patterns))]
-    )
+    attention = torch.stack([patterns[f"blocks.{i}.attn.pattern"] for i in range(len(patterns))])
     correlation = spearman(attention.float(), attribution.expand_as(attention))  # (N, B)
     return AttentionAttribution(correlation.T, attention, attribution)
 
