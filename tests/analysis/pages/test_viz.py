@@ -12,6 +12,7 @@ import re
 import struct
 import zlib
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 import torch
@@ -144,6 +145,37 @@ def test_page_in_headless_chromium(browser, pair_page, tmp_path):
     assert cross != other_layer and max(key for _, _, key, _ in cross) <= 3
     page.hover("text.token >> nth=1")  # "twenty": only its row stays
     assert {row for _, row, _, _ in _drawn(page)} == {1}
+    assert problems == []
+
+
+def test_the_view_is_saved_as_svg_and_png_as_drawn(browser, pair_page, tmp_path):
+    """The SVG button saves the view as a standalone SVG file (the lines drawn, the tokens, its
+    token styles inlined), named by stack, layer and head; the PNG button the same view at
+    twice its size, lines visible on white."""
+    page, problems = _open(browser, pair_page)
+    page.select_option("#stack", "2")
+    page.select_option("#head", "1")
+    drawn = _drawn(page)
+    with page.expect_download() as saving:
+        page.click("#save-svg")
+    download = saving.value
+    name = "attention-decoder-cross-attention-decoder.0.cross-head-1.svg"  # stack, layer, head
+    assert download.suggested_filename == name
+    root = ElementTree.parse(download.path()).getroot()
+    ns = {"svg": "http" + "://www.w3.org/2000/svg"}
+    lines = root.findall("svg:g/svg:line", ns)
+    assert root.tag == f"{{{ns['svg']}}}svg" and len(lines) == len(drawn) > 0
+    assert [float(line.get("stroke-opacity")) for line in lines] == [w for *_, w in drawn]
+    tokens = [text.text for text in root.findall("svg:text", ns)]
+    assert tokens == ["<s>", "twenty", "three", "cats", "drei", "und", "zwanzig", "katzen"]
+    assert "text.token" in root.find("svg:style", ns).text
+    with page.expect_download() as saving:
+        page.click("#save-png")
+    png = Path(saving.value.path()).read_bytes()
+    width, height = struct.unpack(">II", png[16:24])  # IHDR, after the signature
+    box = page.locator("#view").bounding_box()
+    assert (width, height) == (2 * round(box["width"]), 2 * round(box["height"]))
+    assert _distinct_pixel_bytes(png) > 32, "no line is visible"
     assert problems == []
 
 
