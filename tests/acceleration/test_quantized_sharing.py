@@ -71,9 +71,12 @@ def test_one_product_for_the_layers_that_read_one_input_with_their_own_outputs(
     assert sharing.shares_with(0) == ["k_proj", "v_proj"] and sharing.shares_with(3) == []
     assert ffn.gate_proj._sharing[0].shares_with(0) == ["up_proj"]
     assert ffn.down_proj._sharing is None  # alone of its input width
+    joined = attn.q_proj.joined_scales_and_zeros  # (groups, 256, 2): q, k and v's scales
     for index, layer in enumerate(sharing.layers):  # the codes: views of the joint layout
         assert layer.packed.untyped_storage().data_ptr() == sharing.packed.data_ptr()
         assert layer.packed.data_ptr() == sharing.packed[sharing.starts[index]].data_ptr()
+        if index < 3:  # q, k, v: their scales, views of the joined ones
+            assert layer.scales_and_zeros.untyped_storage().data_ptr() == joined.data_ptr()
     # a step, once learned: q+k+v, out, gate+up, down per layer (a Q8_0 prompt is fp32 chunks)
     per_step = [128 + 64 + 64, 128, 192 + 192, 128] * CONFIG.num_layers
     assert counted[-len(per_step) :] == per_step
@@ -91,6 +94,8 @@ def test_a_layer_called_with_another_input_or_laid_out_again_computes_alone(monk
             q, k = attn.q_proj(x), attn.k_proj(x)
         assert torch.equal(q, attn.q_proj.product(x)) and torch.equal(k, attn.k_proj.product(x))
         assert torch.equal(attn.v_proj(other), attn.v_proj.product(other))  # not q's input
+        unshared = _model("Q4_1", False, monkeypatch).blocks[0].self_attn.v_proj
+        assert torch.equal(attn.v_proj(other), unshared(other))  # its scales, a view, read right
         attn.q_proj(x)  # keeps k's and v's slices of x
         x.mul_(2)  # changed in place: the kept slices are not x's any more
         assert torch.equal(attn.k_proj(x), attn.k_proj.product(x))

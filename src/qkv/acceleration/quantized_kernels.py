@@ -75,9 +75,11 @@ def int4pack_pair_layout(
 def int4pack_product(
     rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int
 ) -> torch.Tensor:
-    """(N, in) -> (N, out) bf16."""
+    """(N, in) -> (N, out) bf16. The kernel reads scales_and_zeros as contiguous whatever
+    its strides (a column slice gave wrong outputs, silently): a view is copied first."""
     x = rows.to(torch.bfloat16).contiguous()
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, BLOCK, scales_and_zeros)
+    scales = scales_and_zeros.contiguous()  # itself where it is contiguous
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, BLOCK, scales)
     return y if y.shape[1] == out_features else y[:, :out_features]  # rows padded to 16
 
 

@@ -17,12 +17,13 @@ and ends at a multiple of 64 is a packed weight of its own (checked on this mach
 
 Which children read one tensor is learned from the first round of calls, as `shared_input` learns
 it for `packed_linears` (`InputSharing`): out_proj reads the attention's output, not x. From then
-on those children, contiguous in the joint layout, are one product over their rows (their scales
-joined: a scale and a zero in bf16 per 32 weights, a quarter of the codes' bytes, for those
-children only), each taking its slice when called with that very tensor. A child called with
-another tensor or under autograd computes its own product on its view, and so does every child
-inside torch.compile's graphs; torch.export's tracing shares them as eager calls do, so that the
-exported decoding step (qkv.acceleration.exported) holds one product per shared input.
+on those children, contiguous in the joint layout, are one product over their rows, each taking
+its slice when called with that very tensor. Their scales are joined too, and each child's own
+become a view of its columns (no memory added: a child's product alone copies them first, as
+the kernel reads scales as contiguous). A child called with another tensor or under autograd
+computes its own product, and so does every child inside torch.compile's graphs; torch.export's
+tracing shares them as eager calls do, so that the exported decoding step
+(qkv.acceleration.exported) holds one product per shared input.
 """
 
 from __future__ import annotations
@@ -109,6 +110,9 @@ class QuantizedSharing(InputSharing):
         owner.register_buffer("joined_packed", self.packed[rows], persistent=False)
         scales = torch.cat([self.layers[j].scales_and_zeros for j in subset], dim=1)
         owner.register_buffer("joined_scales_and_zeros", scales, persistent=False)
+        for j in subset:  # their own scales become views of the joined ones: no memory added
+            start, stop = self.starts[j] - rows.start, self.starts[j + 1] - rows.start
+            self.layers[j].scales_and_zeros = scales[:, start:stop]  # (groups, rows, 2)
         width = rows.stop - rows.start
         pair = self.kernel == "int4pack-pair"
 
