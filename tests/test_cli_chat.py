@@ -20,6 +20,7 @@ from tokenizers import AddedToken, Tokenizer, models
 
 import qkv.applications.chat as chat_module
 import qkv.commands.chat as chat_command
+from qkv import acceleration
 from qkv.acceleration.quantized import QuantizedLinear
 from qkv.acceleration.quantized_models import quantized_pays
 from qkv.applications.chat import (
@@ -87,6 +88,23 @@ def test_the_second_answer_reads_the_first(loaded, capsys, monkeypatch):
         {"role": "user", "content": MUSEUM},
     ]
     assert first in loaded.chat_format.render(asked[1])  # turn 2's prompt holds turn 1's answer
+
+
+@pytest.mark.parametrize(("flags", "mode"), [((), "auto"), (("--compile",), "aot"),
+                                             (("--no-compile",), "eager")])  # fmt: skip
+def test_chat_decodes_with_the_steps_its_compile_flag_names(tiny, capsys, monkeypatch, flags, mode):
+    """--compile asks for the step compiled ahead of time, --no-compile for eager steps; neither
+    for "auto" (compiled where an earlier run compiled it), as `qkv generate` does."""
+    _serve(monkeypatch, tiny)
+    modes = []
+
+    def steps(model, asked):
+        modes.append(asked)
+        return model  # eager steps, whatever was asked: nothing is compiled here
+
+    monkeypatch.setattr(acceleration, "decoding_steps", steps)
+    status, out, _ = _chat(capsys, monkeypatch, ["hi"], "--max-new-tokens", "2", *flags)
+    assert status == 0 and out and modes == [mode]
 
 
 def test_generate_chat_answers_one_message(loaded, capsys, monkeypatch):

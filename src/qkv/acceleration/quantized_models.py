@@ -138,8 +138,11 @@ def quantized_from_gguf(source: str | Path | GGUFFile) -> GPT:
         model.get_submodule(parent).register_module(name, linear)
         file.release(blocks)  # laid out for its kernel: the file's pages go until read again
         return_freed_heap()  # and the temporaries of the layout
+    for module in model.modules():  # one module at a time, each one's freed layouts returned
+        share_quantized_inputs(module, recurse=False)
+        return_freed_heap()
     logger.info("loaded %s: %d quantized linears; %s", file.path, len(quantized), config)
-    return share_quantized_inputs(model).eval()
+    return model.eval()
 
 
 def quantized_pays(source: str | Path | GGUFFile) -> capabilities.Support:

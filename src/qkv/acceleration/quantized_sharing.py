@@ -45,12 +45,12 @@ ROW_BLOCK = 64  # a joint layout's children start and end at multiples of this m
 _KERNELS = ("int4pack", "int4pack-pair")
 
 
-def share_quantized_inputs(model: nn.Module) -> nn.Module:
+def share_quantized_inputs(model: nn.Module, *, recurse: bool = True) -> nn.Module:
     """Give every module's int4pack-served QuantizedLinear children of one kind and input width
     (two or more, each a multiple of 64 output rows) a joint layout and one `QuantizedSharing`
-    (see the module doc), in place; returns the model. Nothing is done where int4pack's rows
-    cannot be sliced here (`row_slices_hold`)."""
-    for module in model.modules():
+    (see the module doc), in place; returns the model. recurse=False: `model`'s own children
+    only. Nothing is done where int4pack's rows cannot be sliced here (`row_slices_hold`)."""
+    for module in model.modules() if recurse else [model]:
         families: dict[tuple, list[tuple[str, QuantizedLinear]]] = {}
         for name, child in module.named_children():
             if _joinable(child):

@@ -86,7 +86,10 @@ class InputSharing:
         """Member `index`'s product of x: a kept slice, a new fused product, or its own."""
         kept = self._kept
         if kept and self._input is x and index in kept and _version(x) == self._version:
-            return kept.pop(index)
+            out = kept.pop(index)
+            if not kept:  # every slice taken: x is not held past its layer (a prompt's rows)
+                self._input = None
+            return out
         if not self._plans:
             if torch.compiler.is_compiling():  # traced before any eager round: each alone
                 return self._own(index, x)

@@ -1,5 +1,6 @@
-"""The options that `qkv generate` and `qkv chat` share: sampling (`qkv.generate`'s fields) and
-how a GGUF file's weights are held (`qkv.applications.chat.load_chat_model`'s `weights`)."""
+"""The options that `qkv generate` and `qkv chat` share: sampling (`qkv.generate`'s fields), how
+a GGUF file's weights are held (`qkv.applications.chat.load_chat_model`'s `weights`) and whether
+the decoding steps are compiled (`qkv.acceleration.decoding_steps`' mode)."""
 
 from __future__ import annotations
 
@@ -24,3 +25,19 @@ def add_weights_argument(parser: argparse.ArgumentParser) -> None:
         "(dequantized); auto (the default): quantized where that decodes faster on this CPU "
         "(Q4_0 and Q4_1 files where PyTorch's int4pack kernel runs), said on stderr",
     )  # fmt: skip
+
+
+COMPILE_MODES = {None: "auto", True: "aot", False: "eager"}  # --compile / --no-compile / neither
+
+
+def add_compile_argument(parser: argparse.ArgumentParser) -> None:
+    """--compile / --no-compile: `args.compile` is True, False or None (COMPILE_MODES)."""
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="decode with the step compiled ahead of time by AOTInductor (faster steps after "
+        "a compilation of tens of seconds, paid once per machine: later runs load it in well "
+        "under a second); --no-compile: eagerly. Default: compiled where an earlier run "
+        'compiled it, else eager (qkv.acceleration.decoding_steps\' mode="auto")',
+    )

@@ -1,7 +1,10 @@
-"""`qkv chat [--model MODEL]`: an interactive chat with a model that has a chat template
+"""`qkv chat [--model MODEL] [--compile]`: an interactive chat with a model that has a chat template
 (`qkv.applications.chat.Chat`). Each line read from standard input is a user message; the answer
 streams to stdout as its tokens come. The history is kept within the model's context, its oldest
 turns dropped (and said so on stderr) when it would not fit.
+
+`--compile` decodes with the step AOTInductor compiles (once per machine, tens of seconds; later
+chats load it), `--no-compile` eagerly; by default, compiled where an earlier run compiled it.
 
 At the prompt: `/reset` forgets the history, `/exit`, end of input or Ctrl-C ends the chat.
 Ctrl-C during an answer stops that answer alone: what it said stays in the history.
@@ -14,7 +17,12 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from qkv.commands._sampling import add_sampling_arguments, add_weights_argument
+from qkv.commands._sampling import (
+    COMPILE_MODES,
+    add_compile_argument,
+    add_sampling_arguments,
+    add_weights_argument,
+)
 from qkv.commands._text_input import check_arguments
 
 if TYPE_CHECKING:
@@ -37,7 +45,7 @@ def _chat(args: argparse.Namespace) -> int:
         chat = Chat(
             loaded, system=args.system, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-            steps=decoding_steps(loaded.model, "auto"),
+            steps=decoding_steps(loaded.model, COMPILE_MODES[args.compile]),
         )  # fmt: skip
     except (ValueError, TypeError, OSError, ImportError) as error:
         print(f"qkv chat: error: {error}", file=sys.stderr)
@@ -125,4 +133,5 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     add_sampling_arguments(chat)
     add_weights_argument(chat)
+    add_compile_argument(chat)
     chat.set_defaults(run=_chat)

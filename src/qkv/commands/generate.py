@@ -11,7 +11,12 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from qkv.commands._sampling import add_sampling_arguments, add_weights_argument
+from qkv.commands._sampling import (
+    COMPILE_MODES,
+    add_compile_argument,
+    add_sampling_arguments,
+    add_weights_argument,
+)
 from qkv.commands._text_input import check_arguments
 
 if TYPE_CHECKING:
@@ -50,9 +55,6 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-_MODES = {None: "auto", True: "aot", False: "eager"}  # --compile / --no-compile / neither
-
-
 def _continue(loaded: ChatModel, prompt: str, args: argparse.Namespace) -> tuple[int, float]:
     """Print the prompt and its continuation as it comes; (new tokens, seconds they took)."""
     from qkv.acceleration import decoding_steps
@@ -63,7 +65,7 @@ def _continue(loaded: ChatModel, prompt: str, args: argparse.Namespace) -> tuple
         loaded.model, after_prompt, prompt, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         sinks=None if args.sinks is None else tuple(args.sinks),
-        steps=decoding_steps(loaded.model, _MODES[args.compile]),
+        steps=decoding_steps(loaded.model, COMPILE_MODES[args.compile]),
     )  # fmt: skip
     started = time.perf_counter()
     _print_after(prompt, pieces)
@@ -81,7 +83,7 @@ def _answer(loaded: ChatModel, prompt: str, args: argparse.Namespace) -> tuple[i
     chat = Chat(
         loaded, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-        steps=decoding_steps(loaded.model, _MODES[args.compile]),
+        steps=decoding_steps(loaded.model, COMPILE_MODES[args.compile]),
     )  # fmt: skip
     chat.add_user(prompt)
     started = time.perf_counter()
@@ -199,13 +201,5 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="on the CPU, oneDNN-packed linear weights (qkv.acceleration.packed_linears): faster "
         "decoding for a second copy of the weights in memory (default: on)",
     )
-    generate.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="decode with the step compiled ahead of time by AOTInductor (faster steps after "
-        "a compilation of tens of seconds, paid once per machine: later runs load it in well "
-        "under a second); --no-compile: eagerly. Default: compiled where an earlier run "
-        'compiled it, else eager (qkv.acceleration.decoding_steps\' mode="auto")',
-    )
+    add_compile_argument(generate)
     generate.set_defaults(run=_generate)
