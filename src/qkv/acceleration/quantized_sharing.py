@@ -18,9 +18,9 @@ and ends at a multiple of 64 is a packed weight of its own (checked on this mach
 Which children read one tensor is learned from the first round of calls, as `shared_input` learns
 it for `packed_linears` (`InputSharing`): out_proj reads the attention's output, not x. From then
 on those children, contiguous in the joint layout, are one product over their rows, each taking
-its slice when called with that very tensor. Their scales are joined too, and each child's own
-become a view of its columns (no memory added: a child's product alone copies them first, as
-the kernel reads scales as contiguous). A child called with another tensor or under autograd
+its slice when called with that very tensor. Their scales are joined too, into room taken at
+load (a quarter of the codes' bytes: 10 MB for SmolLM2). A child called with another tensor or
+under autograd
 computes its own product, and so does every child inside torch.compile's graphs; torch.export's
 tracing shares them as eager calls do, so that the exported decoding step
 (qkv.acceleration.exported) holds one product per shared input.
@@ -84,6 +84,12 @@ class QuantizedSharing(InputSharing):
         # (`row_slices_hold`), built without reading their blocks again
         self.packed = torch.cat([layer.packed for layer in layers])
         self.starts = [0, *torch.tensor(self.widths).cumsum(0).tolist()]
+        # room for the joined scales of the subsets that will be learned, taken now: made
+        # while a prompt runs, these long-lived tensors pinned glibc's heap above its
+        # temporaries (30-100 MB more after a 512-token context, SmolLM2)
+        self.spare = first.scales_and_zeros.new_empty(
+            first.scales_and_zeros.shape[0] * self.starts[-1] * 2
+        )
         for index, layer in enumerate(layers):
             layer.packed = self.packed[self.starts[index] : self.starts[index + 1]]  # a view
             layer._sharing = (self, index)
@@ -108,12 +114,11 @@ class QuantizedSharing(InputSharing):
         # the exported step's tensors among the model's own
         owner = self.layers[subset[0]]
         owner.register_buffer("joined_packed", self.packed[rows], persistent=False)
-        scales = torch.cat([self.layers[j].scales_and_zeros for j in subset], dim=1)
+        width, groups = rows.stop - rows.start, owner.scales_and_zeros.shape[0]
+        room = self.spare[2 * groups * rows.start : 2 * groups * rows.stop]  # disjoint subsets
+        scales = room.view(groups, width, 2)  # contiguous, as the kernel and its lowering read
+        torch.cat([self.layers[j].scales_and_zeros for j in subset], dim=1, out=scales)
         owner.register_buffer("joined_scales_and_zeros", scales, persistent=False)
-        for j in subset:  # their own scales become views of the joined ones: no memory added
-            start, stop = self.starts[j] - rows.start, self.starts[j + 1] - rows.start
-            self.layers[j].scales_and_zeros = scales[:, start:stop]  # (groups, rows, 2)
-        width = rows.stop - rows.start
         pair = self.kernel == "int4pack-pair"
 
         def fused(x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., width) in x's dtype
