@@ -20,9 +20,8 @@ it for `packed_linears` (`InputSharing`): out_proj reads the attention's output,
 on those children, contiguous in the joint layout, are one product over their rows, each taking
 its slice when called with that very tensor. Their scales are joined too, into room taken at
 load (a quarter of the codes' bytes: 10 MB for SmolLM2). A child called with another tensor or
-under autograd
-computes its own product, and so does every child inside torch.compile's graphs; torch.export's
-tracing shares them as eager calls do, so that the exported decoding step
+under autograd computes its own product, and so does every child inside torch.compile's graphs;
+torch.export's tracing shares them as eager calls do, so that the exported decoding step
 (qkv.acceleration.exported) holds one product per shared input.
 """
 
