@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from qkv.acceleration import decoding_steps, packed_linears, quantized
+from qkv.acceleration import decoding_steps, packed_linears, quantize_blocks, quantized
 from qkv.acceleration.quantized import QuantizedLinear
+from qkv.acceleration.quantized_embedding import QuantizedEmbedding
 from qkv.generation import decode_steps, generate
 from tests.acceleration.error_bounds import dense_error_bound
 from tests.generation.reference_models import left_padded_prompts, qkv_model, redraw
@@ -233,3 +234,21 @@ def test_a_q8_0_output_layer_is_one_reduction_in_a_graph_with_its_fp32_products(
 
 def _refused(*args):
     raise AssertionError("the chunks of int8_blockwise_product were called")
+
+
+def test_a_quantized_model_decodes_a_left_padded_batch_through_compiled_steps():
+    """A Q8_0 embedding table (each lookup decodes its rows) and Q4_1 FFN linears: the
+    compiled steps (what padded batches take beside the exported library) give eager's tokens
+    and logits. The lookup's size checks once stopped the trace (a data-dependent guard)."""
+    model = redraw(qkv_model("tiny-llama"), seed=6)
+    table = quantize_blocks(model.token_embedding.weight.detach(), "Q8_0")
+    model.token_embedding = QuantizedEmbedding(table, "Q8_0")
+    for block in model.blocks:
+        for name in ("gate_proj", "up_proj"):
+            linear = getattr(block.ffn, name)
+            setattr(block.ffn, name, QuantizedLinear.from_linear(linear, "Q4_1"))
+    ids, mask = left_padded_prompts()
+    eager_tokens, eager_logits = _steps(model, ids, mask, new_tokens=5)
+    tokens, logits = _steps(model, ids, mask, new_tokens=5, mode="compiled")
+    torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(tokens, eager_tokens)

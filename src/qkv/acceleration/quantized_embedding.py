@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qkv.models.gguf.quants import BLOCK_FORMATS, dequantize
+from qkv.models.gguf.quants import BLOCK_FORMATS, decode_blocks, dequantize
 
 __all__ = ["QuantizedEmbedding"]
 
@@ -52,7 +52,9 @@ class QuantizedEmbedding(nn.Module):
         ):
             raise IndexError(f"input_ids: expected ids in [0, {self.num_embeddings}), got "
                              f"[{int(ids.min())}, {int(ids.max())}]")  # fmt: skip
-        rows = dequantize(self.blocks[ids], self.kind, (ids.numel(), self.embedding_dim))
+        nbytes = BLOCK_FORMATS[self.kind].nbytes  # the table's rows are whole blocks: checked
+        blocks = self.blocks[ids].view(-1, nbytes)  # (N * blocks a row, block bytes)
+        rows = decode_blocks(blocks, self.kind)  # (N * blocks a row, values a block)
         return rows.view(*input_ids.shape, self.embedding_dim)
 
     def dequantized_weight(self) -> torch.Tensor:

@@ -60,6 +60,7 @@ from qkv.models.gguf.quants_k import (
 __all__ = [
     "BLOCK_FORMATS",
     "BlockFormat",
+    "decode_blocks",
     "dequantize",
     "quantize_q4_0",
     "quantize_q4_1",
@@ -224,6 +225,13 @@ def dequantize(
     for start in range(0, n_blocks, step):
         out[start : start + step] = _DECODERS[name](blocks[start : start + step])
     return out.view(dims)
+
+
+def decode_blocks(blocks: torch.Tensor, kind: str | int) -> torch.Tensor:
+    """(n, block bytes) uint8 blocks of `kind` -> (n, values per block) float32: the decoding
+    `dequantize` does, without its checks of sizes against a shape (made on the host, which a
+    traced graph cannot do): the caller vouches for the blocks' width."""
+    return _DECODERS[_kind_name(kind)](blocks)
 
 
 def _round_half_away(x: torch.Tensor) -> torch.Tensor:
