@@ -49,6 +49,7 @@ from qkv.acceleration.quantized_kernels import (
     BLOCK,
     int4pack_layout,
     int4pack_pair_layout,
+    int4pack_pair_rows,
     int4pack_product,
     int8_blockwise_product,
     int8_layout,
@@ -263,9 +264,8 @@ class QuantizedLinear(nn.Module):
         """(N, in) -> (N, out), in the kernel's compute dtype."""
         if self.kernel == "int4pack":
             return int4pack_product(rows, self.packed, self.scales_and_zeros, self.out_features)
-        if self.kernel == "int4pack-pair" and rows.shape[0] < PAIR_ROWS:  # [x, x]: h, then l
-            rows = rows.to(torch.bfloat16)
-            pair = torch.cat((rows, rows), dim=1)  # (N, 2 in)
+        if self.kernel == "int4pack-pair" and rows.shape[0] < PAIR_ROWS:
+            pair = int4pack_pair_rows(rows)  # (N, 2 in)
             return int4pack_product(pair, self.packed, self.scales_and_zeros, self.out_features)
         if self.kernel in ("int8-blockwise", "int4pack-pair"):
             if torch.compiler.is_compiling() and rows.shape[0] < PAIR_ROWS:  # one reduction

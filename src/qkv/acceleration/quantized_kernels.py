@@ -20,6 +20,7 @@ __all__ = [
     "SCRATCH_VALUES",
     "int4pack_layout",
     "int4pack_pair_layout",
+    "int4pack_pair_rows",
     "int4pack_product",
     "int8_blockwise_product",
     "int8_layout",
@@ -70,6 +71,13 @@ def int4pack_pair_layout(
     scales_and_zeros = F.pad(torch.cat((high, low), dim=1), (0, 0, 0, 0, 0, padding))
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     return packed, scales_and_zeros.transpose(0, 1).contiguous().to(torch.bfloat16)
+
+
+def int4pack_pair_rows(rows: torch.Tensor) -> torch.Tensor:
+    """(N, in) -> (N, 2 in) bf16 [x, x]: the input of an int4pack-pair product (the high
+    nibbles' groups, then the low ones')."""
+    rows = rows.to(torch.bfloat16)
+    return torch.cat((rows, rows), dim=1)
 
 
 def int4pack_product(

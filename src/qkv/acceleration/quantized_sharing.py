@@ -34,7 +34,11 @@ import torch
 from torch import nn
 
 from qkv.acceleration.quantized import PAIR_ROWS, QuantizedLinear
-from qkv.acceleration.quantized_kernels import int4pack_layout, int4pack_product
+from qkv.acceleration.quantized_kernels import (
+    int4pack_layout,
+    int4pack_pair_rows,
+    int4pack_product,
+)
 from qkv.acceleration.shared_input import InputSharing
 from qkv.models.gguf.quants import quantize_q4_1
 
@@ -124,9 +128,8 @@ class QuantizedSharing(InputSharing):
             flat = x.reshape(-1, self.in_features)  # (N, in)
             if x.dtype == torch.float64 or (pair and flat.shape[0] >= PAIR_ROWS):
                 return torch.cat([self._own(j, x) for j in subset], dim=-1)  # fp32, fp64
-            if pair:  # [x, x]: the high nibbles' groups, then the low ones'
-                flat = flat.to(torch.bfloat16)
-                flat = torch.cat((flat, flat), dim=1)
+            if pair:
+                flat = int4pack_pair_rows(flat)  # (N, 2 in)
             y = int4pack_product(
                 flat, owner.joined_packed, owner.joined_scales_and_zeros, width
             ).to(x.dtype)

@@ -75,7 +75,8 @@ def direct_logit_attribution(
     bias (zero for a model with neither). Computed in float64 from the float activations; the
     sum of the parts (`total`) is the model's logit when its dropout is off (eval mode).
     """
-    batch, length = _check_ids(model, input_ids)
+    _check_direct_model(model)
+    batch, length = _check_ids(input_ids)
     target_ids = _check_targets(model, target_ids, batch)
     position = _check_position(position, length)
     n = len(model.blocks)
@@ -120,7 +121,9 @@ def attention_vs_attribution(
     attention_mask). Returns the Spearman correlation per row and layer with both pieces
     (`AttentionAttribution`).
     """
-    batch, length = _check_ids(model, input_ids, encoders=True)
+    if not isinstance(model, BertForPreTraining):
+        _check_model(model)
+    batch, length = _check_ids(input_ids)
     target_ids = _check_targets(model, target_ids, batch)
     position = _check_position(position, length)
     sources = length if isinstance(model, BertForPreTraining) else position + 1
@@ -209,23 +212,25 @@ def _norm_bias(model: GPT, target_ids: torch.Tensor) -> torch.Tensor:
     return rows @ bias.double() if bias is not None else rows.new_zeros(rows.shape[0])
 
 
-def _check_ids(model: GPT, input_ids: torch.Tensor, *, encoders: bool = False) -> tuple[int, int]:
-    """(B, L) of input_ids, for a GPT, or a BertForPreTraining where `encoders`. Direct logit
-    attribution is the GPT's alone: a BERT block ends in a LayerNorm over the residual sum,
-    and its masked-LM head applies a GELU, so no sum of direct terms makes its logit."""
-    if not (encoders and isinstance(model, BertForPreTraining)):
-        if isinstance(model, BertForPreTraining):
-            raise TypeError(
-                "model: direct logit attribution needs a qkv.models.GPT (pre-norm: the "
-                "residual stream is a sum); a BertForPreTraining's post-norm blocks and the "
-                "GELU of its masked-LM head make its logits no sum of direct terms (its "
-                "attention_vs_attribution, logit_lens and patching work)"
-            )
-        _check_model(model)
+def _check_ids(input_ids: torch.Tensor) -> tuple[int, int]:
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
         seen = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids
         raise ValueError(f"input_ids: expected token ids (B, L), got {seen!r}")
     return input_ids.shape[0], input_ids.shape[1]
+
+
+def _check_direct_model(model: GPT) -> None:
+    """Direct logit attribution is the GPT's alone: a BERT block ends in a LayerNorm over the
+    residual sum, and its masked-LM head applies a GELU, so no sum of direct terms makes its
+    logit."""
+    if isinstance(model, BertForPreTraining):
+        raise TypeError(
+            "model: direct logit attribution needs a qkv.models.GPT (pre-norm: the residual "
+            "stream is a sum); a BertForPreTraining's post-norm blocks and the GELU of its "
+            "masked-LM head make its logits no sum of direct terms (its "
+            "attention_vs_attribution, logit_lens and patching work)"
+        )
+    _check_model(model)
 
 
 def _check_targets(model: GPT | BertForPreTraining, target_ids, batch: int) -> torch.Tensor:
