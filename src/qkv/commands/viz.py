@@ -17,20 +17,24 @@ def _viz(args: argparse.Namespace) -> int:
     )
     from qkv.models import Transformer
 
-    if (args.text is None) == (args.pair is None):
-        print("qkv viz: error: give a TEXT or --pair SRC TGT, not both", file=sys.stderr)
+    if sum(given is not None for given in (args.text, args.file, args.pair)) != 1:
+        print("qkv viz: error: give one of TEXT, --file PATH or --pair SRC TGT", file=sys.stderr)
         return 2
     try:
+        text = args.text if args.file is None else _read_text(args.file)
+        rows = None if args.rows is None else _rows(args.rows)
         model, tokenizer, target_tokenizer = load_model_and_tokenizers(args.model)
         is_pair_model = isinstance(model, Transformer)
         if is_pair_model != (args.pair is not None):
             expected = "--pair SRC TGT" if is_pair_model else "a TEXT"
             raise ValueError(f"the model is a {type(model).__name__}: expected {expected}")
         if args.pair is None:
-            limit = min(args.max_tokens, _max_positions(model))
-            page = text_attention_html(model, tokenizer, args.text, max_tokens=limit)
-            total = count_tokens(tokenizer, args.text)
-            if total > limit:
+            wanted = sys.maxsize if args.max_tokens is None else args.max_tokens
+            limit = min(wanted, _max_positions(model))
+            kept = None if limit == sys.maxsize else limit  # None: the tokenizer's own setting
+            page = text_attention_html(model, tokenizer, text, max_tokens=kept, rows=rows)
+            total = count_tokens(tokenizer, text)
+            if kept is not None and total > kept:
                 print(f"qkv viz: kept the first {limit} of {total} tokens (--max-tokens, and "
                       "the model's positions)", file=sys.stderr)  # fmt: skip
         else:
@@ -47,6 +51,32 @@ def _viz(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_text(path: str) -> str:
+    """The whole of the file at `path` ("-": standard input) as one text, refused with the
+    argument named when it is not UTF-8."""
+    from qkv.commands._text_input import check_arguments
+
+    if path == "-":
+        return check_arguments("--file", [sys.stdin.read()])[0]
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"--file: {path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset "
+            f"{error.start}); expected a text file"
+        ) from None
+
+
+def _rows(text: str) -> list[int]:
+    """--rows "0,17,-1" -> [0, 17, -1]."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--rows: expected query positions separated by commas (e.g. 0,17,-1), got {text!r}"
+        ) from None
+
+
 def _max_positions(model) -> int:
     """The longest input the model's position table allows (its config's max_positions)."""
     return getattr(model.config, "max_positions", None) or sys.maxsize
@@ -58,6 +88,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="an offline HTML page to explore attention, layer x head x token (incl. cross)",
     )
     viz.add_argument("text", nargs="?", metavar="TEXT", help="the text to run the model on")
+    viz.add_argument("--file", metavar="PATH", help="read the text from a file (-: standard input)")
     viz.add_argument(
         "--pair",
         nargs=2,
@@ -72,9 +103,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     viz.add_argument(
         "--max-tokens",
         type=int,
-        default=256,
-        help="keep at most this many tokens of TEXT (default 256: the page holds layers x "
-        "heads x tokens^2 weights)",
+        help="keep at most this many tokens of the text (default: as many as the model's "
+        "positions allow)",
+    )
+    viz.add_argument(
+        "--rows",
+        metavar="I,J,...",
+        help="the query positions to show, negative ones from the end (default: every row up "
+        "to 256 tokens; past that, 16 spread over the text, ending with its last token); only "
+        "these rows are computed",
     )
     viz.add_argument("--out", default="attention.html", help="page to write (attention.html)")
     viz.set_defaults(run=_viz)

@@ -330,3 +330,171 @@ def test_smollm2_maps_are_transformers_attentions_and_the_page_has_every_head(
     for layer, reference in zip(stack["layers"], theirs, strict=True):
         masses = (reference[0, :, 1:, 0].mean(dim=-1) * 1000).tolist()
         assert layer["first_key"] == pytest.approx(masses, abs=0.51)  # thousandths, rounded
+
+
+# --- Long texts: chosen rows, drawn as text ---------------------------------------------------
+
+
+def _log_opacity(weight: float) -> float:
+    """The template's log shade: 1e-4 -> 0.05 (its floor), 1 -> 1."""
+    import math
+
+    return min(1.0, max(0.05, 1 + math.log10(weight) / 4)) if weight > 0 else 0.0
+
+
+def test_a_long_stack_is_drawn_as_text_shaded_by_the_chosen_rows_weights(browser, tmp_path):
+    """Over 256 keys the page is the text layout: every key token once, each shaded by the
+    chosen row's weight (a head's, or the heads' mean); the row, head and scale selectors and
+    a click on a chosen row's token redraw it; the SVG export holds the shading."""
+    from qkv.analysis.pages.viz import LINES_TOKENS, text_rows
+
+    L = LINES_TOKENS + 44
+    rows = text_rows(L)
+    torch.manual_seed(0)
+    future = torch.arange(L)[None, :] > torch.tensor(rows)[:, None]  # (R, L): causal
+    weights = torch.softmax((torch.randn(1, 2, len(rows), L) * 3).masked_fill(future, -1e9), -1)
+    tokens = [f"\u0120t{i}" + ("\u010a" if i % 50 == 49 else "") for i in range(L)]
+    maps = [AttentionMap("blocks.0.self", "blocks.0.attn", "self", 0, (0, 1), tuple(rows), weights)]
+    (stack,) = view_data(maps, tokens)["stacks"]
+    assert stack["layout"] == "text" and stack["layers"][0]["rows"] == rows
+    path = tmp_path / "long.html"
+    path.write_text(attention_view_html(maps, tokens), encoding="utf-8")
+    page, problems = _open(browser, path)
+    shown = page.eval_on_selector_all("text.token", "ts => ts.map(t => t.textContent)")
+    assert shown == [f" t{i}" + ("\u21b5" if i % 50 == 49 else "") for i in range(L)]
+
+    def shades() -> list[float]:
+        return page.eval_on_selector_all(
+            "#shades rect", "rs => rs.map(r => Number(r.getAttribute('fill-opacity') || 0))"
+        )
+
+    top = stack["layers"][0]["top"]
+    for head, row in ((None, len(rows) - 1), (1, len(rows) - 1), (0, 3)):
+        if head is not None:
+            page.select_option("#head", str(head))
+        page.select_option("#row", str(row))
+        heads = [0, 1] if head is None else [head]
+        expected = [0.0] * L
+        for h in heads:
+            pairs = top[h][row]
+            for key, millionths in zip(pairs[::2], pairs[1::2], strict=True):
+                expected[key] += millionths / 1e6 / len(heads)
+        assert shades() == pytest.approx([_log_opacity(w) for w in expected], abs=6e-4)
+        assert all(s == 0 for s in shades()[rows[row] + 1 :])  # nothing after a causal row
+    page.select_option("#scale", "linear")
+    assert shades() == pytest.approx([min(1.0, w) for w in expected], abs=6e-4)
+    page.click(f"text.token >> nth={rows[5]}")  # a chosen row's token selects that row
+    assert page.eval_on_selector("#row", "s => s.value") == "5"
+    assert page.eval_on_selector_all("text.token.focus", "ts => ts.length") == 1
+    with page.expect_download() as saving:
+        page.click("#save-svg")
+    root = ElementTree.parse(saving.value.path()).getroot()
+    ns = {"svg": "http" + "://www.w3.org/2000/svg"}
+    saved = [float(r.get("fill-opacity") or 0) for r in root.findall("svg:g/svg:rect", ns)]
+    assert saved == shades() and sum(s > 0 for s in saved) > 10
+    assert problems == []
+
+
+def test_top_keys_are_each_rows_largest_weights_in_key_order():
+    from qkv.analysis.pages.viz import LINES_TOKENS, SMALLEST_KEPT, TOP_KEYS
+
+    L = LINES_TOKENS + 1000
+    torch.manual_seed(1)
+    weights = torch.softmax(torch.randn(1, 2, 3, L) * 4, dim=-1)  # (B, H, R, L)
+    recorded = AttentionMap("blocks.0.self", "blocks.0.attn", "self", 0, (0, 1), (5, 9, -1 % L),
+                            weights)  # fmt: skip
+    layer = view_data([recorded], [f"t{i}" for i in range(L)])["stacks"][0]["layers"][0]
+    for h in range(2):
+        for r in range(3):
+            pairs = layer["top"][h][r]
+            keys, millionths = pairs[::2], pairs[1::2]
+            assert keys == sorted(keys) and len(keys) <= TOP_KEYS
+            exact = weights[0, h, r].double() * 1e6  # float32 weights: 1 millionth of rounding
+            assert (exact[keys] - torch.tensor(millionths)).abs().max() <= 1
+            assert min(millionths) >= SMALLEST_KEPT
+            left_out = exact.clone()
+            left_out[keys] = -1
+            assert left_out.max() <= min(millionths) + 1  # no larger weight was left out
+
+
+def test_8000_tokens_are_viewed_from_their_chosen_rows_with_no_l_by_l_tensor(tmp_path):
+    """A Llama-style GPT on 8,200 tokens: the page has the text layout's 16 rows, ending with
+    the last token, and no operation of the forward pass and the recording made a tensor of
+    L x L elements or more (every tensor an op returned is counted)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from qkv.analysis.pages.viz import text_attention_html, text_rows
+    from qkv.models import GPT, GPTConfig
+
+    L = 8200
+    words = [f"w{i}" for i in range(100)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    torch.manual_seed(0)
+    text = " ".join(words[i] for i in torch.randint(0, 100, (L,)).tolist())
+    model = GPT(GPTConfig.from_name("tiny-llama", max_positions=L)).eval()
+
+    class LargestOutput(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(tensor, torch.Tensor):
+                    self.largest = max(self.largest, tensor.numel())
+            return out
+
+    with LargestOutput() as watch:
+        page = text_attention_html(model, tokenizer, text)
+    assert 0 < watch.largest < L * L // 64
+    (stack,) = _page_data(page)["stacks"]
+    assert stack["layout"] == "text" and len(stack["tokens_k"]) == L
+    assert [layer["rows"] for layer in stack["layers"]] == [text_rows(L)] * 2
+    assert text_rows(L)[-1] == L - 1 and len(text_rows(L)) == 16
+    assert len(page) < 2_000_000
+
+
+def test_smollm2_long_page_holds_transformers_weights_for_its_rows(
+    smollm2, smollm2_file, smollm2_hf, monkeypatch
+):
+    """The real decoder on 300 tokens (text layout): each chosen row's top weights are
+    transformers' eager attentions on the same file, to their millionth."""
+    from qkv.analysis.pages.viz import TOP_KEYS, text_attention_html
+    from qkv.data import tokenizer_from_metadata
+
+    tokenizer = tokenizer_from_metadata(smollm2_file.metadata)
+    text = "The capital of France is Paris, and the capital of Italy is Rome. " * 20
+    ids = torch.tensor([tokenizer.encode(text).ids])
+    assert ids.shape[1] > 256
+    (stack,) = _page_data(text_attention_html(smollm2, tokenizer, text))["stacks"]
+    monkeypatch.setattr(smollm2_hf.config, "_attn_implementation", "eager")
+    with torch.inference_mode():
+        theirs = smollm2_hf(ids, output_attentions=True).attentions  # 30 x (1, 9, L, L)
+    assert stack["layout"] == "text" and len(stack["layers"]) == 30
+    for layer, reference in zip(stack["layers"], theirs, strict=True):
+        rows = reference[0][:, layer["rows"]].double() * 1e6  # (9, 16, L)
+        for h, per_row in enumerate(layer["top"]):
+            for r, pairs in enumerate(per_row):
+                keys, millionths = pairs[::2], pairs[1::2]
+                assert 0 < len(keys) <= TOP_KEYS
+                assert (rows[h, r, keys] - torch.tensor(millionths)).abs().max() <= 20
+
+
+def test_cli_reads_the_text_from_a_file_and_shows_the_rows_asked_for(tmp_path, capsys):
+    source = tmp_path / "text.txt"
+    source.write_text("Attention is all you need.\nReally.", encoding="utf-8")
+    out = tmp_path / "rows.html"
+    assert _run_cli("--file", str(source), "--rows", "0,-1", "--out", str(out)) == 0
+    (stack,) = _page_data(out.read_text())["stacks"]
+    L = len(stack["tokens_q"])
+    assert stack["tokens_q"][-3:] == ["really", ".", "[SEP]"] and stack["layout"] == "lines"
+    assert all(layer["rows"] == [0, L - 1] for layer in stack["layers"])
+    assert _run_cli("--file", str(source), "--rows", "0,last", "--out", str(out)) == 1
+    assert "--rows: expected query positions separated by commas" in capsys.readouterr().err
+    assert _run_cli("--file", str(source), "--rows", "99", "--out", str(out)) == 1
+    assert "rows: expected indices in" in capsys.readouterr().err
+    source.write_bytes(b"caf\xe9")
+    assert _run_cli("--file", str(source), "--out", str(out)) == 1
+    assert f"--file: {source} is not UTF-8 text (byte 0xe9" in capsys.readouterr().err
+    assert _run_cli("a text", "--file", str(source), "--out", str(out)) == 2

@@ -8,6 +8,13 @@ self-attention, decoder cross-attention for a translation pair, Vaswani et al. 2
 Hovering a token keeps only its row (or column). The CSS, the script and the weights (as JSON)
 are inline: the page loads nothing, so it works offline and can be mailed as one file.
 
+Lines stop being readable after a few hundred tokens, and a page of L^2 weights per head stops
+being small. Over `LINES_TOKENS` keys a stack is drawn as text instead: the tokens flow as a
+paragraph, a few query rows are chosen (`text_rows`: spread over the text, ending with its last
+token), and each key is shaded by the weight the chosen row puts on it, on a log scale that
+shows 1e-4 as well as 1. Only those rows are computed (B x heads x rows x L_k weights, exact,
+by `record_attention`: no L x L tensor), and only each row's `TOP_KEYS` largest weights travel.
+
 The weights come from `qkv.analysis.record_attention`, exact from whatever backend the model
 runs (`qkv.analysis.plots.attention_heatmaps` draws the same per-head maps as heat maps).
 Sink heads (`qkv.analysis.inspection.sinks.sink_heads`: a mean attention on the first token
@@ -22,6 +29,7 @@ import html
 import json
 from collections.abc import Sequence
 from importlib import resources
+from inspect import signature
 from pathlib import Path
 
 import torch
@@ -45,6 +53,11 @@ __all__ = [
 
 TEMPLATE = "viz_template.html"
 PER_MILLE = 1000  # weights travel as integers 0..1000: 3 digits are what opacity can show
+LINES_TOKENS = 256  # up to this many keys a stack is drawn as lines; past it, as text
+TEXT_ROWS = 16  # query rows a long text shows unless asked for others
+TOP_KEYS = 256  # in the text layout, the largest weights of each row and head that travel
+PER_MILLION = 1_000_000  # the text layout's unit: a log scale down to 1e-4 needs 6 digits
+SMALLEST_KEPT = 100  # per million: weights under 1e-4 are left out of the text layout
 
 
 def attention_view_html(
@@ -77,9 +90,13 @@ def view_data(
     *,
     batch_index: int = 0,
 ) -> dict:
-    """What the page draws: {"stacks": [{"name", "tokens_q", "tokens_k", "layers": [{"name",
-    "heads", "rows", "weights": [head][row][key] in thousandths, "first_key": [head] the mean
-    weight on key 0 in thousandths, "sinks": [head] whether it is a sink head}]}]}."""
+    """What the page draws: {"stacks": [{"name", "layout", "tokens_q", "tokens_k", "layers":
+    [{"name", "heads", "rows", "first_key": [head] the mean weight on key 0 in thousandths,
+    "sinks": [head] whether it is a sink head, and the weights}]}]}.
+
+    layout "lines" (up to LINES_TOKENS keys): "weights" [head][row][key] in thousandths.
+    layout "text" (more keys): "top" [head][row], each [key, weight, key, weight, ...] with
+    the row's TOP_KEYS largest weights of at least SMALLEST_KEPT, in millionths, by key."""
     maps = list(maps)
     if not maps or not all(isinstance(m, AttentionMap) for m in maps):
         raise ValueError(f"maps: expected a non-empty list of AttentionMap, got {len(maps)} items")
@@ -89,12 +106,13 @@ def view_data(
     stacks: dict[str, dict] = {}
     for recorded in maps:
         queries, keys = _stack_tokens(recorded, list(tokens_q), tokens_k)
+        layout = "lines" if len(keys) <= LINES_TOKENS else "text"
         stack = stacks.setdefault(
             recorded.stack,
-            {"name": _stack_title(recorded.stack), "tokens_q": queries, "tokens_k": keys,
-             "layers": []},
+            {"name": _stack_title(recorded.stack), "layout": layout, "tokens_q": queries,
+             "tokens_k": keys, "layers": []},
         )  # fmt: skip
-        stack["layers"].append(_layer_data(recorded, queries, keys, batch_index))
+        stack["layers"].append(_layer_data(recorded, queries, keys, batch_index, layout))
     return {"stacks": list(stacks.values())}
 
 
@@ -104,14 +122,16 @@ def text_attention_html(
     text: str,
     *,
     max_tokens: int | None = None,
+    rows: Sequence[int] | None = None,
     title: str | None = None,
 ) -> str:
     """Run `model(input_ids)` (a qkv BERT or GPT) on `text` and return the viewer page.
 
     tokenizer: a `tokenizers.Tokenizer` (the model's tokenizer.json).
     max_tokens: keep at most this many tokens (special tokens included; the tokenizer's own
-    truncation decides which, e.g. BERT keeps its final [SEP]); the page holds layers x heads x
-    L^2 weights, so L = 512 is already tens of MB. None: the tokenizer's own setting.
+    truncation decides which, e.g. BERT keeps its final [SEP]). None: the tokenizer's own
+    setting. rows: the query positions to compute and show (negative ones count from the
+    end); None: every row up to LINES_TOKENS tokens, `text_rows(L)` past it.
     """
     if max_tokens is None:
         encoding = tokenizer.encode(text)
@@ -121,9 +141,20 @@ def text_attention_html(
         with _truncation(tokenizer, max_tokens):
             encoding = tokenizer.encode(text)
     input_ids = torch.tensor([encoding.ids], device=_device(model))  # (1, L)
-    with record_attention(model) as recording, torch.inference_mode():
-        model(input_ids)
-    return attention_view_html(recording.maps, encoding.tokens, title=title or text)
+    if rows is None and len(encoding.ids) > LINES_TOKENS:
+        rows = text_rows(len(encoding.ids))
+    # a language model's logits are not drawn: one position's, not L x V (1.6 GB at 8k tokens)
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in signature(model.forward).parameters else {}
+    with record_attention(model, rows=rows) as recording, torch.inference_mode():
+        model(input_ids, **keep)
+    return attention_view_html(recording.maps, encoding.tokens, title=title or _title(text))
+
+
+def text_rows(length: int, count: int = TEXT_ROWS) -> list[int]:
+    """`count` query positions spread evenly over `length` tokens, the last token last: the
+    rows a long text shows by default."""
+    count = min(count, length)
+    return [((i + 1) * length) // count - 1 for i in range(count)]
 
 
 def count_tokens(tokenizer, text: str) -> int:
@@ -202,7 +233,9 @@ def _is_qkv_checkpoint(folder: Path) -> bool:
     return isinstance(document, dict) and document.get("format") == "qkv"
 
 
-def _layer_data(recorded: AttentionMap, queries: list, keys: list, batch_index: int) -> dict:
+def _layer_data(
+    recorded: AttentionMap, queries: list, keys: list, batch_index: int, layout: str
+) -> dict:
     weights = recorded.weights
     if not 0 <= batch_index < weights.shape[0]:
         raise ValueError(f"batch_index: expected 0..{weights.shape[0] - 1}, got {batch_index}")
@@ -212,17 +245,39 @@ def _layer_data(recorded: AttentionMap, queries: list, keys: list, batch_index: 
             f"keys, but {len(queries)} query and {len(keys)} key tokens were given; expected "
             f"the tokens the model ran on"
         )
-    thousandths = (weights[batch_index].float() * PER_MILLE).round().to(torch.int32)
     name = recorded.name if recorded.call == 0 else f"{recorded.name} (call {recorded.call})"
     sinks = sink_heads(recorded, batch_index=batch_index)
-    return {
+    data = {
         "name": name,
         "heads": list(recorded.heads),
         "rows": list(recorded.rows),
-        "weights": thousandths.tolist(),  # [head][row][key]
         "first_key": [round(head.mass * PER_MILLE) for head in sinks],
         "sinks": [head.is_sink for head in sinks],
     }
+    if layout == "lines":
+        thousandths = (weights[batch_index].float() * PER_MILLE).round().to(torch.int32)
+        data["weights"] = thousandths.tolist()  # [head][row][key]
+    else:
+        data["top"] = _top_keys(weights[batch_index].float())  # [head][row]
+    return data
+
+
+def _top_keys(weights: torch.Tensor) -> list[list[list[int]]]:
+    """weights (H, R, L_k) -> [head][row] = [key, millionths, key, millionths, ...]: each row's
+    TOP_KEYS largest weights of at least SMALLEST_KEPT millionths, in key order."""
+    millionths = (weights * PER_MILLION).round().to(torch.int64)  # (H, R, L_k)
+    values, keys = millionths.topk(min(TOP_KEYS, millionths.shape[-1]), dim=-1)  # (H, R, K)
+    keys = keys.masked_fill(values < SMALLEST_KEPT, -1)
+    order = torch.where(keys < 0, millionths.shape[-1], keys).argsort(dim=-1)  # dropped last
+    keys, values = keys.gather(-1, order), values.gather(-1, order)
+    pairs = torch.stack((keys, values), dim=-1).flatten(-2).tolist()  # (H, R, 2K)
+    return [[row[: 2 * sum(1 for k in row[::2] if k >= 0)] for row in head] for head in pairs]
+
+
+def _title(text: str, limit: int = 80) -> str:
+    """A page title from the text: its first `limit` characters, on one line."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1] + "\u2026"
 
 
 def _stack_tokens(recorded: AttentionMap, tokens_q: list, tokens_k) -> tuple[list, list]:
