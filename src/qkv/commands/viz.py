@@ -17,9 +17,13 @@ def _viz(args: argparse.Namespace) -> int:
     )
     from qkv.models import Transformer
 
-    if sum(given is not None for given in (args.text, args.file, args.pair)) != 1:
-        print("qkv viz: error: give one of TEXT, --file PATH or --pair SRC TGT", file=sys.stderr)
+    inputs = (args.text, args.file, args.pair, args.digit)
+    if sum(given is not None for given in inputs) != 1:
+        print("qkv viz: error: give one of TEXT, --file PATH, --pair SRC TGT or --digit N",
+              file=sys.stderr)  # fmt: skip
         return 2
+    if args.digit is not None:
+        return _image_page(args)
     try:
         text = args.text if args.file is None else _read_text(args.file)
         rows = None if args.rows is None else _rows(args.rows)
@@ -43,6 +47,24 @@ def _viz(args: argparse.Namespace) -> int:
                 model, tokenizer, source, target, bos_token_id=model.config.bos_token_id,
                 target_tokenizer=target_tokenizer,
             )  # fmt: skip
+        Path(args.out).write_text(page, encoding="utf-8")
+    except (ValueError, TypeError, OSError, ImportError) as error:
+        print(f"qkv viz: error: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out} ({len(page) / 1024:.0f} KiB): open it in a browser", file=sys.stderr)
+    return 0
+
+
+def _image_page(args: argparse.Namespace) -> int:
+    """A ViT checkpoint's attention on one of the 8x8 digits, over its patch grid."""
+    from qkv.analysis.pages.viz_image import digit_image, image_attention_html, load_vit
+
+    try:
+        if args.model is None:
+            raise ValueError("--model: --digit needs a ViT checkpoint folder (qkv train vit)")
+        image, label = digit_image(args.digit)
+        model = load_vit(args.model)
+        page = image_attention_html(model, image, title=f"digit {args.digit}, label {label}")
         Path(args.out).write_text(page, encoding="utf-8")
     except (ValueError, TypeError, OSError, ImportError) as error:
         print(f"qkv viz: error: {error}", file=sys.stderr)
@@ -94,6 +116,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         nargs=2,
         metavar=("SRC", "TGT"),
         help="a translation pair for an encoder-decoder checkpoint (teacher-forced)",
+    )
+    viz.add_argument(
+        "--digit",
+        type=int,
+        metavar="N",
+        help="a ViT checkpoint (qkv train vit) on scikit-learn's digit number N (0..1796), "
+        "drawn over its patch grid",
     )
     viz.add_argument(
         "--model",

@@ -498,3 +498,93 @@ def test_cli_reads_the_text_from_a_file_and_shows_the_rows_asked_for(tmp_path, c
     assert _run_cli("--file", str(source), "--out", str(out)) == 1
     assert f"--file: {source} is not UTF-8 text (byte 0xe9" in capsys.readouterr().err
     assert _run_cli("a text", "--file", str(source), "--out", str(out)) == 2
+
+
+# --- A ViT: attention over its patch grid ------------------------------------------------------
+
+
+def test_png_data_uri_decodes_to_the_image_in_pillow():
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from qkv.analysis.pages.viz_image import png_data_uri
+
+    torch.manual_seed(0)
+    for image in (torch.rand(1, 5, 7), torch.rand(3, 4, 6) * 10 - 3):
+        uri = png_data_uri(image)
+        assert uri.startswith("data:image/png;base64,")
+        decoded = Image.open(io.BytesIO(base64.b64decode(uri.split(",", 1)[1])))
+        pixels = torch.tensor(np.asarray(decoded), dtype=torch.float64)  # (H, W) or (H, W, 3)
+        scaled = (image - image.min()) / (image.max() - image.min()) * 255
+        expected = scaled.permute(1, 2, 0).squeeze(-1).double()
+        assert decoded.size == (image.shape[2], image.shape[1])
+        assert (pixels - expected).abs().max() <= 0.5 + 1e-4
+
+
+@pytest.fixture(scope="module")
+def vit_folder(tmp_path_factory) -> Path:
+    """A small random ViT with a [class] token, saved as `qkv train vit` saves its model."""
+    from qkv.models import ViT, ViTConfig
+
+    folder = tmp_path_factory.mktemp("vit")
+    torch.manual_seed(0)
+    save(ViT(ViTConfig.from_name("vit-digits", num_layers=2)), folder)
+    return folder
+
+
+def test_a_vit_page_shades_its_patch_grid_by_the_chosen_querys_weights(
+    browser, vit_folder, tmp_path
+):
+    """`qkv viz --digit 5`: every encoder layer over the 4 x 4 grid of the digit, [class] token
+    first; the default query is the [class] token, shaded (row's largest = 0.8) as recorded
+    by record_attention on the same image; a click on a patch makes it the query."""
+    from qkv.analysis.pages.viz_image import digit_image, load_vit, patch_tokens
+
+    out = tmp_path / "vit.html"
+    assert _run_cli("--model", str(vit_folder), "--digit", "5", "--out", str(out)) == 0
+    (stack,) = _page_data(out.read_text())["stacks"]
+    model = load_vit(vit_folder)
+    tokens = patch_tokens(model)
+    assert stack["layout"] == "grid" and stack["tokens_q"] == tokens and len(tokens) == 17
+    assert stack["grid"]["rows"] == stack["grid"]["cols"] == 4 and stack["grid"]["offset"] == 1
+    image, label = digit_image(5)
+    with record_attention(model) as recording, torch.no_grad():
+        model(image[None])
+    page, problems = _open(browser, out)
+    assert page.title().startswith(f"digit 5, label {label}: ViT predicts class")
+
+    def shades() -> list[float]:
+        return page.eval_on_selector_all(
+            "#shades rect", "rs => rs.map(r => Number(r.getAttribute('fill-opacity') || 0))"
+        )
+
+    for layer, query in ((0, 0), (1, 0), (1, 6)):
+        page.select_option("#layer", str(layer))
+        if query:
+            page.click(f"#shades rect >> nth={query}")  # patch (1, 1): the query now
+            assert page.eval_on_selector("#row", "s => s.value") == str(query)
+        weights = recording[f"blocks.{layer}.self"].weights[0, :, query]  # (4 heads, 17 keys)
+        mean = (weights * 1000).round().mean(dim=0) / 1000  # they travel in thousandths
+        assert shades() == pytest.approx((0.8 * mean / mean.max()).tolist(), abs=6e-4)
+    assert problems == []
+    assert _run_cli("--model", str(vit_folder), "--digit", "1797", "--out", str(out)) == 1
+    assert _run_cli("--digit", "3", "--out", str(out)) == 1
+
+
+def test_a_latent_pooled_vit_adds_its_latents_cross_attention_over_the_grid():
+    from qkv.analysis.pages.viz_image import digit_image, image_attention_html
+    from qkv.models import ViT, ViTConfig
+
+    torch.manual_seed(0)
+    model = ViT(ViTConfig.from_name("vit-tiny", pooling="latent", num_latents=3)).eval()
+    stacks = _page_data(image_attention_html(model, digit_image(0)[0]))["stacks"]
+    assert [stack["layout"] for stack in stacks] == ["grid", "grid"]
+    own, pooled = stacks
+    assert own["grid"]["offset"] == 0 and own["tokens_q"][0] == "patch (0, 0)"
+    assert pooled["tokens_q"] == ["latent 0", "latent 1", "latent 2"]
+    assert pooled["tokens_k"] == own["tokens_k"] and pooled["grid"]["offset"] == 0
+    with pytest.raises(ValueError, match=r"image: expected a tensor of shape \(C, H, W\)"):
+        image_attention_html(model, torch.zeros(1, 16, 16))

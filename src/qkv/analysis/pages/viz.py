@@ -45,6 +45,7 @@ from qkv.models.checkpoints.bundled import PACKAGED_MODELS
 
 __all__ = [
     "attention_view_html",
+    "render_page",
     "load_model_and_tokenizers",
     "pair_attention_html",
     "text_attention_html",
@@ -75,7 +76,11 @@ def attention_view_html(
     stacks by `AttentionMap.stack`: encoder maps are drawn over tokens_k, cross-attention from
     tokens_q to tokens_k, every other map over tokens_q. batch_index: which sequence to show.
     """
-    data = view_data(maps, tokens_q, tokens_k, batch_index=batch_index)
+    return render_page(view_data(maps, tokens_q, tokens_k, batch_index=batch_index), title)
+
+
+def render_page(data: dict, title: str) -> str:
+    """The viewer page for `view_data`'s dict (a ViT's adds its grid), as one HTML string."""
     payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
     # "<" inside the JSON could close the script element; as \u003c it is the same string.
     payload = payload.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
@@ -94,9 +99,11 @@ def view_data(
     [{"name", "heads", "rows", "first_key": [head] the mean weight on key 0 in thousandths,
     "sinks": [head] whether it is a sink head, and the weights}]}]}.
 
-    layout "lines" (up to LINES_TOKENS keys): "weights" [head][row][key] in thousandths.
-    layout "text" (more keys): "top" [head][row], each [key, weight, key, weight, ...] with
-    the row's TOP_KEYS largest weights of at least SMALLEST_KEPT, in millionths, by key."""
+    layout "lines" (up to LINES_TOKENS keys) or "text" (more keys; a ViT's page makes it
+    "grid", `qkv.analysis.pages.viz_image`). Up to LINES_TOKENS keys the weights are "weights"
+    [head][row][key] in thousandths; past that "top" [head][row], each [key, weight, key,
+    weight, ...] with the row's TOP_KEYS largest weights of at least SMALLEST_KEPT, in
+    millionths, by key."""
     maps = list(maps)
     if not maps or not all(isinstance(m, AttentionMap) for m in maps):
         raise ValueError(f"maps: expected a non-empty list of AttentionMap, got {len(maps)} items")
@@ -112,7 +119,7 @@ def view_data(
             {"name": _stack_title(recorded.stack), "layout": layout, "tokens_q": queries,
              "tokens_k": keys, "layers": []},
         )  # fmt: skip
-        stack["layers"].append(_layer_data(recorded, queries, keys, batch_index, layout))
+        stack["layers"].append(_layer_data(recorded, queries, keys, batch_index))
     return {"stacks": list(stacks.values())}
 
 
@@ -233,9 +240,7 @@ def _is_qkv_checkpoint(folder: Path) -> bool:
     return isinstance(document, dict) and document.get("format") == "qkv"
 
 
-def _layer_data(
-    recorded: AttentionMap, queries: list, keys: list, batch_index: int, layout: str
-) -> dict:
+def _layer_data(recorded: AttentionMap, queries: list, keys: list, batch_index: int) -> dict:
     weights = recorded.weights
     if not 0 <= batch_index < weights.shape[0]:
         raise ValueError(f"batch_index: expected 0..{weights.shape[0] - 1}, got {batch_index}")
@@ -254,7 +259,7 @@ def _layer_data(
         "first_key": [round(head.mass * PER_MILLE) for head in sinks],
         "sinks": [head.is_sink for head in sinks],
     }
-    if layout == "lines":
+    if len(keys) <= LINES_TOKENS:
         thousandths = (weights[batch_index].float() * PER_MILLE).round().to(torch.int32)
         data["weights"] = thousandths.tolist()  # [head][row][key]
     else:
