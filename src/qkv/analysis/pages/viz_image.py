@@ -21,7 +21,8 @@ import torch
 
 from qkv.analysis.inspection.attention_maps import record_attention
 from qkv.analysis.pages.viz import render_page, view_data
-from qkv.models import ViT
+from qkv.data import load_digits
+from qkv.models import ViT, load
 
 __all__ = ["digit_image", "image_attention_html", "load_vit", "patch_tokens", "png_data_uri"]
 
@@ -95,8 +96,6 @@ def _chunk(kind: bytes, data: bytes) -> bytes:
 
 def load_vit(path: str | Path) -> ViT:
     """The ViT saved in the qkv checkpoint folder `path` (`qkv train vit`'s), in eval mode."""
-    from qkv.models import load
-
     model = load(path)
     if not isinstance(model, ViT):
         raise ValueError(
@@ -109,8 +108,6 @@ def load_vit(path: str | Path) -> ViT:
 def digit_image(index: int) -> tuple[torch.Tensor, int]:
     """(image (1, 8, 8), label) of scikit-learn's digit number `index` (0..1796), as
     `qkv.data.load_digits` gives it to `qkv train vit`."""
-    from qkv.data import load_digits
-
     digits = load_digits()
     if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(digits):
         raise ValueError(f"--digit: expected an index in 0..{len(digits) - 1}, got {index!r}")
