@@ -210,30 +210,34 @@ def test_a_bad_mode_and_bad_steps_are_refused():
         generate(model, torch.ones(1, 2, dtype=torch.long), max_new_tokens=2, steps="aot")
 
 
-def test_a_q8_0_output_layer_is_one_reduction_in_a_graph_with_its_fp32_products(monkeypatch):
-    """A Q8_0 output layer (fp32 outputs) computes a step's rows, inside a compiled graph, as
-    one reduction over its int8 codes (never the chunks of its eager kernel, made to raise
-    here), within fp32's error bound of the exact product; a prompt's rows keep the chunks."""
+@pytest.mark.parametrize("fp32_output", [True, False], ids=["output-layer", "int4pack-pair"])
+def test_a_q8_0_layer_is_one_reduction_in_a_graph_with_its_fp32_products(monkeypatch, fp32_output):
+    """A Q8_0 layer, an output layer (fp32 outputs: eager chunks) or another (the int4pack pair
+    where it runs, in bf16), computes a step's rows inside a compiled graph as one reduction
+    over its int8 codes (never an eager kernel: the chunks and int4pack are made to raise
+    here), within fp32's error bound of the exact product; a prompt's rows, eager, keep their
+    kernel."""
     generator = torch.Generator().manual_seed(3)
     linear = torch.nn.Linear(96, 40, bias=False)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(40, 96, generator=generator) * 0.1)
-    head = QuantizedLinear.from_linear(linear, "Q8_0", fp32_output=True)
+    head = QuantizedLinear.from_linear(linear, "Q8_0", fp32_output=fp32_output)
     weight = head.dequantized_weight()
     x = torch.randn(3, 96, generator=generator)
-    eager = head(x)  # the chunks
+    eager = head(x)  # the chunks, or the int4pack pair
     monkeypatch.setattr(quantized, "int8_blockwise_product", _refused)
+    monkeypatch.setattr(quantized, "int4pack_product", _refused)
     compiled = torch.compile(head, fullgraph=True)(x)
     exact = torch.nn.functional.linear(x.double(), weight.double())
-    bound = dense_error_bound(x, weight, torch.float32)
-    for y in (eager, compiled):
+    for y, dtype in ((eager, head.compute_dtype), (compiled, torch.float32)):
+        bound = dense_error_bound(x, weight, dtype)
         assert y.dtype == torch.float32 and (y.double() - exact).abs().max().item() <= bound
-    with pytest.raises(AssertionError, match="chunks"):
+    with pytest.raises(AssertionError, match="an eager kernel"):
         head(torch.randn(quantized.PAIR_ROWS, 96))  # eager: the chunks, here refused
 
 
 def _refused(*args):
-    raise AssertionError("the chunks of int8_blockwise_product were called")
+    raise AssertionError("an eager kernel (the chunks, or int4pack) was called")
 
 
 def test_a_quantized_model_decodes_a_left_padded_batch_through_compiled_steps():

@@ -184,8 +184,9 @@ def test_packed_and_quantized_products_are_served_with_the_constants_inductor_ad
 ):
     """One library for both kinds of swapped products: the attention's linears packed
     (inside packed_linears the one-row products are streaming reductions in the library),
-    the FFN's Q4_1 and Q8_0 linears (int4pack and its pair form where they run), a Q8_0 head
-    with fp32 outputs (one reduction over its codes in the library) and a Q8_0 embedding
+    the FFN's Q4_1 linears (int4pack where it runs) and a Q8_0 down_proj (its pair form eager,
+    one reduction over its codes in the library), a Q8_0 head with fp32 outputs (one reduction
+    too) and a Q8_0 embedding
     table. Inductor's lowering of the int4pack product adds a constant of its own (the group
     size), which the library records and supplies itself; the eager tokens, through the
     library. Gate and up read one input: the library computes them as one product, as eager

@@ -18,7 +18,8 @@ formats) and computes x W^T + b with the first of these kernels that this machin
   with the codes [h | l] along the input, scale 16d and zero 0 for the h groups, scale d and
   zero 8d for the l groups, gives x W^T (the codes exact, d rounded to bf16 as above): 2.1x
   faster than "int8-blockwise" for one row on an AVX2 CPU, in bf16 as the Q4_0 and Q4_1
-  products are. From `PAIR_ROWS` rows on (a prompt), int8-blockwise computes it, in fp32.
+  products are. From `PAIR_ROWS` rows on (a prompt), int8-blockwise computes it, in fp32, and
+  inside a compiled graph int8-blockwise's reduction does (below), faster there.
   PyTorch's int8 product (`_weight_int8pack_mm`) takes one scale per output row, not per block
   of 32, so it cannot hold Q8_0 without changing its values.
 - "int8-blockwise" (Q8_0, where int4pack does not run): the int8 codes (a view of the blocks)
@@ -226,7 +227,8 @@ class QuantizedLinear(nn.Module):
     @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype the kernel computes in (inputs are cast to it, outputs cast back), for
-        fewer than PAIR_ROWS rows (int4pack-pair's products of more rows are fp32)."""
+        fewer than PAIR_ROWS rows in eager calls (int4pack-pair's products of more rows, and of
+        any rows inside a compiled graph, are fp32)."""
         return torch.bfloat16 if self.kernel.startswith("int4pack") else torch.float32
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -240,7 +242,7 @@ class QuantizedLinear(nn.Module):
                              f"{tuple(x.shape)} on {x.device}")  # fmt: skip
         if x.requires_grad and torch.is_grad_enabled():
             y = _QuantizedProduct.apply(x, self)
-        elif self._sharing is None or _traced_alone():
+        elif self._sharing is None or self._traced_alone():
             y = self.product(x)
         else:  # its slice of one product with the layers that read x too (quantized_sharing)
             y = self._sharing[0].product(self._sharing[1], x)
@@ -261,17 +263,35 @@ class QuantizedLinear(nn.Module):
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def _kernel_product(self, rows: torch.Tensor) -> torch.Tensor:
-        """(N, in) -> (N, out), in the kernel's compute dtype."""
+        """(N, in) -> (N, out), in the kernel's compute dtype (fp32 where a graph reduces)."""
         if self.kernel == "int4pack":
             return int4pack_product(rows, self.packed, self.scales_and_zeros, self.out_features)
+        if self._reduces_in_graph(rows.shape[0]):
+            return int8_reduction_product(rows, self.codes, self.scales)
         if self.kernel == "int4pack-pair" and rows.shape[0] < PAIR_ROWS:
             pair = int4pack_pair_rows(rows)  # (N, 2 in)
             return int4pack_product(pair, self.packed, self.scales_and_zeros, self.out_features)
         if self.kernel in ("int8-blockwise", "int4pack-pair"):
-            if torch.compiler.is_compiling() and rows.shape[0] < PAIR_ROWS:  # one reduction
-                return int8_reduction_product(rows, self.codes, self.scales)
             return int8_blockwise_product(rows, self.codes, self.scales)
         return F.linear(rows.float(), self.dense_weight)
+
+    def _reduces_in_graph(self, rows: int) -> bool:
+        """Whether a Q8_0 product of `rows` rows is one reduction over the int8 codes: inside a
+        graph (torch.compile, torch.export) and under PAIR_ROWS rows. Inductor makes it one
+        streaming pass in fp32 on the exact weights, faster there than both eager kernels: a
+        SmolLM2 Q8_0 step exported 78 tok/s against 68 with the int4pack pair (Intel AVX-512,
+        2 threads, benchmarks/decode_smollm2.py's prompt)."""
+        kernels = ("int8-blockwise", "int4pack-pair")
+        return self.kernel in kernels and rows < PAIR_ROWS and torch.compiler.is_compiling()
+
+    def _traced_alone(self) -> bool:
+        """Inside torch.compile's graphs each layer computes its own product (kept slices would
+        be state guarded in the graph). torch.export's tracing (non-strict: the Python runs, on
+        fake tensors) shares int4pack products as eager calls do, so the exported step holds one
+        product per shared input; a Q8_0 layer reduces on its own there (`_reduces_in_graph`)."""
+        if not torch.compiler.is_compiling():
+            return False
+        return not torch.compiler.is_exporting() or self.kernel == "int4pack-pair"
 
     def requires_grad_(self, requires_grad: bool = True) -> QuantizedLinear:
         """The bias follows; the quantized weight cannot: refused when `requires_grad`."""
@@ -312,14 +332,6 @@ class _QuantizedProduct(torch.autograd.Function):
         dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
         weight = ctx.module.dequantized_weight(dtype)  # (out, in)
         return (grad.to(dtype) @ weight).to(grad.dtype), None  # (..., in)
-
-
-def _traced_alone() -> bool:
-    """Inside torch.compile's graphs each layer computes its own product (kept slices would be
-    state guarded in the graph); torch.export's tracing (non-strict: the Python runs, on fake
-    tensors) shares products as eager calls do, so the exported step holds one product per
-    shared input."""
-    return torch.compiler.is_compiling() and not torch.compiler.is_exporting()
 
 
 _LAID_OUT = ("packed", "scales_and_zeros", "codes", "scales", "dense_weight")
