@@ -17,10 +17,12 @@ from tests.generation.reference_models import left_padded_prompts, qkv_model, re
 NEW_TOKENS = 10
 
 
-def _steps(model, ids, mask, new_tokens=NEW_TOKENS, mode="eager"):
-    """(tokens (B, new), logits (B, new, V)) of greedy decoding, `decoding_steps(model, mode)`."""
+def _steps(model, ids, mask, new_tokens=NEW_TOKENS, mode=None):
+    """(tokens (B, new), logits (B, new, V)) of greedy decoding, `decoding_steps(model, mode)`
+    (None: the model itself, the plain reference)."""
+    steps = None if mode is None else decoding_steps(model, mode)
     steps = list(decode_steps(model, ids, attention_mask=mask, max_new_tokens=new_tokens,
-                              steps=decoding_steps(model, mode)))  # fmt: skip
+                              steps=steps))  # fmt: skip
     return torch.stack([s.tokens for s in steps], 1), torch.stack([s.logits for s in steps], 1)
 
 
@@ -174,8 +176,8 @@ def test_a_later_packed_block_compiles_nothing_and_sees_weights_changed_in_betwe
 
 
 def test_without_a_cpp_compiler_the_steps_are_eager_and_say_why(monkeypatch, caplog):
-    """A machine without a C++ compiler (torch.compile's CPU kernels need one) gets the model
-    itself as its steps and a logged reason, not a compiler error in the middle of decoding."""
+    """A machine without a C++ compiler (torch.compile's CPU kernels need one) gets eager
+    steps and a logged reason, not a compiler error in the middle of decoding."""
     from qkv import capabilities
     from qkv.acceleration import decoding
 
@@ -184,9 +186,38 @@ def test_without_a_cpp_compiler_the_steps_are_eager_and_say_why(monkeypatch, cap
     monkeypatch.setattr(decoding, "_LOGGED", set())
     model = qkv_model("tiny-gpt2")
     with caplog.at_level("WARNING", logger="qkv.acceleration.decoding"):
-        assert decoding_steps(model, "compiled") is model
-        assert decoding_steps(model) is model
+        for steps in (decoding_steps(model, "compiled"), decoding_steps(model)):
+            assert isinstance(steps, decoding.EagerSteps) and steps.model is model
     assert "eager steps: no C++ compiler" in caplog.text
+
+
+def test_eager_steps_are_the_models_bit_for_bit_with_ropes_tables_once_a_step(monkeypatch):
+    """`decoding_steps(model, "eager")`: the model with fast_rope swapped in around each step.
+    A left-padded batch of a Llama (rotary, GQA) gives the plain model's tokens and logits bit
+    for bit; each step makes RoPE's cos/sin tables once for all layers, where the plain model
+    makes them once a layer; between the steps the model is the caller's, unswapped."""
+    from qkv.acceleration.fast_rotary import FastRotaryEmbedding
+    from qkv.positional import RotaryEmbedding, rotary
+
+    model = redraw(qkv_model("tiny-llama"), seed=2)
+    assert model.config.num_layers == 2
+    ids, mask = left_padded_prompts()
+    made = []
+    counted = rotary.rope_cos_sin
+
+    def counting(*args, **kwargs):
+        made.append(1)
+        return counted(*args, **kwargs)
+
+    monkeypatch.setattr(rotary, "rope_cos_sin", counting)
+    plain = _steps(model, ids, mask, new_tokens=4)
+    plain_tables = len(made)
+    made.clear()
+    eager = _steps(model, ids, mask, new_tokens=4, mode="eager")
+    assert torch.equal(eager[0], plain[0]) and torch.equal(eager[1], plain[1])
+    assert plain_tables == 2 * 4 and len(made) == 2 + 3  # prefill: the model's; 3 steps: once
+    ropes = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
+    assert ropes and not any(isinstance(m, FastRotaryEmbedding) for m in ropes)
 
 
 def test_a_streaming_cache_decodes_through_the_model_and_nothing_is_compiled():

@@ -67,10 +67,12 @@ def llama(store):
     return model
 
 
-def _steps(model, ids, mask=None, mode="eager"):
-    """(tokens (B, new), logits (B, new, V)) of greedy decoding, `decoding_steps(model, mode)`."""
+def _steps(model, ids, mask=None, mode=None):
+    """(tokens (B, new), logits (B, new, V)) of greedy decoding, `decoding_steps(model, mode)`
+    (None: the model itself, the plain reference)."""
+    steps = None if mode is None else decoding_steps(model, mode)
     steps = list(decode_steps(model, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
-                              steps=decoding_steps(model, mode)))  # fmt: skip
+                              steps=steps))  # fmt: skip
     return torch.stack([s.tokens for s in steps], 1), torch.stack([s.logits for s in steps], 1)
 
 
@@ -79,7 +81,7 @@ def test_exported_steps_equal_eager_ones_for_every_prompt_length(llama, store, p
     """Tokens and logits of eager decoding; one library serves every prompt and cache length
     (a one-token prompt's first step, over a cache of 1, runs eagerly)."""
     prompt = torch.arange(1, prompt_length + 1).unsqueeze(0)  # (1, prompt_length)
-    eager_tokens, eager_logits = _steps(llama, prompt, mode="eager")
+    eager_tokens, eager_logits = _steps(llama, prompt)
     tokens, logits = _steps(llama, prompt, mode="aot")
     torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
     assert torch.equal(tokens, eager_tokens)
@@ -108,7 +110,7 @@ def test_windows_and_relative_biases_are_exported_too(windowed, store, caplog):
     prompts = torch.arange(2, 12).view(2, 5)
     with caplog.at_level(logging.WARNING, logger="qkv.acceleration.exported"):
         tokens, logits = _steps(windowed, prompts, mode="aot")
-    eager_tokens, eager_logits = _steps(windowed, prompts, mode="eager")
+    eager_tokens, eager_logits = _steps(windowed, prompts)
     assert "instead" not in caplog.text
     torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
     assert torch.equal(tokens, eager_tokens)
@@ -281,7 +283,7 @@ def test_a_padded_batch_decodes_through_the_compiled_steps(llama, elsewhere):
     """A call with a padding mask is not one the library serves: every step after the prefill
     goes to torch.compile's steps, with the eager tokens."""
     ids, mask = left_padded_prompts()
-    eager = _steps(llama, ids, mask, mode="eager")[0]
+    eager = _steps(llama, ids, mask)[0]
     assert torch.equal(_steps(llama, ids, mask, mode="aot")[0], eager)
     assert elsewhere == [llama] * (NEW_TOKENS - 1)
 
