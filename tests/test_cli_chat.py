@@ -114,7 +114,7 @@ def test_generate_chat_answers_one_message(loaded, capsys, monkeypatch):
     status = main(["generate", "--model", "smollm2", "--chat", CAPITAL, *flags])
     captured = capsys.readouterr()
     assert status == 0 and captured.out == "The capital of France is Paris.\n"
-    assert captured.err.startswith("8 tokens in ")  # seven and <|im_end|>
+    assert captured.err.splitlines()[-1].startswith("8 tokens in ")  # seven and <|im_end|>
 
 
 def test_generate_loads_the_packaged_model_by_name(capsys, smollm2_path):
@@ -124,7 +124,7 @@ def test_generate_loads_the_packaged_model_by_name(capsys, smollm2_path):
     prompt = "The capital of France is"
     status = main(["generate", "--model", "smollm2", prompt, "--max-new-tokens", "6", "--no-pack"])
     captured = capsys.readouterr()
-    assert status == 0 and captured.err.startswith("6 tokens in ")
+    assert status == 0 and "\n6 tokens in " in "\n" + captured.err
     assert captured.out.startswith(prompt) and len(captured.out) > len(prompt) + 2
     pays = quantized_pays(smollm2_path)
     held = "quantized" if pays else "dequantized to fp32"
@@ -280,3 +280,22 @@ def test_load_chat_model_refuses_a_spec_that_names_nothing(tmp_path):
 def test_a_model_without_a_chat_template_cannot_chat(tiny):
     with pytest.raises(ValueError, match=r"^loaded: the model has no chat template"):
         Chat(ChatModel(tiny.model, tiny.tokenizer, None))
+
+
+CASES = [((), False, True), ((), True, False), (("--no-compile",), False, False)]
+
+
+@pytest.mark.parametrize(("flags", "ready", "hinted"), CASES)
+def test_chat_says_how_to_decode_faster_where_its_steps_are_eager(
+    tiny, capsys, monkeypatch, flags, ready, hinted
+):
+    """With neither flag and no compiled step ready, the steps are eager, and stderr says what
+    --compile gives, once for the chat; not where a compiled step is ready, nor when eager
+    steps were asked."""
+    from qkv.acceleration import decoding
+
+    _serve(monkeypatch, tiny)
+    monkeypatch.setattr(decoding, "compiled_ready", lambda model: ready)
+    status, out, err = _chat(capsys, monkeypatch, ["hi", "ho"], "--max-new-tokens", "2", *flags)
+    assert status == 0 and out
+    assert err.count("--compile builds the compiled step once") == (1 if hinted else 0)

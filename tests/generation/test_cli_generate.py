@@ -93,8 +93,11 @@ def _run(capsys, *arguments: str) -> tuple[int, str, str]:
 
 
 def _speed(err: str) -> int:
-    """The number of tokens of stderr's one line "N tokens in S s (R tokens/s)"."""
-    match = re.fullmatch(r"(\d+) tokens in (\d+\.\d\d) s \((\d+) tokens/s\)\n", err)
+    """The number of tokens of stderr's last line "N tokens in S s (R tokens/s)" (before it, at
+    most the line saying that the steps are eager and what --compile gives)."""
+    *before, last = err.splitlines(keepends=True)
+    assert all("eager decoding steps; --compile builds" in line for line in before), err
+    match = re.fullmatch(r"(\d+) tokens in (\d+\.\d\d) s \((\d+) tokens/s\)\n", last)
     assert match, err
     tokens, seconds, rate = int(match[1]), float(match[2]), int(match[3])
     # the rate of the unrounded time: within what rounding S to 2 decimals leaves open

@@ -41,7 +41,7 @@ from qkv.acceleration.exported import ExportedStep, ready
 from qkv.acceleration.fast_rotary import fast_rope
 from qkv.layers.sink_cache import SinkKVCache
 
-__all__ = ["MODES", "DecodingSteps", "EagerSteps", "decoding_steps"]
+__all__ = ["MODES", "DecodingSteps", "EagerSteps", "compiled_ready", "decoding_steps"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,12 @@ def decoding_steps(model: nn.Module, mode: str = "aot") -> DecodingSteps | Eager
         _log_once(f"decoding_steps: eager steps: {support.reason}")
         return EagerSteps(model)
     return DecodingSteps(model, mode)
+
+
+def compiled_ready(model: nn.Module) -> bool:
+    """Whether mode "auto" would take the AOT steps for `model` now: its library is in memory,
+    or stored by an earlier process (then loaded in well under a second)."""
+    return ready(model, INDUCTOR_OPTIONS)
 
 
 class EagerSteps:
@@ -94,7 +100,7 @@ class DecodingSteps:
 
     def __call__(self, input_ids: torch.Tensor, **kwargs):
         if self.mode == "auto":
-            self.mode = "aot" if ready(self.model, INDUCTOR_OPTIONS) else "eager"
+            self.mode = "aot" if compiled_ready(self.model) else "eager"
             logger.info("decoding_steps(mode='auto'): %s steps", self.mode)
             self.compiled = CompiledForward(self.model)
         cache = kwargs.get("cache")

@@ -5,6 +5,7 @@ the decoding steps are compiled (`qkv.acceleration.decoding_steps`' mode)."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +29,22 @@ def add_weights_argument(parser: argparse.ArgumentParser) -> None:
 
 
 COMPILE_MODES = {None: "auto", True: "aot", False: "eager"}  # --compile / --no-compile / neither
+
+
+def steps_for(model, compile_flag: bool | None, command: str):
+    """`qkv.acceleration.decoding_steps(model, COMPILE_MODES[compile_flag])`. With neither flag,
+    where no compiled step is ready (so the steps are eager), a line on stderr says what
+    --compile gives."""
+    from qkv import acceleration
+    from qkv.acceleration.decoding import DecodingSteps, compiled_ready
+
+    mode = COMPILE_MODES[compile_flag]
+    steps = acceleration.decoding_steps(model, mode)
+    eager = mode == "auto" and isinstance(steps, DecodingSteps) and not compiled_ready(model)
+    if eager:
+        hint = "--compile builds the compiled step once (tens of seconds; later runs load it)"
+        print(f"qkv {command}: eager decoding steps; {hint}, for faster steps", file=sys.stderr)
+    return steps
 
 
 def add_compile_argument(parser: argparse.ArgumentParser) -> None:

@@ -18,10 +18,10 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from qkv.commands._sampling import (
-    COMPILE_MODES,
     add_compile_argument,
     add_sampling_arguments,
     add_weights_argument,
+    steps_for,
 )
 from qkv.commands._text_input import check_arguments
 
@@ -33,7 +33,6 @@ RESET, EXIT = "/reset", "/exit"
 
 def _chat(args: argparse.Namespace) -> int:
     """Load the model, then answer each line of standard input until it ends."""
-    from qkv.acceleration import decoding_steps
     from qkv.applications.chat import Chat, load_chat_model
 
     try:
@@ -45,7 +44,7 @@ def _chat(args: argparse.Namespace) -> int:
         chat = Chat(
             loaded, system=args.system, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-            steps=decoding_steps(loaded.model, COMPILE_MODES[args.compile]),
+            steps=steps_for(loaded.model, args.compile, "chat"),
         )  # fmt: skip
     except (ValueError, TypeError, OSError, ImportError) as error:
         print(f"qkv chat: error: {error}", file=sys.stderr)

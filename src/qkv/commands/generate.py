@@ -12,10 +12,10 @@ import time
 from typing import TYPE_CHECKING
 
 from qkv.commands._sampling import (
-    COMPILE_MODES,
     add_compile_argument,
     add_sampling_arguments,
     add_weights_argument,
+    steps_for,
 )
 from qkv.commands._text_input import check_arguments
 
@@ -57,7 +57,6 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _continue(loaded: ChatModel, prompt: str, args: argparse.Namespace) -> tuple[int, float]:
     """Print the prompt and its continuation as it comes; (new tokens, seconds they took)."""
-    from qkv.acceleration import decoding_steps
     from qkv.generation.text import stream_text
 
     after_prompt = _AfterPrompt(loaded.tokenizer, prompt)
@@ -65,7 +64,7 @@ def _continue(loaded: ChatModel, prompt: str, args: argparse.Namespace) -> tuple
         loaded.model, after_prompt, prompt, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         sinks=None if args.sinks is None else tuple(args.sinks),
-        steps=decoding_steps(loaded.model, COMPILE_MODES[args.compile]),
+        steps=steps_for(loaded.model, args.compile, "generate"),
     )  # fmt: skip
     started = time.perf_counter()
     _print_after(prompt, pieces)
@@ -75,7 +74,6 @@ def _continue(loaded: ChatModel, prompt: str, args: argparse.Namespace) -> tuple
 def _answer(loaded: ChatModel, prompt: str, args: argparse.Namespace) -> tuple[int, float]:
     """--chat: print the model's answer to the prompt as one user message, up to its end of
     turn; (new tokens, seconds they took)."""
-    from qkv.acceleration import decoding_steps
     from qkv.applications.chat import Chat
 
     if args.sinks is not None:
@@ -83,7 +81,7 @@ def _answer(loaded: ChatModel, prompt: str, args: argparse.Namespace) -> tuple[i
     chat = Chat(
         loaded, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-        steps=decoding_steps(loaded.model, COMPILE_MODES[args.compile]),
+        steps=steps_for(loaded.model, args.compile, "generate"),
     )  # fmt: skip
     chat.add_user(prompt)
     started = time.perf_counter()
