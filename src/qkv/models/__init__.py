@@ -11,7 +11,8 @@
   space-time attention (Arnab et al. 2021, ViViT; Bertasius et al. 2021, TimeSformer).
 - `DiffusionTransformer` (+ `DiffusionConfig`): a text-conditioned DDPM noise predictor over
   image patches (adaLN-Zero or additive timestep conditioning, cross-attention to the prompt);
-  `qkv.models.ddpm` holds the noise schedule and the DDPM and DDIM samplers.
+  `qkv.models.ddpm` holds the noise schedule and the DDPM and DDIM samplers; `DiffusionUNet`,
+  the same predictor with a small U-Net body (self- and cross-attention at two resolutions).
 
 One calling convention: `model(input_ids, attention_mask=None, ...)`, the mask (B, L) with
 1/True on real tokens; a small dataclass comes back (`qkv.models.outputs`).
@@ -33,6 +34,7 @@ from qkv.models.rnn_seq2seq import RNNSeq2Seq, RNNSeq2SeqConfig
 from qkv.models.serialization import load, save
 from qkv.models.t5 import T5Transformer
 from qkv.models.t5_config import T5Config
+from qkv.models.unet import DiffusionUNet
 from qkv.models.video import VideoClassifier, VideoClassifierConfig
 from qkv.models.vit import ImageClassificationOutput, ViT
 from qkv.models.vit_config import ViTConfig
@@ -45,6 +47,7 @@ __all__ = [
     "CheckpointError",
     "DiffusionConfig",
     "DiffusionTransformer",
+    "DiffusionUNet",
     "GPT",
     "GPTBlock",
     "GGUFError",

@@ -40,12 +40,10 @@ from qkv.attention import attention
 from qkv.layers import DecoderBlock, EncoderBlock, LayerNorm, PatchEmbedding
 from qkv.layers.adaln import AdaLNModulation, AdaLNZeroBlock, layer_norm_without_affine, modulate
 from qkv.layers.attention import MultiHeadAttention
-from qkv.models.ddpm import NoiseSchedule
 from qkv.models.diffusion_config import DiffusionConfig
+from qkv.models.diffusion_prompt import PromptDenoiser
 from qkv.models.serialization import register_model_class
-from qkv.models.sizes import check_model_fits
-from qkv.positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
-from qkv.validation import describe
+from qkv.positional import LearnedPositionalEmbedding
 
 __all__ = [
     "DiffusionConfig",
@@ -56,43 +54,26 @@ __all__ = [
 ]
 
 
-class DiffusionTransformer(nn.Module):
+class DiffusionTransformer(PromptDenoiser):
     """The noise predictor eps_theta(x_t, t, prompt); see the module docstring.
 
-    Submodules: `patch_embedding`, `position_embedding` (over the N patches), `time_embedding`
-    (fixed sinusoids over T steps) and `time_mlp` (Linear, SiLU, Linear), `token_embedding`,
-    `prompt_position_embedding`, `text_blocks` (pre-norm `EncoderBlock`s) and `text_norm`,
-    `blocks` (`AdaLNZeroBlock`, `DecoderBlock`, or `EncoderBlock` in context),
-    `final_modulation` (adaLN-Zero only) or `final_norm`, `head` (Linear(E -> C * P * P), zero
-    at initialisation). `schedule`: the `NoiseSchedule` the model is trained for.
+    Submodules: `patch_embedding`, `position_embedding` (over the N patches), the timestep's
+    and the prompt's (`PromptDenoiser`: `time_embedding`, `time_mlp`, `token_embedding`,
+    `prompt_position_embedding`, `text_blocks`, `text_norm`), `blocks` (`AdaLNZeroBlock`,
+    `DecoderBlock`, or `EncoderBlock` in context), `final_modulation` (adaLN-Zero only) or
+    `final_norm`, `head` (Linear(E -> C * P * P), zero at initialisation). `schedule`: the
+    `NoiseSchedule` the model is trained for.
     """
 
     def __init__(self, config: DiffusionConfig) -> None:
-        super().__init__()
-        if not isinstance(config, DiffusionConfig):
-            raise TypeError(f"config: expected a DiffusionConfig, got {type(config).__name__}")
-        check_model_fits(config)  # before anything is allocated
-        self.config = config
+        super().__init__(config)
         E = config.embed_dim
-        self.schedule = NoiseSchedule.linear(
-            config.num_timesteps, beta_start=config.beta_start, beta_end=config.beta_end
-        )
         self.patch_embedding = PatchEmbedding(
             image_size=config.image_size, patch_size=config.patch_size,
             channels=config.channels, embed_dim=E,
         )  # fmt: skip
         self.position_embedding = LearnedPositionalEmbedding(config.num_patches, E)
-        self.time_embedding = SinusoidalPositionalEncoding(E, config.num_timesteps)
-        self.time_mlp = nn.Sequential(nn.Linear(E, E), nn.SiLU(), nn.Linear(E, E))
-        self.token_embedding = nn.Embedding(config.vocab_size, E)
-        nn.init.normal_(self.token_embedding.weight, std=0.02)
-        self.prompt_position_embedding = LearnedPositionalEmbedding(config.max_prompt_length, E)
-        self.text_blocks = nn.ModuleList(
-            EncoderBlock(E, config.num_heads, config.ffn_dim, dropout=config.dropout,
-                         activation=config.activation, norm_first=True, eps=config.norm_eps)
-            for _ in range(config.text_layers)
-        )  # fmt: skip
-        self.text_norm = LayerNorm(E, eps=config.norm_eps)
+        self._build_conditioning()
         self.blocks = nn.ModuleList(_denoiser_block(config) for _ in range(config.num_layers))
         if config.conditioning == "adaln_zero":
             self.final_modulation = AdaLNModulation(E, E, 2)
@@ -113,11 +94,7 @@ class DiffusionTransformer(nn.Module):
         """The predicted noise (B, C, H, W) of noisy_images x_t (B, C, H, W) at timesteps t
         (B,) int64 in [0, T), conditioned on prompt_ids (B, S); prompt_mask (B, S) is 1/True on
         the prompt's tokens and 0/False on padding (default: no padding)."""
-        B = noisy_images.shape[0]
-        self.schedule.check_timesteps(timesteps, B)
-        mask = self._prompt_mask(prompt_ids, prompt_mask, B)  # (B, 1, 1, S)
-        context = self.encode_prompt(prompt_ids, mask)  # (B, S, E)
-        cond = self.time_mlp(self.time_embedding(timesteps))  # (B, E)
+        mask, context, cond = self.conditions(noisy_images, timesteps, prompt_ids, prompt_mask)
         x = self.patch_embedding(noisy_images)  # (B, N, E)
         x = x + self.position_embedding(torch.arange(x.shape[1], device=x.device))
         if self.config.conditioning == "adaln_zero":
@@ -146,40 +123,6 @@ class DiffusionTransformer(nn.Module):
         for block in self.blocks:
             sequence = block(sequence, mask=visible)  # (B, 1 + S + N, E)
         return self.final_norm(sequence[:, 1 + S :])  # (B, N, E)
-
-    def encode_prompt(self, prompt_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The prompt's tokens as the cross-attention context: embeddings plus positions
-        through the text blocks (padding masked as keys), then a LayerNorm: (B, S) -> (B, S, E).
-        mask: (B, 1, 1, S), True on the prompt's tokens."""
-        S = prompt_ids.shape[1]
-        positions = torch.arange(S, device=prompt_ids.device)
-        context = self.token_embedding(prompt_ids) + self.prompt_position_embedding(positions)
-        for block in self.text_blocks:
-            context = block(context, mask=mask)  # (B, S, E)
-        return self.text_norm(context)
-
-    def _prompt_mask(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor | None, batch: int
-    ) -> torch.Tensor:
-        """The prompt's key mask (B, 1, 1, S), True on its tokens; checks the ids."""
-        if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2:
-            raise ValueError(f"prompt_ids: expected shape (B, S), got {describe(prompt_ids)}")
-        B, S = prompt_ids.shape
-        if batch != B or prompt_ids.is_floating_point():
-            raise ValueError(f"prompt_ids: expected ({batch}, S) token ids, got "
-                             f"{describe(prompt_ids)}")  # fmt: skip
-        if not 0 < S <= self.config.max_prompt_length:
-            raise ValueError(f"prompt_ids: {S} tokens; expected 1 to max_prompt_length="
-                             f"{self.config.max_prompt_length}")  # fmt: skip
-        if prompt_mask is None:
-            return torch.ones(B, 1, 1, S, dtype=torch.bool, device=prompt_ids.device)
-        if not isinstance(prompt_mask, torch.Tensor) or prompt_mask.shape != (B, S):
-            raise ValueError(f"prompt_mask: expected shape ({B}, {S}) like prompt_ids, got "
-                             f"{describe(prompt_mask)}")  # fmt: skip
-        mask = prompt_mask.bool()
-        if B and not bool(mask.any(dim=1).all()):
-            raise ValueError("prompt_mask: a row masks every token; expected at least one")
-        return mask[:, None, None, :]  # (B, 1, 1, S)
 
 
 def _denoiser_block(config: DiffusionConfig) -> nn.Module:

@@ -39,13 +39,16 @@ from qkv.data.prompts import (
     train_prompt_tokenizer,
 )
 from qkv.data.tokenizers import load_tokenizer, save_tokenizer
-from qkv.models import DiffusionConfig, DiffusionTransformer, load, save
+from qkv.models import DiffusionConfig, DiffusionTransformer, DiffusionUNet, load, save
 from qkv.models.ddpm import ddim_sample, ddpm_sample, q_sample
 from qkv.models.diffusion import guided_noise
 from qkv.models.diffusion_config import CONDITIONING_KINDS
+from qkv.models.diffusion_prompt import PromptDenoiser
 from qkv.validation import check_choice, check_probability
 
 __all__ = ["SAMPLERS", "DiffusionOptions", "DiffusionTask", "load_sampler", "sample_digits"]
+
+DENOISERS = ("transformer", "unet")
 
 TASK_FILE = "task.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -65,6 +68,7 @@ class DiffusionOptions:
     ffn_dim: int = 256
     text_layers: int = 0  # 0: the prompt's embeddings alone, each key one word's own
     conditioning: str = "adaln_zero"  # "adaln_zero", "add" or "in_context"
+    denoiser: str = "transformer"  # "transformer" (the DiT) or "unet" (conditioning "add")
     condition_dropout: float = 0.1  # share of prompts replaced by the null prompt
     num_timesteps: int = 1000
     beta_start: float = 1e-4
@@ -82,6 +86,9 @@ class DiffusionOptions:
         "conditioning": "how the timestep enters: 'adaln_zero' (shift, scale and gate of every "
         "sub-layer, DiT), 'add' (added to the image tokens) or 'in_context' (it and the prompt "
         "as tokens before the image tokens, no cross-attention)",
+        "denoiser": "the noise predictor's body: 'transformer' (DiT, over patches) or 'unet' "
+        "(convolutions at two resolutions with self- and cross-attention; needs --conditioning "
+        "add)",
         "condition_dropout": "share of training prompts replaced by the null prompt "
         "(classifier-free guidance)",
         "num_timesteps": "diffusion steps T",
@@ -105,6 +112,13 @@ class DiffusionTask:
 
     def __init__(self, options: DiffusionOptions = DiffusionOptions()) -> None:
         check_choice("conditioning", options.conditioning, CONDITIONING_KINDS)
+        check_choice("denoiser", options.denoiser, DENOISERS)
+        if options.denoiser == "unet" and options.conditioning != "add":
+            raise ValueError(
+                f"conditioning: {options.conditioning!r} with denoiser 'unet'; the U-Net adds "
+                "the timestep in its residual blocks and reads the prompt by cross-attention: "
+                "expected 'add'"
+            )
         check_probability("condition_dropout", options.condition_dropout)
         self.options = options
         self.tokenizer = train_prompt_tokenizer()
@@ -132,7 +146,9 @@ class DiffusionTask:
             beta_end=options.beta_end, dropout=options.dropout,
         )  # fmt: skip
 
-    def build_model(self) -> DiffusionTransformer:
+    def build_model(self) -> PromptDenoiser:
+        if self.options.denoiser == "unet":
+            return DiffusionUNet(self.config)
         return DiffusionTransformer(self.config)
 
     def collate(self, indices: list[int], *, step: int = 0) -> dict[str, torch.Tensor]:
@@ -212,9 +228,10 @@ def _mean_loss(model, tokenizer, images, timesteps, noise, texts: list[str]) -> 
 def load_sampler(path: str | os.PathLike) -> tuple[DiffusionTransformer, Tokenizer]:
     """The model (eval mode) and tokenizer that `DiffusionTask.save` wrote to the folder `path`."""
     model = load(path)
-    if not isinstance(model, DiffusionTransformer):
+    if not isinstance(model, PromptDenoiser):
         raise ValueError(f"path: {str(path)!r} holds a {type(model).__name__}; expected a "
-                         f"DiffusionTransformer (from qkv train diffusion)")  # fmt: skip
+                         f"DiffusionTransformer or DiffusionUNet (from qkv train "
+                         f"diffusion)")  # fmt: skip
     return model, load_tokenizer(Path(path) / TOKENIZER_FILE)
 
 
