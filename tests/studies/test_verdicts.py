@@ -62,6 +62,10 @@ def _supported(name: str) -> list[dict]:
             ada = row["variant"] == "adaLN-Zero"
             row["validation loss"], row["loss range over seeds"] = (0.05 if ada else 0.08), 0.01
             row["ViT accuracy"] = 0.9 if ada else 0.8
+    elif name == "unet":  # the DiT below the U-Net, and as accurate
+        for row in rows:
+            row["validation loss"] = 0.09 if row["variant"] == "U-Net" else 0.05
+            row["ViT accuracy"] = 0.8
     elif name == "exposure-bias":
         for row in rows:
             if row["training"] == "teacher forcing" and isinstance(row["seed"], int):
@@ -177,6 +181,11 @@ def _refuted(name: str) -> list[dict]:
                 ada = row["variant"] == "adaLN-Zero"  # a higher loss, the fewest right
                 row[key] = (0.09 if ada else 0.05) if key == "validation loss" else 0.5 + (not ada)
             if name == "conditioning" and key == "loss range over seeds":
+                row[key] = 0.01
+            if name == "unet" and key in ("validation loss", "ViT accuracy"):
+                unet = row["variant"] == "U-Net"  # the U-Net lower and more accurate
+                row[key] = (0.05 if unet else 0.09) if key == "validation loss" else 0.5 + unet
+            if name == "unet" and key in ("loss range over seeds", "accuracy range over seeds"):
                 row[key] = 0.01
     return rows
 

@@ -66,6 +66,10 @@ Studies (`STUDIES`):
 - softmax: saturation of the whole softmax Jacobian with and without the 1/sqrt(d_k) scale
   (Vaswani et al. 2017, s3.2.1); float16 overflow of softmax as written vs max-subtracted on
   MiniLM's real scores (Goodfellow et al. 2016, s4.1).
+- unet: a U-Net denoiser (convolutions, self- and cross-attention at two resolutions) against
+  the diffusion Transformer on the 8x8 digits: validation loss, prompt accuracy as read by a ViT,
+  parameters and training time, over paired seeds (Ho et al. 2020; Rombach et al. 2022; Peebles
+  & Xie 2023).
 - numpy-lab: attention and multi-head attention in plain NumPy, forward and hand-written
   backward, against PyTorch and autograd (Vaswani et al. 2017, s3.2).
 - vit-digits: a Vision Transformer on scikit-learn's 8x8 digits, held-out accuracy per pooling
@@ -128,6 +132,7 @@ STUDIES = {  # name -> module under qkv.studies
     "own-predictions": "own_predictions",
     "sinks": "sinks",
     "softmax": "softmax",
+    "unet": "unet",
     "numpy-lab": "numpy_lab",
     "vit-digits": "vit_digits",
     "video-attention": "video_attention",

@@ -44,7 +44,10 @@ from qkv.studies.statistics import paired_t_p_value
 from qkv.training.tasks.diffusion import DiffusionOptions, DiffusionTask, sample_digits
 from qkv.training.tasks.vit import VitOptions, VitTask
 
-__all__ = ["CLAIM", "COLUMNS", "SIZES", "TITLE", "VARIANTS", "figure", "run", "verdicts"]
+__all__ = [
+    "CLAIM", "COLUMNS", "SIZES", "TITLE", "VARIANTS", "figure", "run", "seed_figure",
+    "train_variants", "verdicts",
+]  # fmt: skip
 
 TITLE = "Conditioning a diffusion Transformer: adaLN-Zero, added timestep, in-context tokens"
 CLAIM = (
@@ -84,13 +87,29 @@ logger = logging.getLogger(__name__)
 
 def run(settings: dict[str, Any], *, seed: int) -> StudyResult:
     """Train the ViT once, then each conditioning on each seed; score every model."""
+    changes = {label: {"conditioning": kind} for label, kind in VARIANTS.items()}
+    rows, measured, seeds = train_variants(settings, changes, seed=seed)
+    series = {"seeds": seeds, "measured": measured}
+    return StudyResult(
+        name="conditioning", title=TITLE, claim=CLAIM, columns=COLUMNS, rows=rows,
+        findings=_findings(rows, measured, settings), series=series,
+    )  # fmt: skip
+
+
+def train_variants(
+    settings: dict[str, Any], variants: dict[str, dict[str, Any]], *, seed: int
+) -> tuple[list[dict], dict[str, dict[str, list[float]]], list[int]]:
+    """Train the study's ViT once, then each variant (its changes to settings["diffusion"]'s
+    `DiffusionOptions`) on each seed, as `qkv train diffusion` trains it: (a row per variant,
+    with its changes as columns; {variant: {"loss", "accuracy", "seconds": a value per seed}};
+    the seeds)."""
     _, vit, _ = train_quietly(VitTask(VitOptions(**settings["vit"])), settings["vit_training"],
                               seed)  # fmt: skip
     seeds = list(range(seed, seed + settings["num_seeds"]))
     measured: dict[str, dict[str, list[float]]] = {}
     rows = []
-    for label, conditioning in VARIANTS.items():
-        options = DiffusionOptions(**{**settings["diffusion"], "conditioning": conditioning})
+    for label, changes in variants.items():
+        options = DiffusionOptions(**{**settings["diffusion"], **changes})
         per_seed = {"loss": [], "accuracy": [], "seconds": []}
         for each in seeds:
             task, model, seconds = train_quietly(
@@ -102,12 +121,8 @@ def run(settings: dict[str, Any], *, seed: int) -> StudyResult:
             logger.info("%s, seed %d: validation loss %.4f, ViT accuracy %.3f (%.0f s)", label,
                         each, per_seed["loss"][-1], per_seed["accuracy"][-1], seconds)  # fmt: skip
         measured[label] = per_seed
-        rows.append(_row(label, conditioning, model, per_seed))
-    series = {"seeds": seeds, "measured": measured}
-    return StudyResult(
-        name="conditioning", title=TITLE, claim=CLAIM, columns=COLUMNS, rows=rows,
-        findings=_findings(rows, measured, settings), series=series,
-    )  # fmt: skip
+        rows.append(_row(label, changes, model, per_seed))
+    return rows, measured, seeds
 
 
 @torch.no_grad()
@@ -122,9 +137,9 @@ def _accuracy(model, tokenizer, vit, settings: dict[str, Any], seed: int) -> flo
     return measure_samples(vit, images, labels, per_prompt)["ViT accuracy"]
 
 
-def _row(label: str, conditioning: str, model, per_seed: dict[str, list[float]]) -> dict:
+def _row(label: str, changes: dict[str, Any], model, per_seed: dict[str, list[float]]) -> dict:
     return {
-        "variant": label, "conditioning": conditioning,
+        "variant": label, **changes,
         "parameters": sum(p.numel() for p in model.parameters()),
         "validation loss": statistics.fmean(per_seed["loss"]),
         "loss range over seeds": max(per_seed["loss"]) - min(per_seed["loss"]),
@@ -197,6 +212,12 @@ def verdicts(rows: list[dict[str, Any]]) -> list[Verdict]:
 
 def figure(result: StudyResult):
     """Validation loss and ViT accuracy of each variant, a point per seed and the mean."""
+    return seed_figure(result, TITLE)
+
+
+def seed_figure(result: StudyResult, title: str):
+    """Two panels from `train_variants`' measurements: each variant's validation loss and ViT
+    accuracy, a point per seed and the mean."""
     from matplotlib.figure import Figure
 
     measured, labels = result.series["measured"], list(result.series["measured"])
@@ -216,6 +237,6 @@ def figure(result: StudyResult):
         ax.set(ylabel=name)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(TITLE, fontsize=10)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
