@@ -76,8 +76,8 @@ def compiled_ready(model: nn.Module) -> bool:
 class EagerSteps:
     """The model's own steps, with `fast_rope` in it for each call: called as the model is,
     returning what it returns, bit for bit. The swap is entered and left around every call (a
-    walk over the model's modules, tens of microseconds), so that between steps, and after the
-    decoding, the model is exactly the caller's."""
+    walk over the model's modules), so that between steps, and after the decoding, the model is
+    exactly the caller's."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model

@@ -45,10 +45,11 @@ from qkv.models.checkpoints.bundled import PACKAGED_MODELS
 
 __all__ = [
     "attention_view_html",
-    "render_page",
     "load_model_and_tokenizers",
     "pair_attention_html",
+    "render_page",
     "text_attention_html",
+    "text_rows",
     "view_data",
 ]
 
