@@ -296,6 +296,10 @@ def test_chat_says_how_to_decode_faster_where_its_steps_are_eager(
 
     _serve(monkeypatch, tiny)
     monkeypatch.setattr(decoding, "compiled_ready", lambda model: ready)
+    # the steps themselves stay eager: nothing is compiled here, whatever `ready` says
+    monkeypatch.setattr(
+        decoding.DecodingSteps, "__call__", lambda self, ids, **kw: self.eager(ids, **kw)
+    )
     status, out, err = _chat(capsys, monkeypatch, ["hi", "ho"], "--max-new-tokens", "2", *flags)
     assert status == 0 and out
     assert err.count("--compile builds the compiled step once") == (1 if hinted else 0)
