@@ -15,7 +15,9 @@ writes from it (`qkv.models.gguf.save_gguf`, the tokenizer's keys copied). On ea
                    bf16 (`.to(torch.bfloat16)`: the BF16 file's values exactly)
 each eagerly (`decoding_steps(model, "eager")`: `qkv generate --no-compile`) and, ", AOT", with
 its steps through the library AOTInductor compiles (`decoding_steps(model, "aot")`, compiled
-before the rounds and kept in the compile store: `qkv generate --compile`).
+before the rounds and kept in the compile store: `qkv generate --compile`). Then batch 8 on the
+Q4_1 file: 8 copies of the prompt decoded at once, 32 new tokens each (llama.cpp through its
+low-level API, one context of 8 sequences), tokens/s over all 8.
 batch 1, greedy, from the same chat prompt; a warm-up call of each before the rounds. Reported
 per candidate, as the median over rounds in which the candidates take turns (so a busy spell
 hits each alike):
@@ -52,6 +54,7 @@ from qkv.models.gguf.model import model_from_file
 HERE = Path(__file__).resolve().parent
 PROMPT = "What is the capital of France?"
 PREFILL_TOKENS = 512
+BATCH = 8  # sequences decoded at once in the batch rows
 
 
 def weights_mb(model: torch.nn.Module) -> float:
@@ -97,15 +100,69 @@ class LlamaCpp:
         return time.perf_counter() - started
 
 
-class Qkv:
-    """A qkv model: prefill and greedy decoding (`qkv.generate` through `decoding_steps(model,
-    mode)`) timed apart."""
+class LlamaCppBatch:
+    """llama.cpp decoding `batch` copies of a prompt at once: its own context of `batch`
+    sequences over the same model, one `llama_decode` per step for all of them (the low-level
+    API: llama-cpp-python's `Llama` decodes one sequence)."""
 
-    def __init__(self, model: torch.nn.Module, mode: str):
-        self.model, self.steps = model, decoding_steps(model, mode)
+    def __init__(self, llm: LlamaCpp, batch: int, threads: int):
+        import llama_cpp
+
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch = 256 * batch, 512, 512
+        params.n_seq_max, params.n_threads, params.n_threads_batch = batch, threads, threads
+        self.ctx = llama_cpp.llama_init_from_model(llm.llm.model, params)
+        self.tokens = llama_cpp.llama_batch_init(512, 0, 1)
+        self.size, self.vocab = batch, llm.llm.n_vocab()
 
     def decode(self, ids: list[int], new_tokens: int) -> tuple[float, list[int]]:
-        prompt = torch.tensor([ids])  # (1, L)
+        """(seconds for new_tokens - 1 steps of all sequences after the first, sequence 0's
+        new tokens)."""
+        import llama_cpp
+
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), True)
+        prompt = [(t, j, s, j == len(ids) - 1) for s in range(self.size) for j, t in enumerate(ids)]
+        chosen = [[token] for token in self._step(prompt)]
+        started = time.perf_counter()
+        for step in range(new_tokens - 1):
+            entries = [(chosen[s][-1], len(ids) + step, s, True) for s in range(self.size)]
+            for s, token in enumerate(self._step(entries)):
+                chosen[s].append(token)
+        return time.perf_counter() - started, chosen[0]
+
+    def _step(self, entries: list[tuple[int, int, int, bool]]) -> list[int]:
+        """One llama_decode of (token, position, sequence, wants logits) entries; the argmax of
+        each logits row asked for, in order."""
+        import llama_cpp
+
+        self.tokens.n_tokens = len(entries)
+        for i, (token, position, sequence, wanted) in enumerate(entries):
+            self.tokens.token[i], self.tokens.pos[i] = token, position
+            self.tokens.n_seq_id[i], self.tokens.seq_id[i][0] = 1, sequence
+            self.tokens.logits[i] = wanted
+        if llama_cpp.llama_decode(self.ctx, self.tokens) != 0:
+            raise RuntimeError("llama_decode failed")
+        rows = [i for i, entry in enumerate(entries) if entry[3]]
+        return [int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, i),
+                                          shape=(self.vocab,)).argmax()) for i in rows]  # fmt: skip
+
+    def close(self) -> None:
+        """Free the batch and the context (before the model they were made from)."""
+        import llama_cpp
+
+        llama_cpp.llama_batch_free(self.tokens)
+        llama_cpp.llama_free(self.ctx)
+
+
+class Qkv:
+    """A qkv model: prefill and greedy decoding (`qkv.generate` through `decoding_steps(model,
+    mode)`) timed apart; `batch` copies of the prompt decoded at once."""
+
+    def __init__(self, model: torch.nn.Module, mode: str, batch: int = 1):
+        self.model, self.steps, self.batch = model, decoding_steps(model, mode), batch
+
+    def decode(self, ids: list[int], new_tokens: int) -> tuple[float, list[int]]:
+        prompt = torch.tensor([ids] * self.batch)  # (B, L)
         with torch.inference_mode():
             started = time.perf_counter()
             generate(self.model, prompt, max_new_tokens=1)
@@ -120,6 +177,32 @@ class Qkv:
             started = time.perf_counter()
             self.model(torch.tensor([ids]), logits_to_keep=1)
             return time.perf_counter() - started
+
+
+def race_batch(candidates: dict, ids: list[int], args) -> list[dict]:
+    """Batch decoding on the Q4_1 file: BATCH copies of the prompt, args.new_tokens // 2 new
+    tokens each, the candidates taking turns over args.rounds rounds; tokens/s counts every
+    sequence's tokens."""
+    new_tokens = args.new_tokens // 2
+    for name, candidate in candidates.items():  # AOT: a library for batch BATCH, compiled here
+        log(f"warm-up: batch {BATCH}, {name}")
+        candidate.decode(ids, 4)
+    rates: dict[str, list[float]] = {name: [] for name in candidates}
+    tokens = {}
+    for round_index in range(args.rounds):
+        order = list(candidates)
+        order = order[round_index % len(order) :] + order[: round_index % len(order)]
+        for name in order:
+            seconds, tokens[name] = candidates[name].decode(ids, new_tokens)
+            rates[name].append(BATCH * (len(tokens[name]) - 1) / seconds)
+            log(f"round {round_index}: batch {BATCH}, {name}: {rates[name][-1]:.1f} tok/s")
+    return [
+        {"candidate": name, "decode_tok_s": statistics.median(rates[name]),
+         "decode_vs_llama_cpp": paired_ratio(rates[name], rates["llama.cpp"]),
+         "same_tokens": same_prefix(tokens[name], tokens["llama.cpp"]),
+         "new_tokens": len(tokens["llama.cpp"]), "samples": rates[name]}
+        for name in candidates
+    ]  # fmt: skip
 
 
 def paired_ratio(ours: list[float], theirs: list[float]) -> float:
@@ -179,6 +262,13 @@ def main() -> None:
                 prefill[key].append(len(long_ids) / candidates[key].prefill(long_ids))
                 log(f"round {round_index}: {key}: {decode[key][-1]:.1f} tok/s decoding, "
                     f"{prefill[key][-1]:.0f} tok/s prefill")  # fmt: skip
+        batched = {
+            "llama.cpp": LlamaCppBatch(candidates[("Q4_1", "llama.cpp")], BATCH, threads),
+            "qkv quantized": Qkv(models[("Q4_1", "qkv quantized")], "eager", BATCH),
+            "qkv quantized, AOT": Qkv(models[("Q4_1", "qkv quantized")], "aot", BATCH),
+        }
+        batch_rows = race_batch(batched, ids, args)
+        batched["llama.cpp"].close()
     rows = []
     for (kind, name), candidate in candidates.items():
         peer = (kind, "llama.cpp")
@@ -205,7 +295,8 @@ def main() -> None:
     payload = {
         "machine": machine_info("cpu"), "model": shipped.name, "prompt": PROMPT,
         "prompt_tokens": len(ids), "prefill_tokens": len(long_ids), "threads": threads,
-        "rounds": args.rounds, "kernels": kernels, "rows": rows,
+        "rounds": args.rounds, "kernels": kernels, "rows": rows, "batch": BATCH,
+        "batch_new_tokens": args.new_tokens // 2, "batch_rows": batch_rows,
     }  # fmt: skip
     log(f"wrote {write_json(args.out, payload)}")
 

@@ -31,7 +31,8 @@ def decode(data: dict) -> dict:
     kernels = [f"- {kind} file: {line.strip()}" for kind, text in data.get("kernels", {}).items()
                for line in text.splitlines() if line.startswith("  ")]  # fmt: skip
     new = rows[0]["new_tokens"] if rows else "?"
-    return dict(d=data, new_tokens=new, r=rows, kernels="\n".join(kernels))
+    return dict(d=data, new_tokens=new, r=rows, b=data.get("batch_rows", []),
+                kernels="\n".join(kernels))  # fmt: skip
 
 
 def perplexity(data: dict) -> dict:
