@@ -9,6 +9,23 @@ from pathlib import Path
 
 def _viz(args: argparse.Namespace) -> int:
     """Record every attention map of one forward pass and write the viewer page to --out."""
+    inputs = (args.text, args.file, args.pair, args.digit)
+    if sum(given is not None for given in inputs) != 1:
+        print("qkv viz: error: give one of TEXT, --file PATH, --pair SRC TGT or --digit N",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        page = _image_page(args) if args.digit is not None else _text_page(args)
+        Path(args.out).write_text(page, encoding="utf-8")
+    except (ValueError, TypeError, OSError, ImportError) as error:
+        print(f"qkv viz: error: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out} ({len(page) / 1024:.0f} KiB): open it in a browser", file=sys.stderr)
+    return 0
+
+
+def _text_page(args: argparse.Namespace) -> str:
+    """The page of a text (TEXT or --file) or of a translation pair (--pair)."""
     from qkv.analysis.pages.viz import (
         count_tokens,
         load_model_and_tokenizers,
@@ -17,60 +34,39 @@ def _viz(args: argparse.Namespace) -> int:
     )
     from qkv.models import Transformer
 
-    inputs = (args.text, args.file, args.pair, args.digit)
-    if sum(given is not None for given in inputs) != 1:
-        print("qkv viz: error: give one of TEXT, --file PATH, --pair SRC TGT or --digit N",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    if args.digit is not None:
-        return _image_page(args)
-    try:
-        text = args.text if args.file is None else _read_text(args.file)
-        rows = None if args.rows is None else _rows(args.rows)
-        model, tokenizer, target_tokenizer = load_model_and_tokenizers(args.model)
-        is_pair_model = isinstance(model, Transformer)
-        if is_pair_model != (args.pair is not None):
-            expected = "--pair SRC TGT" if is_pair_model else "a TEXT"
-            raise ValueError(f"the model is a {type(model).__name__}: expected {expected}")
-        if args.pair is None:
-            wanted = sys.maxsize if args.max_tokens is None else args.max_tokens
-            limit = min(wanted, _max_positions(model))
-            kept = None if limit == sys.maxsize else limit  # None: the tokenizer's own setting
-            page = text_attention_html(model, tokenizer, text, max_tokens=kept, rows=rows)
-            total = count_tokens(tokenizer, text)
-            if kept is not None and total > kept:
-                print(f"qkv viz: kept the first {limit} of {total} tokens (--max-tokens, and "
-                      "the model's positions)", file=sys.stderr)  # fmt: skip
-        else:
-            source, target = args.pair
-            page = pair_attention_html(
-                model, tokenizer, source, target, bos_token_id=model.config.bos_token_id,
-                target_tokenizer=target_tokenizer,
-            )  # fmt: skip
-        Path(args.out).write_text(page, encoding="utf-8")
-    except (ValueError, TypeError, OSError, ImportError) as error:
-        print(f"qkv viz: error: {error}", file=sys.stderr)
-        return 1
-    print(f"wrote {args.out} ({len(page) / 1024:.0f} KiB): open it in a browser", file=sys.stderr)
-    return 0
+    text = args.text if args.file is None else _read_text(args.file)
+    rows = None if args.rows is None else _rows(args.rows)
+    model, tokenizer, target_tokenizer = load_model_and_tokenizers(args.model)
+    is_pair_model = isinstance(model, Transformer)
+    if is_pair_model != (args.pair is not None):
+        expected = "--pair SRC TGT" if is_pair_model else "a TEXT"
+        raise ValueError(f"the model is a {type(model).__name__}: expected {expected}")
+    if args.pair is not None:
+        source, target = args.pair
+        return pair_attention_html(
+            model, tokenizer, source, target, bos_token_id=model.config.bos_token_id,
+            target_tokenizer=target_tokenizer,
+        )  # fmt: skip
+    wanted = sys.maxsize if args.max_tokens is None else args.max_tokens
+    limit = min(wanted, _max_positions(model))
+    kept = None if limit == sys.maxsize else limit  # None: the tokenizer's own setting
+    page = text_attention_html(model, tokenizer, text, max_tokens=kept, rows=rows)
+    total = count_tokens(tokenizer, text)
+    if kept is not None and total > kept:
+        print(f"qkv viz: kept the first {limit} of {total} tokens (--max-tokens, and the "
+              "model's positions)", file=sys.stderr)  # fmt: skip
+    return page
 
 
-def _image_page(args: argparse.Namespace) -> int:
+def _image_page(args: argparse.Namespace) -> str:
     """A ViT checkpoint's attention on one of the 8x8 digits, over its patch grid."""
     from qkv.analysis.pages.viz_image import digit_image, image_attention_html, load_vit
 
-    try:
-        if args.model is None:
-            raise ValueError("--model: --digit needs a ViT checkpoint folder (qkv train vit)")
-        image, label = digit_image(args.digit)
-        model = load_vit(args.model)
-        page = image_attention_html(model, image, title=f"digit {args.digit}, label {label}")
-        Path(args.out).write_text(page, encoding="utf-8")
-    except (ValueError, TypeError, OSError, ImportError) as error:
-        print(f"qkv viz: error: {error}", file=sys.stderr)
-        return 1
-    print(f"wrote {args.out} ({len(page) / 1024:.0f} KiB): open it in a browser", file=sys.stderr)
-    return 0
+    if args.model is None:
+        raise ValueError("--model: --digit needs a ViT checkpoint folder (qkv train vit)")
+    image, label = digit_image(args.digit)
+    model = load_vit(args.model)
+    return image_attention_html(model, image, title=f"digit {args.digit}, label {label}")
 
 
 def _read_text(path: str) -> str:
