@@ -131,3 +131,44 @@ def _rows(ablated: float, rho: float, induction: list) -> list:
 def test_verdicts_follow_their_stated_rules(ablated, rho, induction, expected):
     found = circuits.verdicts(_rows(ablated, rho, induction))
     assert [verdict.verdict for verdict in found] == expected
+
+
+def test_the_roles_are_exactly_the_heads_of_an_induction_circuit_set_by_hand():
+    """A 2-layer GPT whose weights are set by hand to hold one induction circuit (Elhage et al.
+    2021; Olsson et al. 2022): the residual stream holds the token (dims 0-15), the position
+    (16-47) and, written by layer 0's head 0, the previous token (48-63). Layer 0 head 0 attends
+    from position i to i - 1 and copies that token; layer 1 head 0 attends to where the
+    previous token equals the query's own token. The other heads and every FFN are zero. On n
+    distinct tokens repeated, the probe must find exactly (0, 0) as the previous-token head and
+    (1, 0) as the induction head, nothing else."""
+    from qkv.models import GPT, GPTConfig
+
+    V, P, c = 16, 32, 3.0
+    config = GPTConfig(vocab_size=V, embed_dim=64, num_layers=2, num_heads=2, ffn_dim=8,
+                       max_positions=P, position="learned", norm="rmsnorm",
+                       ffn="gelu_tanh")  # fmt: skip
+    model = GPT(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()
+        for norm in (model.blocks[0].attn_norm, model.blocks[1].attn_norm, model.final_norm):
+            norm.weight.fill_(1.0)
+        tokens, positions = torch.arange(V), torch.arange(P)
+        model.token_embedding.weight[tokens, tokens] = 1.0  # token t -> e_t
+        model.position_embedding.weight[positions, V + positions] = 1.0  # position p -> e_{16+p}
+        first, second = model.blocks[0].self_attn, model.blocks[1].self_attn  # head 0: rows 0-31
+        first.q_proj.weight[positions, V + positions] = c  # query: its own position
+        first.k_proj.weight[positions[1:], V + positions[:-1]] = c  # key j: position j + 1
+        first.v_proj.weight[tokens, tokens] = 1.0  # value: the key's token
+        first.out_proj.weight[48 + tokens, tokens] = 1.0  # -> the previous-token dims
+        second.q_proj.weight[tokens, tokens] = c  # query: its own token
+        second.k_proj.weight[tokens, 48 + tokens] = c  # key: the token before it
+    n = 10
+    generator = torch.Generator().manual_seed(0)
+    first_half = torch.stack([torch.randperm(V, generator=generator)[:n] for _ in range(4)])
+    ids = torch.cat([first_half, first_half], dim=1)  # (4, 2n): n distinct tokens, twice
+    found = role_heads(role_scores(model, ids))
+    assert [(layer, head) for layer, head, _ in found["previous"]] == [(0, 0)]
+    assert [(layer, head) for layer, head, _ in found["induction"]] == [(1, 0)]
+    assert found["duplicate"] == [] and found["sink"] == []
+    assert found["previous"][0][2] > 0.95 and found["induction"][0][2] > 0.9
