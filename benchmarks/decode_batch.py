@@ -3,17 +3,23 @@ llama.cpp's batched decoding.
 
     .venv/bin/python benchmarks/decode_batch.py            # B = 8, fp32 and bf16 (a few minutes)
     .venv/bin/python benchmarks/decode_batch.py --quick    # smoke run: 16 new tokens, 2 rounds
+    .venv/bin/python benchmarks/decode_batch.py --padded   # prompts of different lengths
 
 The model and weights of benchmarks/decode.py (the ~55M Llama, built by transformers and loaded
 by both libraries; llama.cpp reads them written as GGUF by benchmarks/peers.py). B prompts of 32
-random tokens each (equal lengths: no padding, no attention_mask), 128 new tokens per sequence,
-one call timed as a user sees it (prefill included):
+random tokens each (equal lengths: no padding, no attention_mask; with --padded, row b keeps
+the last 32 - 2b of its tokens and is left-padded, with an attention_mask), 128 new tokens per
+sequence, one call timed as a user sees it (prefill included):
     qkv            qkv.generation.generate(model, ids, max_new_tokens=128)
     qkv compiled   a packed copy (`packed_linears`, the block open for the whole row) with
-                   generate(..., steps=decoding_steps(model)), compiled before the timing
+                   generate(..., steps=decoding_steps(model)), compiled before the timing: the
+                   step compiled ahead of time by AOTInductor (qkv.acceleration.exported)
+    torch.compile  the same packed copy with steps=torch.compile(model, dynamic=True), as a
+                   user would compile it (the inductor options of the aot steps)
     transformers   model.generate(ids, do_sample=False, max_new_tokens=128, min_new_tokens=128)
     llama.cpp      `peers.LlamaCppBatched`: a context with B sequence slots, all prompts in one
                    llama_decode, then one llama_decode per step holding each sequence's token
+                   (a padded row's real tokens only)
 tokens/s = B * 128 / the median seconds per call; "paired" ratios are medians of per-round
 ratios. Every candidate's tokens are compared with transformers' before timing; in fp32,
 llama.cpp is timed only if its tokens agree, or part from them only at near-ties of
@@ -48,6 +54,7 @@ from decode import LLAMA, build_models, first_divergence, paired_ratio
 from peers import LlamaCppBatched, missing, write_gguf
 
 from qkv.acceleration import decoding_steps, packed_linears
+from qkv.acceleration.exported import INDUCTOR_OPTIONS
 from qkv.generation import generate
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -57,16 +64,28 @@ TARGET_RATIO = 1.0  # qkv's fastest path over llama.cpp, tokens/s
 NEAR_TIE = 1e-3
 
 
-def tie_margins(theirs, ids, reference: torch.Tensor, output: torch.Tensor) -> list[float]:
+def padding_mask(batch: int, prompt: int) -> torch.Tensor:
+    """(batch, prompt) bool, True on real tokens: row b keeps its last prompt - 2b tokens (at
+    least half of them)."""
+    lengths = torch.tensor([max(prompt - 2 * b, prompt // 2) for b in range(batch)])
+    return torch.arange(prompt) >= (prompt - lengths)[:, None]
+
+
+PAD = 0  # the id the padded positions hold
+
+
+def tie_margins(theirs, ids, mask, reference: torch.Tensor, output: torch.Tensor) -> list[float]:
     """For each row where `output`'s new tokens part from transformers' (`reference`), the top-2
-    margin of transformers' logits on the common prefix: how near a tie the parting was."""
+    margin of transformers' logits on the common prefix (the row's real tokens): how near a tie
+    the parting was."""
     margins = []
     L = ids.shape[1]
     for b in range(len(reference)):
         step = first_divergence(output[b, L:], reference[b])
         if step is None:
             continue
-        prefix = torch.cat([ids[b], reference[b, :step]])[None]  # (1, L + step)
+        real = ids[b] if mask is None else ids[b][mask[b]]
+        prefix = torch.cat([real, reference[b, :step]])[None]  # (1, length + step)
         with torch.no_grad():
             logits = theirs(input_ids=prefix).logits[0, -1].float()
         top = logits.topk(2).values
@@ -81,16 +100,25 @@ def bench_dtype(base_ours, base_theirs, dtype: str, args) -> dict:
     generator = torch.Generator().manual_seed(1)
     shape = (args.batch, args.prompt)
     ids = torch.randint(0, LLAMA["vocab_size"], shape, generator=generator).to(args.device)
+    mask = padding_mask(args.batch, args.prompt).to(args.device) if args.padded else None
+    ids = ids if mask is None else ids.masked_fill(~mask, PAD)
+    hf_mask = {} if mask is None else {"attention_mask": mask.long(), "pad_token_id": PAD}
     n = args.new_tokens
     packed_model = copy.deepcopy(ours)
     stack = contextlib.ExitStack()
     stack.enter_context(packed_linears(packed_model, batch_hint=args.batch))
     steps = decoding_steps(packed_model)
+    user_compiled = torch.compile(packed_model, dynamic=True, options=INDUCTOR_OPTIONS)
+
+    def qkv_call(model, steps=None):
+        return lambda: generate(model, ids, attention_mask=mask, max_new_tokens=n, steps=steps)
+
     calls = {
-        "qkv": lambda: generate(ours, ids, max_new_tokens=n),
-        "qkv_compiled": lambda: generate(packed_model, ids, max_new_tokens=n, steps=steps),
+        "qkv": qkv_call(ours),
+        "qkv_compiled": qkv_call(packed_model, steps),
+        "torch_compile": qkv_call(packed_model, user_compiled),
         "transformers": lambda: theirs.generate(
-            ids, do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None
+            ids, do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, **hf_mask
         ),
     }
     info: dict = {}
@@ -102,7 +130,7 @@ def bench_dtype(base_ours, base_theirs, dtype: str, args) -> dict:
             path, sequences=args.batch, context=args.prompt + n, threads=torch.get_num_threads()
         )
         stack.callback(llama.close)
-        calls["llama_cpp"] = lambda: llama.generate(ids, n)
+        calls["llama_cpp"] = lambda: llama.generate(ids, n, mask)
         info["llama_cpp"] = {"version": llama.version, "gguf_bytes": path.stat().st_size}
     else:
         log(absent)
@@ -116,7 +144,7 @@ def bench_dtype(base_ours, base_theirs, dtype: str, args) -> dict:
         divergence[name] = {"rows_equal": sum(s is None for s in steps), "first_steps": steps}
     info["tokens_vs_transformers"] = divergence
     if "llama_cpp" in calls and dtype == "fp32":
-        margins = tie_margins(theirs, ids, reference, calls["llama_cpp"]())
+        margins = tie_margins(theirs, ids, mask, reference, calls["llama_cpp"]())
         info["llama_cpp_margins_at_divergence"] = margins
         if any(margin >= NEAR_TIE for margin in margins):
             log("llama.cpp's fp32 tokens differ from transformers' past a near-tie: not timed")
@@ -138,6 +166,7 @@ def bench_dtype(base_ours, base_theirs, dtype: str, args) -> dict:
         "dtype": dtype,
         "batch": args.batch,
         "prompt": args.prompt,
+        "prompt_lengths": [args.prompt] * args.batch if mask is None else mask.sum(1).tolist(),
         "new_tokens": n,
         "tokens_per_s": speed,
         "qkv_fastest": fastest,
@@ -147,6 +176,10 @@ def bench_dtype(base_ours, base_theirs, dtype: str, args) -> dict:
             for name in ("transformers", "llama_cpp")
             if name in timings
         },
+        # the AOTInductor library over torch.compile's forward, both on the packed model
+        "compiled_over_torch_compile": paired_ratio(
+            timings["torch_compile"], timings["qkv_compiled"]
+        ),
         "peers": info,
         "timings": {name: t.as_dict() for name, t in timings.items()},
     }
@@ -156,8 +189,9 @@ def bench_dtype(base_ours, base_theirs, dtype: str, args) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    names = ("qkv", "qkv_compiled", "transformers", "llama_cpp")
+    names = ("qkv", "qkv_compiled", "torch_compile", "transformers", "llama_cpp")
     header = ["dtype", "B", *(f"{n} tok/s" for n in names), "qkv/hf", "qkv/llama.cpp"]
+    header += ["compiled/torch.compile"]
     body = []
     for r in rows:
         ratios = r["paired_ratios"]
@@ -168,6 +202,7 @@ def table(rows: list[dict]) -> str:
                 *(f"{r['tokens_per_s'][n]:.1f}" if n in r["tokens_per_s"] else "-" for n in names),
                 f"{ratios['transformers']:.3f}",
                 f"{ratios['llama_cpp']:.3f}" if "llama_cpp" in ratios else "-",
+                f"{r['compiled_over_torch_compile']:.3f}",
             ]
         )
     return format_table(body, header)
@@ -178,6 +213,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="16 new tokens, 2 rounds: a smoke run")
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--batch", type=int, default=8, help="sequences decoded at once")
+    parser.add_argument("--padded", action="store_true",
+                        help="prompts of different lengths, left-padded")  # fmt: skip
     parser.add_argument("--device", default=default_device())
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens per sequence")
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -186,6 +223,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--budget", type=float, default=60.0, help="seconds of timing per dtype")
     parser.add_argument("--out", type=Path, default=RESULTS / "decode_batch.json")
     args = parser.parse_args(argv)
+    if args.padded:
+        args.out = args.out.with_name(args.out.stem + "_padded.json")
     if args.quick:
         args.new_tokens, args.repeats, args.budget = 16, 2, 5.0
         args.out = args.out.with_name(args.out.stem + "_quick.json")

@@ -43,15 +43,18 @@ SINGLE = {
     "attention": sections.attention, "sparse": sections.sparse, "linear": sections.linear,
     "long_documents": sections.long_documents, "context_parallel": sections.context_parallel,
     "decode": decoding.decode, "decode_batch": decoding.decode_batch,
+    "decode_batch_padded": decoding.decode_batch,
     "decode_breakdown": decoding.decode_breakdown, "kv_heads": decoding.kv_heads,
     "inspect_overhead": decoding.inspect_overhead,
     "parity_llama_cpp": real_model.parity,
     "parity_llama_cpp_q8_0": real_model.parity, "load_gguf": real_model.load,
     "decode_smollm2": real_model.decode, "perplexity_smollm2": real_model.perplexity,
 }  # fmt: skip
-PARTS = {  # parts of templates/real_model.md
-    "parity_llama_cpp": "parity", "parity_llama_cpp_q8_0": "parity", "load_gguf": "load",
-    "decode_smollm2": "decode", "perplexity_smollm2": "perplexity",
+PARTS = {  # (template, part) where a file's section is not part "section" of templates/STEM.md
+    "parity_llama_cpp": ("real_model", "parity"), "parity_llama_cpp_q8_0": ("real_model", "parity"),
+    "load_gguf": ("real_model", "load"), "decode_smollm2": ("real_model", "decode"),
+    "perplexity_smollm2": ("real_model", "perplexity"),
+    "decode_batch_padded": ("decode_batch", "padded"),
 }  # fmt: skip
 # Any other result file is listed at the end; smoke runs (*_quick.json) are left out.
 KNOWN = {
@@ -84,7 +87,7 @@ def render(results_dir: Path = RESULTS) -> str:
 
 def section(stem: str, data: dict) -> str:
     """The section of one result file, its machine table last or where its template puts it."""
-    name, part = ("real_model", PARTS[stem]) if stem in PARTS else (stem, "section")
+    name, part = PARTS.get(stem, (stem, "section"))
     return fill(name, part, machine=machine_table([(stem, data)]), **SINGLE[stem](data))
 
 

@@ -152,14 +152,19 @@ class LlamaCppBatched:
         self.batch = api.llama_batch_init(sequences * context, 0, 1)
         self.version = api.__version__
 
-    def generate(self, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
-        """ids (B, L) -> (B, L + new_tokens), B = the sequences it was built for."""
+    def generate(self, ids: torch.Tensor, new_tokens: int, mask=None) -> torch.Tensor:
+        """ids (B, L) -> (B, L + new_tokens), B = the sequences it was built for; `mask` (B, L)
+        bool, True on real tokens, for left-padded prompts (each row's real tokens only are
+        decoded, at positions 0 .. its length - 1)."""
         B, L = ids.shape
         if ids.shape[0] != self.sequences:
             raise ValueError(f"ids: expected {self.sequences} sequences, got {B}")
         self.api.llama_memory_clear(self.api.llama_get_memory(self.ctx), True)
-        prompts = ids.tolist()
-        entries = [(s, p, prompts[s][p], p == L - 1) for s in range(B) for p in range(L)]
+        mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask
+        rows = [row[real].tolist() for row, real in zip(ids, mask, strict=True)]
+        lengths = [len(row) for row in rows]
+        entries = [(s, p, token, p == lengths[s] - 1)
+                   for s, row in enumerate(rows) for p, token in enumerate(row)]  # fmt: skip
         outputs = self._decode(entries)  # the batch index of each sequence's last logits
         chosen: list[list[int]] = [[] for _ in range(B)]
         for step in range(new_tokens):
@@ -168,7 +173,8 @@ class LlamaCppBatched:
                 logits = np.ctypeslib.as_array(pointer, shape=(self.vocab,))
                 chosen[s].append(int(logits.argmax()))
             if step + 1 < new_tokens:
-                outputs = self._decode([(s, L + step, chosen[s][-1], True) for s in range(B)])
+                entries = [(s, lengths[s] + step, chosen[s][-1], True) for s in range(B)]
+                outputs = self._decode(entries)
         return torch.cat([ids, torch.tensor(chosen, dtype=ids.dtype)], dim=1)
 
     def _decode(self, entries: list[tuple[int, int, int, bool]]) -> list[int]:

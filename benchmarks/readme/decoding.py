@@ -277,10 +277,18 @@ def decode_batch(data: dict) -> dict:
     shown = []
     for r in rows:
         equal = get(r, "peers", "tokens_vs_transformers") or {}
-        names = [x for x in ("qkv", "qkv_compiled", "transformers", "llama_cpp") if x in equal]
+        names = [x for x in CANDIDATES if x in equal]
         counts = [f"{name} {get(equal, name, 'rows_equal')}" for name in names]
-        shown.append({**r, "dtype": dtype_name(r.get("dtype")), "equal": ", ".join(counts) or "-"})
+        shown.append({
+            **r, "dtype": dtype_name(r.get("dtype")), "equal": ", ".join(counts) or "-",
+            "torch_compile": num(get(r, "tokens_per_s", "torch_compile"), ".1f"),
+            "over_torch_compile": num(r.get("compiled_over_torch_compile"), ".3f"),
+            "lengths": span(r.get("prompt_lengths") or [], ".0f"),
+        })  # fmt: skip
     return dict(first=rows[0] if rows else {}, verdict=verdict, r=shown)
+
+
+CANDIDATES = ("qkv", "qkv_compiled", "torch_compile", "transformers", "llama_cpp")
 
 
 PARTS = ("library", "into library", "after library", "outside steps", "total")

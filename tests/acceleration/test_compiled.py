@@ -273,7 +273,7 @@ def _refused(*args):
 
 def test_a_quantized_model_decodes_a_left_padded_batch_through_compiled_steps():
     """A Q8_0 embedding table (each lookup decodes its rows) and Q4_1 FFN linears: the
-    compiled steps (what padded batches take beside the exported library) give eager's tokens
+    compiled steps (what a step the exported library cannot serve takes) give eager's tokens
     and logits. The lookup's size checks once stopped the trace (a data-dependent guard)."""
     model = redraw(qkv_model("tiny-llama"), seed=6)
     table = quantize_blocks(model.token_embedding.weight.detach(), "Q8_0")

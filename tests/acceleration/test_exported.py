@@ -244,13 +244,13 @@ def test_a_library_built_for_another_model_is_refused_before_it_runs(
     library would read out of bounds) and compiles its own (here: cannot, so it says so)."""
     directory, _ = store
     stored = next(
-        key for key in exported._RUNNERS[llama] if key[1:] == (1, torch.int64, torch.int64)
+        key for key in exported._RUNNERS[llama] if key[1:] == (1, torch.int64, torch.int64, False)
     )
     library = directory / stored[0] / "exported-b1-int64-int64.pt2"  # the fixture's, not another's
     copied = directory / "copied" / library.name
     copied.parent.mkdir(mode=0o700)
     copied.write_bytes(library.read_bytes())
-    key = ("copied", 1, torch.int64, torch.int64)
+    key = ("copied", 1, torch.int64, torch.int64, False)
 
     def no_compiler(*args):
         raise RuntimeError("no compiler in this test")
@@ -279,13 +279,19 @@ def elsewhere(monkeypatch):
     return calls
 
 
-def test_a_padded_batch_decodes_through_the_compiled_steps(llama, elsewhere):
-    """A call with a padding mask is not one the library serves: every step after the prefill
-    goes to torch.compile's steps, with the eager tokens."""
+def test_a_padded_batch_decodes_through_a_library_of_its_own(store, elsewhere):
+    """A left-padded batch's steps (a padding mask over the cache and the new token) go through
+    a library built for them, its mask of symbolic length: the eager tokens and logits, nothing
+    through torch.compile, and the unpadded library of the same model is another."""
+    model = qkv_model("tiny-llama")
     ids, mask = left_padded_prompts()
-    eager = _steps(llama, ids, mask)[0]
-    assert torch.equal(_steps(llama, ids, mask, mode="aot")[0], eager)
-    assert elsewhere == [llama] * (NEW_TOKENS - 1)
+    eager_tokens, eager_logits = _steps(model, ids, mask)
+    tokens, logits = _steps(model, ids, mask, mode="aot")
+    torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(tokens, eager_tokens)
+    assert elsewhere == [] and store[1].count(model) == 1
+    (library,) = (store[0] / exported.model_key(model, exported.INDUCTOR_OPTIONS)).glob("*masked*")
+    assert library.name == "exported-b3-int64-int64-masked.pt2"
 
 
 def test_a_step_that_cannot_be_exported_decodes_through_the_compiled_steps(
@@ -327,19 +333,27 @@ def test_beam_search_and_sinks_decode_through_the_steps_they_can_use(
     assert elsewhere == []
 
 
-def test_auto_uses_a_compiled_library_and_otherwise_stays_eager(llama, store, monkeypatch):
+def test_auto_uses_a_compiled_library_and_otherwise_stays_eager(llama, store, elsewhere):
     """mode="auto" decides from what is compiled, never from a timing: the fixture's model has
-    its library (the steps are the library's), a new model of other weights and widths has
-    none (the steps are the model's, nothing compiled)."""
+    its library (the steps are the library's); a batch size it has no library for, or a new
+    model of other weights and widths, decode eagerly, with nothing compiled."""
     prompt = torch.arange(3, 9).unsqueeze(0)
     steps = decoding_steps(llama, "auto")
     assert torch.equal(
         generate(llama, prompt, max_new_tokens=4, steps=steps),
         generate(llama, prompt, max_new_tokens=4),
     )
-    assert steps.mode == "aot"
+    assert [runner is not None for runner in steps.exported.runners.values()] == [True]
+    before = len(store[1])
+    prompts = torch.arange(3, 15).view(2, 6)  # batch 2: no library of the fixture's
+    steps = decoding_steps(llama, "auto")
+    assert torch.equal(
+        generate(llama, prompts, max_new_tokens=4, steps=steps),
+        generate(llama, prompts, max_new_tokens=4),
+    )
+    assert list(steps.exported.runners.values()) == [None]
     other = qkv_model("tiny-mistral")
     steps = decoding_steps(other, "auto")
-    before = len(store[1])
     generate(other, prompt, max_new_tokens=4, steps=steps)
-    assert steps.mode == "eager" and len(store[1]) == before
+    assert list(steps.exported.runners.values()) == [None]
+    assert len(store[1]) == before and elsewhere == []

@@ -253,19 +253,32 @@ def test_the_batched_decoding_file_gives_the_ratio_to_llama_cpp(results):
         "batch": 8,
         "prompt": 32,
         "new_tokens": 128,
-        "tokens_per_s": {"qkv": 800.0, "qkv_compiled": 1300.0, "transformers": 500.0},
+        "tokens_per_s": {
+            "qkv": 800.0,
+            "qkv_compiled": 1300.0,
+            "transformers": 500.0,
+            "torch_compile": 1250.0,
+        },
         "qkv_fastest": "qkv_compiled",
         "paired_ratios": {"transformers": 2.6, "llama_cpp": 0.95},
+        "compiled_over_torch_compile": 1.04,
         "peers": {"tokens_vs_transformers": {"qkv": {"rows_equal": 8}}},
     }
     (results / "decode_batch.json").write_text(json.dumps({"machine": MACHINE, "rows": [row]}))
+    padded = {**row, "prompt_lengths": [32, 30, 28, 26], "batch": 4}
+    padded_file = {"machine": MACHINE, "rows": [padded]}
+    (results / "decode_batch_padded.json").write_text(json.dumps(padded_file))
     page = make_readme.render(results)
-    section = page[page.index("### Several sequences at once") :]
+    section = page[page.index("### Several sequences at once") : page.index("#### Left-padded")]
     assert "qkv over llama.cpp: fp32 0.95x (target >= 1.0: not met)." in section
-    assert "| fp32 | 8 | 800.0 | 1300.0 | 500.0 | - | 2.600 | 0.950 | qkv 8 |" in section
+    expected = "| fp32 | 8 | 800.0 | 1300.0 | 1250.0 | 500.0 | - | 1.040 | 2.600 | 0.950 | qkv 8 |"
+    assert expected in section
     assert "batch 8, fp32: qkv 1300.0 tokens/s, 2.60x transformers, 0.95x llama.cpp" in (
         " ".join(page.split())
     )
+    section = page[page.index("#### Left-padded") :]
+    assert "(26-32 real tokens of 32)" in " ".join(section.split())
+    assert "| fp32 | 4 | 800.0 | 1300.0 | 1250.0 |" in section
 
 
 def test_decoding_against_llama_cpp_is_split_by_the_rounds_memory_state(results):

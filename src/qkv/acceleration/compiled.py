@@ -19,20 +19,9 @@ import torch
 import torch.fx.experimental._config
 from torch import nn
 
-__all__ = ["INDUCTOR_OPTIONS", "CompiledForward"]
+from qkv.acceleration.exported import INDUCTOR_OPTIONS
 
-# -ffp-contract=fast: a product and the running sum it feeds compile to one fused multiply-add
-# (one rounding instead of two) rather than two vector instructions. A one-row product's
-# reduction (qkv.acceleration.packing) then keeps up with the memory: it reads a bf16 weight
-# about as fast as a .sum() over it does, where without the flag it is instruction-bound.
-# emulate_precision_casts: a cast to bf16 rounds, as it does eagerly, even where inductor keeps
-# the value in fp32 (a bf16 row converted once for the products, qkv.acceleration.packing); without
-# it, x.to(bf16).float() may be compiled as x, and compiled decoding would compute with values
-# eager decoding never sees.
-INDUCTOR_OPTIONS = {
-    "cpp.enable_floating_point_contract_flag": "fast",
-    "emulate_precision_casts": True,
-}
+__all__ = ["INDUCTOR_OPTIONS", "CompiledForward"]
 
 
 class CompiledForward:

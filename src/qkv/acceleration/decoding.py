@@ -17,14 +17,17 @@ mode="eager": the model itself, with `fast_rope` swapped in around each step (`E
     RoPE's tables made once a step instead of once a layer, its rotation in fewer ops, the
     model's outputs bit for bit; SmolLM2's quantized steps 12% faster (40.1 tok/s against
     35.8, Intel AVX-512, 2 threads).
-mode="auto": "aot" where the model's step is compiled already (in memory, or stored by an
-    earlier process: a load of well under a second), else "eager": a call never waits tens of
-    seconds for a compilation it did not ask for. Decided from what is on disk, never timed.
+mode="auto": the exported library where one is compiled already for the call's batch size and
+    padding (in memory, or stored by an earlier process: a load of well under a second), else
+    the eager steps: a call never waits tens of seconds for a compilation it did not ask for.
+    Decided from what is on disk, never timed.
 
-Each call goes to the fastest that serves it (`DecodingSteps`): the exported library for
-unpadded steps over a StaticKVCache, torch.compile's forward for padded ones, the eager steps
-for the first steps over a cache of fewer than 2 tokens, and the model itself for a
-StreamingLLM cache (whose window is re-rotated every step). Where torch.compile cannot build
+Each call goes to the fastest that serves it (`DecodingSteps`): the exported library for steps
+over a StaticKVCache (unpadded, or left-padded: a library each), torch.compile's forward for
+what the library cannot serve (a step that cannot be exported, such as the packed products of
+several rows, which torch.compile calls as one opaque operator; eager in mode "auto"), the
+eager steps for the first steps over a cache of fewer than 2 tokens, and the model itself for
+a StreamingLLM cache (whose window is re-rotated every step). Where torch.compile cannot build
 CPU kernels (no C++ compiler) every step is eager (logged once); off the CPU, the model's.
 """
 
@@ -90,29 +93,28 @@ class EagerSteps:
 class DecodingSteps:
     """A model's steps in mode "aot", "compiled" or "auto", each call sent to the fastest path
     that serves it (see the module doc): called as the model is, returning its CausalLMOutput.
-    "auto" is decided at the first step, on the model as it then is (packed inside a
-    `packed_linears` block, whose library is another than the plain model's)."""
+    The library is looked up at each decoding call, on the model as it then is (packed inside a
+    `packed_linears` block, its library is another than the plain model's)."""
 
     def __init__(self, model: nn.Module, mode: str) -> None:
         self.model, self.mode, self.eager = model, mode, EagerSteps(model)
-        self.exported = ExportedStep(model, INDUCTOR_OPTIONS) if mode != "compiled" else None
-        self.compiled = CompiledForward(model) if mode != "auto" else None
+        # "auto": only a library already built serves; nothing is compiled
+        compile_ = mode == "aot"
+        self.exported = (
+            None if mode == "compiled" else ExportedStep(model, INDUCTOR_OPTIONS, compile_)
+        )
+        self.compiled = None if mode == "auto" else CompiledForward(model)
 
     def __call__(self, input_ids: torch.Tensor, **kwargs):
-        if self.mode == "auto":
-            self.mode = "aot" if compiled_ready(self.model) else "eager"
-            logger.info("decoding_steps(mode='auto'): %s steps", self.mode)
-            self.compiled = CompiledForward(self.model)
         cache = kwargs.get("cache")
         if isinstance(cache, SinkKVCache):
             return self.model(input_ids, **kwargs)
-        if self.mode == "eager":
-            return self.eager(input_ids, **kwargs)
         if self.exported is not None:
             output = self.exported.run(input_ids, kwargs)
             if output is not None:
                 return output
-        if cache is not None and cache.length < 2:  # torch.compile would specialise on it
+        short = cache is not None and cache.length < 2  # torch.compile would specialise on it
+        if self.compiled is None or short:
             return self.eager(input_ids, **kwargs)
         return self.compiled(input_ids, **kwargs)
 

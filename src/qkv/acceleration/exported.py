@@ -14,24 +14,27 @@ changed in place is seen by the next step).
 
 One library serves every prompt and cache length of a model at one batch size (the cache's
 length and slot count are symbolic), with the same tokens as the model's forward compiled by
-torch.compile: the same kernels. It also returns each row's largest logit and its index
-(`CausalLMOutput.top_logit`, `top_token`), which greedy decoding takes as its check and its
-choice instead of reducing the logits again in Python between two steps.
+torch.compile: the same kernels. A left-padded batch's steps (a padding mask) have a library
+of their own, whose mask is an input of symbolic length. It also returns each row's largest
+logit and its index (`CausalLMOutput.top_logit`, `top_token`), which greedy decoding takes as
+its check and its choice instead of reducing the logits again in Python between two steps.
 It is compiled once per machine where the compile store is on (qkv.acceleration.compile_store:
 `<key>/exported-b<B>-<ids dtype>-<positions dtype>.pt2`) and loaded by later processes: only
 from a store no one else can write (`compile_store.untrusted`), and only where each constant the
 library reads has the shape and dtype recorded in its metadata when it was built (a library
 copied from another model would read out of bounds).
 
-What the library does not serve (`ExportedStep.serves`) runs elsewhere (qkv.acceleration.decoding
-routes it): a call with a padding mask or another cache, a step over a cache of fewer than 2
-tokens (export treats sizes 0 and 1 as constants), and a model whose step cannot be exported or
-compiled (an operator with no C++ kernel, such as the packed products of several rows; logged).
+What the libraries do not serve (`_served`) runs elsewhere (qkv.acceleration.decoding routes
+it): a call with another cache, or a mask other than a bool (B, cached + 1), a step over a
+cache of fewer than 2 tokens (export treats sizes 0 and 1 as constants), and a model whose step
+cannot be exported or compiled (an operator with no C++ kernel, such as the packed products of
+several rows; logged).
 
 Two things here are AOTInductor's, not public API, checked against torch 2.13: the library is
 run through its loader's `boxed_run` (the list of inputs handed over as it is, which the public
 call re-flattens at every step), and the cache's length reaches the library as the length of a
-`carrier` tensor, because an exported program's symbolic sizes come only from its inputs' shapes.
+`carrier` tensor (or the padding mask's length), because an exported program's symbolic sizes
+come only from its inputs' shapes.
 """
 
 from __future__ import annotations
@@ -55,7 +58,20 @@ from qkv.layers.kv_cache import StaticKVCache
 from qkv.models.outputs import CausalLMOutput
 from qkv.models.safetensors_io import write_atomically
 
-__all__ = ["ExportedStep", "ready"]
+__all__ = ["INDUCTOR_OPTIONS", "ExportedStep", "ready"]
+
+# -ffp-contract=fast: a product and the running sum it feeds compile to one fused multiply-add
+# (one rounding instead of two) rather than two vector instructions. A one-row product's
+# reduction (qkv.acceleration.packing) then keeps up with the memory: it reads a bf16 weight
+# about as fast as a .sum() over it does, where without the flag it is instruction-bound.
+# emulate_precision_casts: a cast to bf16 rounds, as it does eagerly, even where inductor keeps
+# the value in fp32 (a bf16 row converted once for the products, qkv.acceleration.packing); without
+# it, x.to(bf16).float() may be compiled as x, and compiled decoding would compute with values
+# eager decoding never sees.
+INDUCTOR_OPTIONS = {
+    "cpp.enable_floating_point_contract_flag": "fast",
+    "emulate_precision_casts": True,
+}
 
 logger = logging.getLogger(__name__)
 
@@ -75,13 +91,14 @@ _RUNNERS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Any]] = weakref.WeakK
 class ExportedStep:
     """The decoding steps of a model through its exported step (see the module doc). `run`
     takes a call as the model does (`input_ids (B, 1), position_ids=(B, 1), cache=...,
-    attention_mask=None, logits_to_keep=1, check_ids=False`) and returns its CausalLMOutput
-    (logits (B, 1, V) fp32, top_logit (B,), top_token (B,)), or None where the library does not
-    serve it (nothing done then)."""
+    attention_mask=None or (B, cached + 1) bool, logits_to_keep=1, check_ids=False`) and returns
+    its CausalLMOutput (logits (B, 1, V) fp32, top_logit (B,), top_token (B,)), or None where no
+    library serves it (nothing done then)."""
 
-    def __init__(self, model: nn.Module, options: dict[str, Any]) -> None:
+    def __init__(self, model: nn.Module, options: dict[str, Any], compile: bool = True) -> None:
         self.model, self.options = model, options
-        self.runners: dict[int, _Runner | None] = {}  # by batch size, pointed at the model
+        self.compile = compile  # False: only libraries in memory or stored serve (never built)
+        self.runners: dict[tuple, _Runner | None] = {}  # by (batch size, masked), pointed
         self.cache = None  # the decoding call (its cache) the runners were pointed for
         self.carrier: torch.Tensor | None = None  # its first `length` items carry the length
 
@@ -91,28 +108,36 @@ class ExportedStep:
         cache = kwargs["cache"]
         if cache is not self.cache:  # a new call: the model's tensors may have been replaced
             self.cache, self.runners = cache, {}
-        B = input_ids.shape[0]
-        if B not in self.runners:  # once per call: the weights do not change within it
-            self.runners[B] = self._runner(input_ids, kwargs)
-        runner = self.runners[B]
+        mask = kwargs.get("attention_mask")
+        kind = (input_ids.shape[0], mask is not None)
+        if kind not in self.runners:  # once per call: the weights do not change within it
+            self.runners[kind] = self._runner(input_ids, kwargs)
+        runner = self.runners[kind]
         if runner is None:
             return None
         cache.check_room(1)  # the library's own check would fail with less to say
-        if self.carrier is None or self.carrier.numel() < cache.length:
-            self.carrier = torch.empty(cache.max_length, device=input_ids.device)
-        inputs = [input_ids, kwargs["position_ids"], self.carrier[: cache.length]]
+        if mask is None:
+            if self.carrier is None or self.carrier.numel() < cache.length:
+                self.carrier = torch.empty(cache.max_length, device=input_ids.device)
+            mask = self.carrier[: cache.length]
+        inputs = [input_ids, kwargs["position_ids"], mask]
         logits, top, argmax = runner.loader.boxed_run([*inputs, *cache.keys, *cache.values])
         cache.advance(1)
         return CausalLMOutput(logits=logits.unsqueeze(1), top_logit=top, top_token=argmax)
 
     def _runner(self, input_ids: torch.Tensor, kwargs: dict):
-        """The model's library for this batch size: loaded, stored or compiled now; None where
-        the step cannot be exported here (the reason is logged once)."""
+        """The model's library for this batch size (and padding): in memory, loaded from the
+        store, or compiled now (where `self.compile`); None where there is none, or the step
+        cannot be exported here (the reason is logged once)."""
         ids, positions = input_ids.dtype, kwargs["position_ids"].dtype
-        key = (model_key(self.model, self.options), input_ids.shape[0], ids, positions)
+        masked = kwargs.get("attention_mask") is not None
+        key = (model_key(self.model, self.options), input_ids.shape[0], ids, positions, masked)
         runners = _RUNNERS.setdefault(self.model, {})
         if key not in runners:
-            runners[key] = _load_or_compile(self.model, key, self.options, input_ids, kwargs)
+            found = _load_or_compile(self.model, key, self.options, input_ids, kwargs, self.compile)
+            if found is None:  # none built, and none to be built now
+                return None
+            runners[key] = found
         runner = runners[key]
         if isinstance(runner, str):
             return None
@@ -132,13 +157,14 @@ def ready(model: nn.Module, options: dict[str, Any]) -> bool:
 
 
 def _served(input_ids: torch.Tensor, kwargs: dict) -> bool:
-    """Whether a call is one the exported step computes: one new token per row, unpadded, over
-    a StaticKVCache of at least 2 tokens, its last logits only, ids not checked."""
-    cache = kwargs.get("cache")
+    """Whether a call is one the exported steps compute: one new token per row over a
+    StaticKVCache of at least 2 tokens, unpadded or with a bool padding mask over the cache and
+    the new token, its last logits only, ids not checked."""
+    cache, mask = kwargs.get("cache"), kwargs.get("attention_mask")
     return (
         type(cache) is StaticKVCache
         and cache.length >= 2
-        and kwargs.get("attention_mask") is None
+        and (mask is None or _step_mask(mask, input_ids.shape[0], cache.length + 1))
         and kwargs.get("position_ids") is not None
         and kwargs.get("logits_to_keep") == 1
         and kwargs.get("check_ids") is False
@@ -151,24 +177,33 @@ def _served(input_ids: torch.Tensor, kwargs: dict) -> bool:
 _STEP_ARGUMENTS = {"cache", "attention_mask", "position_ids", "logits_to_keep", "check_ids"}
 
 
+def _step_mask(mask: object, B: int, L: int) -> bool:
+    return isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.shape == (B, L)
+
+
 class _Step(nn.Module):
     """What is exported: the model's step over a cache given as tensors: its last logits in
     fp32, with each row's largest logit and its index (all a greedy loop reads of them). The
     products that `packed_linears` holds outside the module tree are registered here, so that
-    their weights are named constants, like every other parameter."""
+    their weights are named constants, like every other parameter.
 
-    def __init__(self, model: nn.Module) -> None:
+    `carrier`: the padding mask (B, length + 1) bool for a masked step, else a tensor of
+    `length` items, the cache's length as a shape."""
+
+    def __init__(self, model: nn.Module, masked: bool = False) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.masked = model, masked
         self.packed = nn.ModuleList(_packed_linears(model))
 
     def forward(self, input_ids, position_ids, carrier, keys: list, values: list):
         cache = StaticKVCache.__new__(StaticKVCache)  # the call's cache, its sizes symbolic
         cache.keys, cache.values = tuple(keys), tuple(values)
-        cache.length, cache.max_length = carrier.shape[0], keys[0].shape[2]
+        length = carrier.shape[1] - 1 if self.masked else carrier.shape[0]
+        cache.length, cache.max_length = length, keys[0].shape[2]
         output = self.model(
-            input_ids, position_ids=position_ids, cache=cache, logits_to_keep=1, check_ids=False
-        )
+            input_ids, attention_mask=carrier if self.masked else None,
+            position_ids=position_ids, cache=cache, logits_to_keep=1, check_ids=False,
+        )  # fmt: skip
         logits = output.logits[:, -1].float()  # (B, V)
         return logits, logits.amax(dim=-1), logits.argmax(dim=-1)  # and (B,), (B,)
 
@@ -227,24 +262,14 @@ def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
             **dict(step.named_buffers(remove_duplicate=False))}  # fmt: skip
 
 
-def _load_or_compile(model, key: tuple, options: dict, input_ids, kwargs) -> _Runner | str:
-    """The library of `key` from the compile store, or compiled (and stored); the reason as a
-    string where the step cannot be exported or compiled."""
-    directory = store_directory()
-    name = "exported-b{}-{}-{}.pt2".format(*key[1:]).replace("torch.", "")
-    path = None if directory is None else directory / key[0] / name
-    refused = None if path is None or not path.exists() else untrusted(path, directory)
-    if refused is not None:
-        logger.warning("exported step %s not loaded (compiling again): %s", path, refused)
-    elif path is not None and path.exists():
-        try:
-            runner = _Runner(torch._inductor.aoti_load_package(str(path)).loader)
-            refused = runner.refuses(model)
-        except Exception as error:  # another torch's file, or a damaged one
-            refused = str(error)
-        if refused is None:
-            return runner
-        logger.warning("exported step %s not loaded (compiling again): %s", path, refused)
+def _load_or_compile(model, key: tuple, options: dict, input_ids, kwargs, compile=True):
+    """The library of `key` from the compile store, or (with `compile`) compiled now and
+    stored: a _Runner; the reason as a string where the step cannot be exported or compiled;
+    None where none is stored and `compile` is False."""
+    path = _library_path(key)
+    runner = _load(model, path, "compiling again" if compile else "not compiled")
+    if runner is not None or not compile:
+        return runner
     try:
         return _Runner(_compile(model, options, input_ids, kwargs, path).loader)
     except Exception as error:
@@ -253,23 +278,53 @@ def _load_or_compile(model, key: tuple, options: dict, input_ids, kwargs) -> _Ru
         return reason
 
 
+def _library_path(key: tuple) -> Path | None:
+    """Where the compile store keeps the library of `key` (None: no store)."""
+    directory = store_directory()
+    if directory is None:
+        return None
+    name = "exported-b{}-{}-{}{}.pt2".format(*key[1:4], "-masked" if key[4] else "")
+    return directory / key[0] / name.replace("torch.", "")
+
+
+def _load(model, path: Path | None, otherwise: str) -> _Runner | None:
+    """The library stored at `path`; None where there is none, or where it cannot be trusted or
+    read, or was built for other tensors (the reason logged, with what happens `otherwise`)."""
+    if path is None or not path.exists():
+        return None
+    refused = untrusted(path, path.parent.parent)
+    if refused is None:
+        try:
+            runner = _Runner(torch._inductor.aoti_load_package(str(path)).loader)
+            refused = runner.refuses(model)
+        except Exception as error:  # another torch's file, or a damaged one
+            refused = str(error)
+        if refused is None:
+            return runner
+    logger.warning("exported step %s not loaded (%s): %s", path, otherwise, refused)
+    return None
+
+
 def _compile(model, options: dict, input_ids, kwargs: dict, path: Path | None):
     """Export the step for this batch size and compile it with AOTInductor, into `path` (or a
     temporary file), with its constants left out of the library: they are the model's."""
-    cache = kwargs["cache"]
+    cache, masked = kwargs["cache"], kwargs.get("attention_mask") is not None
     B, D = input_ids.shape[0], cache.keys[0].shape[-1]
     slots, length = 8, 3  # examples: any sizes >= 2, which export keeps symbolic
     example_cache = [torch.zeros(B, t.shape[1], slots, D, dtype=t.dtype) for t in cache.keys]
+    carrier = torch.ones(B, length + 1, dtype=torch.bool) if masked else torch.empty(length)
     example = (
         torch.zeros(B, 1, dtype=input_ids.dtype),
         torch.full((B, 1), length, dtype=kwargs["position_ids"].dtype),
-        torch.empty(length), example_cache, [t.clone() for t in example_cache],
+        carrier, example_cache, [t.clone() for t in example_cache],
     )  # fmt: skip
     auto = torch.export.Dim.AUTO
-    shapes = ({}, {}, {0: auto}, [{2: auto}] * len(cache.keys), [{2: auto}] * len(cache.keys))
+    carrier_shape = {1: auto} if masked else {0: auto}
+    shapes = ({}, {}, carrier_shape, [{2: auto}] * len(cache.keys), [{2: auto}] * len(cache.keys))
     started = time.perf_counter()
     with torch.no_grad():
-        program = torch.export.export(_Step(model), example, dynamic_shapes=shapes, strict=False)
+        step = _Step(model, masked)
+        program = torch.export.export(step, example, dynamic_shapes=shapes, strict=False)
     opaque = {str(n.target) for n in program.graph.nodes if str(n.target).startswith("qkv.")}
     if opaque:
         raise RuntimeError(f"the step calls {sorted(opaque)}, which have no C++ kernel")
