@@ -39,7 +39,6 @@ come only from its inputs' shapes.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import tempfile
@@ -52,6 +51,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from qkv.acceleration import inductor_constants
 from qkv.acceleration.compile_store import make_folder, model_key, store_directory, untrusted
 from qkv.acceleration.packing import PackedLinear
 from qkv.layers.kv_cache import StaticKVCache
@@ -77,11 +77,6 @@ logger = logging.getLogger(__name__)
 
 # The library's metadata entry that records each constant's shape and dtype (`_Runner.refuses`).
 CONSTANTS_METADATA = "qkv_constants"
-# ... and the one that holds the values of the small constants inductor makes itself (the
-# group size of the int4pack product's lowering): with the model's tensors left out of the
-# library, every constant is the caller's to supply, those too
-INDUCTOR_CONSTANTS_METADATA = "qkv_inductor_constants"
-SMALL_CONSTANT = 64  # values at most: a scalar or a short table, kept as JSON
 
 # By model (weak: gone with it): the loaded libraries by (model key, batch size, dtypes of the
 # token ids and positions), or the reason the model's step could not be exported.
@@ -219,7 +214,7 @@ class _Runner:
         self.loader = loader
         self.names = loader.get_constant_fqns()
         self.constants: dict[str, torch.Tensor] = {}
-        self.inductor_constants = _inductor_constants(loader.get_metadata())
+        self.inductor_constants = inductor_constants.read(loader.get_metadata())
 
     def refuses(self, model: nn.Module) -> str | None:
         """Why this library cannot read `model`'s tensors, or None: each constant it reads must
@@ -353,8 +348,8 @@ def _package(program, path: Path, configs: dict, skip: frozenset[str] = frozense
     at every compile: torch's own use, which nothing a user does can change, so that one warning
     is not passed on; any other is. The small constants inductor adds while lowering (not the
     model's tensors, named in `skip`) are recorded in the library's metadata
-    (`_record_inductor_constants`)."""
-    with warnings.catch_warnings(), _record_inductor_constants(skip):
+    (`inductor_constants.recorded`)."""
+    with warnings.catch_warnings(), inductor_constants.recorded(skip):
         warnings.filterwarnings("ignore", message=_TORCH_LEAFSPEC_WARNING, category=FutureWarning)
         # inductor's note that a kernel reads both (a Q8_0 table's fp16 scales beside bf16
         # products): how it fuses, not a fault of the model's
@@ -362,45 +357,6 @@ def _package(program, path: Path, configs: dict, skip: frozenset[str] = frozense
         torch._inductor.aoti_compile_and_package(
             program, package_path=str(path), inductor_configs=configs
         )
-
-
-@contextlib.contextmanager
-def _record_inductor_constants(skip: frozenset[str]):
-    """While inside, each constant inductor's lowering adds (`GraphLowering.add_tensor_constant`,
-    torch 2.13: e.g. `_weight_int4pack_mm_for_cpu`'s group size) of at most SMALL_CONSTANT
-    values and not in `skip` is written by name into the metadata of the library being built
-    (inductor's live `aot_inductor.metadata`, read once lowering is done)."""
-    from torch._inductor import config as inductor_config
-    from torch._inductor.graph import GraphLowering
-
-    original = GraphLowering.add_tensor_constant
-    recorded: dict[str, list] = {}
-
-    def recording(graph, data, name=None):
-        before = set(graph.constants)
-        box = original(graph, data, name)
-        for added in set(graph.constants) - before - skip:
-            if data.numel() <= SMALL_CONSTANT:
-                recorded[added] = [str(data.dtype).removeprefix("torch."), list(data.shape),
-                                   data.flatten().tolist()]  # fmt: skip
-        metadata = inductor_config.aot_inductor.metadata
-        metadata[INDUCTOR_CONSTANTS_METADATA] = json.dumps(recorded, sort_keys=True)
-        return box
-
-    GraphLowering.add_tensor_constant = recording
-    try:
-        yield
-    finally:
-        GraphLowering.add_tensor_constant = original
-
-
-def _inductor_constants(metadata: dict) -> dict[str, torch.Tensor]:
-    """The constants `_record_inductor_constants` wrote into a library's metadata, as tensors."""
-    recorded = json.loads(metadata.get(INDUCTOR_CONSTANTS_METADATA, "{}"))
-    return {
-        name: torch.tensor(values, dtype=getattr(torch, dtype)).reshape(shape)
-        for name, (dtype, shape, values) in recorded.items()
-    }
 
 
 _TORCH_LEAFSPEC_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
