@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -303,3 +306,68 @@ def test_chat_says_how_to_decode_faster_where_its_steps_are_eager(
     status, out, err = _chat(capsys, monkeypatch, ["hi", "ho"], "--max-new-tokens", "2", *flags)
     assert status == 0 and out
     assert err.count("--compile builds the compiled step once") == (1 if hinted else 0)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("store", ["here", "off"])
+def test_an_interactive_chat_compiles_its_step_in_the_background(
+    tiny, capsys, monkeypatch, tmp_path, store
+):
+    """At a terminal, with neither flag and no compiled step ready, the chat answers eagerly and
+    starts its compilation in a process of its own: the same chat with --compile, one short
+    message on its standard input, its output discarded, at the lowest CPU priority, detached
+    from the terminal (a Ctrl-C at the chat does not stop it); said once on stderr. With no
+    compile store to keep the step in, nothing is started and the line about --compile is
+    said."""
+    from qkv.acceleration import decoding
+
+    _serve(monkeypatch, tiny)
+    monkeypatch.setenv("QKV_COMPILE_CACHE", str(tmp_path) if store == "here" else "off")
+    monkeypatch.setattr(decoding, "compiled_ready", lambda model: False)
+    monkeypatch.setattr(
+        decoding.DecodingSteps, "__call__", lambda self, ids, **kw: self.eager(ids, **kw)
+    )
+    started = []
+
+    class Process:
+        def __init__(self, command, **options):
+            self.stdin, self.written = self, []
+            started.append((command, options, self.written))
+
+        def write(self, data: bytes) -> None:
+            self.written.append(data)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(chat_command.subprocess, "Popen", Process)
+    lines = iter(["hi", "ho"])
+
+    def typed(prompt: str) -> str:
+        line = next(lines, None)
+        if line is None:
+            raise EOFError
+        return line
+
+    monkeypatch.setattr(sys, "stdin", _Terminal())
+    monkeypatch.setattr("builtins.input", typed)
+    capsys.readouterr()
+    status = main(["chat", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert status == 0
+    if store == "off":
+        assert started == [] and err.count("--compile builds the compiled step once") == 1
+        return
+    ((command, options, written),) = started
+    chat = [sys.executable, "-m", "qkv.cli", "chat", "--model", "smollm2", "--compile"]
+    assert command[-len(chat) - 4 : -4] == chat
+    assert command[-4:] == ["--weights", "auto", "--max-new-tokens", "2"]
+    if os.name == "posix" and shutil.which("nice"):
+        assert command[1:3] == ["-n", "19"]
+    assert options["start_new_session"] and options["stdout"] == subprocess.DEVNULL
+    assert written == [b"Hello\n"]
+    assert err.count("being built in the background") == 1 and "--compile builds" not in err

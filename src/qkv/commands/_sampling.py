@@ -31,10 +31,11 @@ def add_weights_argument(parser: argparse.ArgumentParser) -> None:
 COMPILE_MODES = {None: "auto", True: "aot", False: "eager"}  # --compile / --no-compile / neither
 
 
-def steps_for(model, compile_flag: bool | None, command: str):
+def steps_for(model, compile_flag: bool | None, command: str, when_eager=None):
     """`qkv.acceleration.decoding_steps(model, COMPILE_MODES[compile_flag])`. With neither flag,
-    where no compiled step is ready (so the steps are eager), a line on stderr says what
-    --compile gives."""
+    where no compiled step is ready (so the steps are eager), a line on stderr says so, and what
+    --compile gives; or `when_eager()` runs, and the line it returns is said instead (None:
+    nothing was done, the line about --compile is said)."""
     from qkv import acceleration
     from qkv.acceleration.decoding import DecodingSteps, compiled_ready
 
@@ -42,8 +43,10 @@ def steps_for(model, compile_flag: bool | None, command: str):
     steps = acceleration.decoding_steps(model, mode)
     eager = mode == "auto" and isinstance(steps, DecodingSteps) and not compiled_ready(model)
     if eager:
+        said = None if when_eager is None else when_eager()
         hint = "--compile builds the compiled step once (tens of seconds; later runs load it)"
-        print(f"qkv {command}: eager decoding steps; {hint}, for faster steps", file=sys.stderr)
+        said = said or f"eager decoding steps; {hint}, for faster steps"
+        print(f"qkv {command}: {said}", file=sys.stderr)
     return steps
 
 

@@ -5,6 +5,9 @@ turns dropped (and said so on stderr) when it would not fit.
 
 `--compile` decodes with the step AOTInductor compiles (once per machine, tens of seconds; later
 chats load it), `--no-compile` eagerly; by default, compiled where an earlier run compiled it.
+Where none did, an interactive chat (standard input a terminal) starts eagerly and compiles the
+step in a process of its own, at the lowest CPU priority, while the user reads and types: the
+answers after it is stored take it, as later chats do (`_build_in_background`).
 
 At the prompt: `/reset` forgets the history, `/exit`, end of input or Ctrl-C ends the chat.
 Ctrl-C during an answer stops that answer alone: what it said stays in the history.
@@ -13,6 +16,9 @@ Ctrl-C during an answer stops that answer alone: what it said stays in the histo
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -41,15 +47,16 @@ def _chat(args: argparse.Namespace) -> int:
         loaded = load_chat_model(args.model, argument="--model", weights=args.weights)
         if loaded.weights:
             print(f"qkv chat: {loaded.weights}", file=sys.stderr)
+        interactive = sys.stdin.isatty()
+        build = (lambda: _build_in_background(args)) if interactive else None
         chat = Chat(
             loaded, system=args.system, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-            steps=steps_for(loaded.model, args.compile, "chat"),
+            steps=steps_for(loaded.model, args.compile, "chat", when_eager=build),
         )  # fmt: skip
     except (ValueError, TypeError, OSError, ImportError) as error:
         print(f"qkv chat: error: {error}", file=sys.stderr)
         return 1
-    interactive = sys.stdin.isatty()
     try:
         for number, line in enumerate(_lines(interactive), start=1):
             text = line.strip()
@@ -64,6 +71,36 @@ def _chat(args: argparse.Namespace) -> int:
         print(f"qkv chat: error: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _build_in_background(args: argparse.Namespace) -> str | None:
+    """Start this chat's compilation in a process of its own: the same command with --compile,
+    answering one short message, its output discarded, at the lowest CPU priority (`nice 19`),
+    so that it takes the cores the chat leaves idle. It stores the step where this chat's later
+    answers (mode "auto" looks at each answer) and later chats find it; it finishes its work if
+    the chat ends first. Returns the line that says so; None where nothing was started (no
+    compile store to keep the step in, no process could be started)."""
+    from qkv.acceleration.compile_store import store_directory
+
+    if store_directory() is None:
+        return None
+    command = [sys.executable, "-m", "qkv.cli", "chat", "--model", args.model, "--compile",
+               "--weights", args.weights, "--max-new-tokens", "2"]  # fmt: skip
+    nice = shutil.which("nice")
+    command = [nice, "-n", "19", *command] if nice and os.name == "posix" else command
+    try:
+        process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        process.stdin.write(b"Hello\n")
+        process.stdin.close()
+    except OSError:
+        return None
+    return (
+        "eager decoding steps for now; the compiled step is being built in the background "
+        "(lowest priority): the answers after it is ready take it, and later chats load it"
+    )
 
 
 def _lines(interactive: bool) -> Iterator[str]:
