@@ -7,7 +7,13 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from qkv.acceleration import decoding_steps, packed_linears, quantize_blocks, quantized
+from qkv.acceleration import (
+    decoding_steps,
+    packed_linears,
+    quantize_blocks,
+    quantized,
+    quantized_kernels,
+)
 from qkv.acceleration.quantized import QuantizedLinear
 from qkv.acceleration.quantized_embedding import QuantizedEmbedding
 from qkv.generation import decode_steps, generate
@@ -269,6 +275,31 @@ def test_a_q8_0_layer_is_one_reduction_in_a_graph_with_its_fp32_products(monkeyp
 
 def _refused(*args):
     raise AssertionError("an eager kernel (the chunks, or int4pack) was called")
+
+
+@pytest.mark.parametrize("rows", [3, 5])
+def test_a_q8_0_layer_beyond_the_cache_is_chunked_in_a_graph_from_a_few_rows(monkeypatch, rows):
+    """Codes of more than CACHED_CODES (here any: the bound is lowered), inside a graph: under
+    GRAPH_CHUNK_ROWS rows one reduction (as for one row), from there its chunks dequantized
+    once for all rows (`int8_chunked_product`; 7 chunks of 16 output rows here), each path the
+    only one allowed to run, within fp32's error bound of the exact product."""
+    generator = torch.Generator().manual_seed(4)
+    linear = torch.nn.Linear(96, 100, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(100, 96, generator=generator) * 0.1)
+    head = QuantizedLinear.from_linear(linear, "Q8_0", fp32_output=True)
+    monkeypatch.setattr(quantized, "CACHED_CODES", 0)
+    monkeypatch.setattr(quantized_kernels, "SCRATCH_VALUES", 16 * 96)
+    chunked = rows >= quantized.GRAPH_CHUNK_ROWS
+    other = "int8_reduction_product" if chunked else "int8_chunked_product"
+    monkeypatch.setattr(quantized, other, _refused)
+    monkeypatch.setattr(quantized, "int8_blockwise_product", _refused)
+    x = torch.randn(rows, 96, generator=generator)
+    compiled = torch.compile(head, fullgraph=True, dynamic=False)(x)
+    weight = head.dequantized_weight()
+    exact = torch.nn.functional.linear(x.double(), weight.double())
+    bound = dense_error_bound(x, weight, torch.float32)
+    assert (compiled.double() - exact).abs().max().item() <= bound
 
 
 def test_a_quantized_model_decodes_a_left_padded_batch_through_compiled_steps():

@@ -26,7 +26,9 @@ formats) and computes x W^T + b with the first of these kernels that this machin
   times their blocks' fp32 scales, dequantized a chunk of rows at a time into an fp32 scratch
   of 2 MiB that stays in cache, each chunk multiplied by F.linear: fp32, the exact weights.
   Inside a compiled graph (the decoding steps of `qkv.acceleration.decoding_steps`), fewer
-  than `PAIR_ROWS` rows are one reduction over the codes instead (`int8_reduction_product`).
+  than `PAIR_ROWS` rows are one reduction over the codes instead (`int8_reduction_product`),
+  and more rows (from `GRAPH_CHUNK_ROWS` on, for codes beyond a cache) the chunks without
+  their scratch (`int8_chunked_product`).
 - "dequantized" (the fallback): the weight dequantized once, at construction, to fp32, and
   F.linear: correct everywhere, 4 bytes per weight.
 
@@ -53,6 +55,7 @@ from qkv.acceleration.quantized_kernels import (
     int4pack_pair_rows,
     int4pack_product,
     int8_blockwise_product,
+    int8_chunked_product,
     int8_layout,
     int8_reduction_product,
 )
@@ -82,6 +85,13 @@ _VECTORISED = ("AVX2", "AVX512")  # the ISAs int4pack's CPU kernel has vector co
 # running the pair product, whose cost grows with the rows (AVX2, 576 x 1536: 1 row 176 us
 # against 371, 16 rows 736 against 645, a 512-token prefill 23 ms against 6)
 PAIR_ROWS = 16
+# Inside a graph, a Q8_0 weight of more int8 codes than this (beyond a core's cache) is read
+# for every row by the one-row reduction: from GRAPH_CHUNK_ROWS rows on, its chunks are
+# dequantized once for all rows instead (`int8_chunked_product`; measured where they cross:
+# SmolLM2's 49152 x 576 output layer, 2 rows 2.8 ms reduced and 3.6 chunked, 8 rows 10.9 and
+# 4.5; its 1536 x 576 FFN weights stay reduced: 0.36 against 0.42 ms at 8 rows)
+CACHED_CODES = 1 << 22
+GRAPH_CHUNK_ROWS = 4
 
 
 def quantize_blocks(weight: torch.Tensor, kind: str) -> torch.Tensor:
@@ -268,6 +278,8 @@ class QuantizedLinear(nn.Module):
             return int4pack_product(rows, self.packed, self.scales_and_zeros, self.out_features)
         if self._reduces_in_graph(rows.shape[0]):
             return int8_reduction_product(rows, self.codes, self.scales)
+        if self._chunks_in_graph():
+            return int8_chunked_product(rows, self.codes, self.scales)
         if self.kernel == "int4pack-pair" and rows.shape[0] < PAIR_ROWS:
             pair = int4pack_pair_rows(rows)  # (N, 2 in)
             return int4pack_product(pair, self.packed, self.scales_and_zeros, self.out_features)
@@ -277,12 +289,22 @@ class QuantizedLinear(nn.Module):
 
     def _reduces_in_graph(self, rows: int) -> bool:
         """Whether a Q8_0 product of `rows` rows is one reduction over the int8 codes: inside a
-        graph (torch.compile, torch.export) and under PAIR_ROWS rows. Inductor makes it one
+        graph (torch.compile, torch.export) and under PAIR_ROWS rows (GRAPH_CHUNK_ROWS where the
+        codes are more than CACHED_CODES, `int8_chunked_product` from there). Inductor makes it one
         streaming pass in fp32 on the exact weights, faster there than both eager kernels: a
         SmolLM2 Q8_0 step exported 78 tok/s against 68 with the int4pack pair (Intel AVX-512,
         2 threads, benchmarks/decode_smollm2.py's prompt)."""
         kernels = ("int8-blockwise", "int4pack-pair")
-        return self.kernel in kernels and rows < PAIR_ROWS and torch.compiler.is_compiling()
+        if self.kernel not in kernels or not torch.compiler.is_compiling():
+            return False
+        return rows < (GRAPH_CHUNK_ROWS if self.codes.numel() > CACHED_CODES else PAIR_ROWS)
+
+    def _chunks_in_graph(self) -> bool:
+        """Whether a Q8_0 product of several rows inside a graph is `int8_chunked_product`: its
+        codes dequantized a cached chunk at a time, each chunk read for every row; rather than
+        `int8_blockwise_product`, whose scratch a graph would copy at every chunk."""
+        kernels = ("int8-blockwise", "int4pack-pair")
+        return self.kernel in kernels and torch.compiler.is_compiling()
 
     def _traced_alone(self) -> bool:
         """Inside torch.compile's graphs each layer computes its own product (kept slices would

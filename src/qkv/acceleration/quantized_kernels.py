@@ -23,6 +23,7 @@ __all__ = [
     "int4pack_pair_rows",
     "int4pack_product",
     "int8_blockwise_product",
+    "int8_chunked_product",
     "int8_layout",
     "int8_reduction_product",
 ]
@@ -131,6 +132,26 @@ def int8_reduction_product(
     out_features, groups, block = codes.shape
     x = rows.float().view(rows.shape[0], 1, groups, block)  # (N, 1, groups, 32)
     return (codes * x * scales).sum((-1, -2))  # (N, out, groups, 32) -> (N, out)
+
+
+def int8_chunked_product(
+    rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor:
+    """Q8_0 inside a graph, for several rows: `int8_blockwise_product`'s chunks written without
+    a scratch (which a graph would copy): each chunk of output rows dequantized to fp32 (the
+    exact weights) once, into a buffer that stays in cache, and multiplied by a matrix product
+    for every input row at once; the chunks' outputs concatenated. Where the codes do not fit
+    in cache, the one-row reduction (`int8_reduction_product`) reads them from memory again for
+    each row: for 8 rows of SmolLM2's 49152 x 576 output layer, 4.5 ms here against 10.9 (Intel
+    AVX-512, 2 threads). (N, in) -> (N, out)."""
+    x = rows.float()
+    out_features, groups = codes.shape[:2]
+    step = max(16, SCRATCH_VALUES // (groups * BLOCK))
+    chunks = [
+        x @ (codes[start : start + step].float() * scales[start : start + step]).flatten(1).t()
+        for start in range(0, out_features, step)
+    ]  # each (N, step)
+    return torch.cat(chunks, dim=-1)
 
 
 def _f16(fields: torch.Tensor, offset: int) -> torch.Tensor:
