@@ -13,7 +13,8 @@ sequence, one call timed as a user sees it (prefill included):
     qkv            qkv.generation.generate(model, ids, max_new_tokens=128)
     qkv compiled   a packed copy (`packed_linears`, the block open for the whole row) with
                    generate(..., steps=decoding_steps(model)), compiled before the timing: the
-                   step compiled ahead of time by AOTInductor (qkv.acceleration.exported)
+                   step compiled ahead of time by AOTInductor where it can be exported, else
+                   torch.compile's forward (as for the packed products of several rows)
     torch.compile  the same packed copy with steps=torch.compile(model, dynamic=True), as a
                    user would compile it (the inductor options of the aot steps)
     transformers   model.generate(ids, do_sample=False, max_new_tokens=128, min_new_tokens=128)
@@ -176,7 +177,7 @@ def bench_dtype(base_ours, base_theirs, dtype: str, args) -> dict:
             for name in ("transformers", "llama_cpp")
             if name in timings
         },
-        # the AOTInductor library over torch.compile's forward, both on the packed model
+        # qkv's compiled steps over the user's own torch.compile, both on the packed model
         "compiled_over_torch_compile": paired_ratio(
             timings["torch_compile"], timings["qkv_compiled"]
         ),
