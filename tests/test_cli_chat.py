@@ -371,3 +371,22 @@ def test_an_interactive_chat_compiles_its_step_in_the_background(
     assert options["start_new_session"] and options["stdout"] == subprocess.DEVNULL
     assert written == [b"Hello\n"]
     assert err.count("being built in the background") == 1 and "--compile builds" not in err
+
+
+def test_the_freed_heap_goes_back_after_every_answer_even_a_stopped_one(tiny, capsys, monkeypatch):
+    """Between answers the chat returns freed memory to the system (glibc keeps it otherwise):
+    once per answer, a stopped one included."""
+    from qkv.models import building
+
+    _serve(monkeypatch, tiny)
+    released = []
+    monkeypatch.setattr(building, "return_freed_heap", lambda: released.append(1))
+    status, out, _ = _chat(capsys, monkeypatch, ["hi", "ho"], "--max-new-tokens", "2")
+    assert status == 0 and len(released) == 2
+
+    def stopped(self, on_text):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Chat, "answer", stopped)
+    status, _, err = _chat(capsys, monkeypatch, ["hi"], "--max-new-tokens", "2")
+    assert status == 0 and "answer stopped" in err and len(released) == 3
