@@ -18,6 +18,7 @@ from qkv.acceleration import (
     quantize_blocks,
     quantized_sharing,
 )
+from qkv.acceleration.decoding import compiled_ready
 from qkv.acceleration.quantized import QuantizedLinear
 from qkv.acceleration.quantized_embedding import QuantizedEmbedding
 from qkv.acceleration.quantized_sharing import share_quantized_inputs
@@ -282,8 +283,9 @@ def elsewhere(monkeypatch):
 def test_a_padded_batch_decodes_through_a_library_of_its_own(store, elsewhere):
     """A left-padded batch's steps (a padding mask over the cache and the new token) go through
     a library built for them, its mask of symbolic length: the eager tokens and logits, nothing
-    through torch.compile, and the unpadded library of the same model is another."""
-    model = qkv_model("tiny-llama")
+    through torch.compile, and the unpadded library of the same model is another (the
+    padded one alone does not make the model's step ready for mode "auto")."""
+    model = qkv_model("tiny-llama", ffn_dim=48)  # not the fixture's model: a store of its own
     ids, mask = left_padded_prompts()
     eager_tokens, eager_logits = _steps(model, ids, mask)
     tokens, logits = _steps(model, ids, mask, mode="aot")
@@ -292,6 +294,7 @@ def test_a_padded_batch_decodes_through_a_library_of_its_own(store, elsewhere):
     assert elsewhere == [] and store[1].count(model) == 1
     (library,) = (store[0] / exported.model_key(model, exported.INDUCTOR_OPTIONS)).glob("*masked*")
     assert library.name == "exported-b3-int64-int64-masked.pt2"
+    assert not compiled_ready(model)
 
 
 def test_a_step_that_cannot_be_exported_decodes_through_the_compiled_steps(

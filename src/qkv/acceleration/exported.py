@@ -141,14 +141,16 @@ class ExportedStep:
 
 
 def ready(model: nn.Module, options: dict[str, Any]) -> bool:
-    """Whether the model's step is compiled already: a library in memory, or one stored that
-    a later call would load (well under a second) rather than compile (tens of seconds)."""
+    """Whether the model's unpadded step is compiled already: a library in memory, or one
+    stored that a later call would load (well under a second) rather than compile (tens of
+    seconds). A padded batch's library alone does not count."""
     key = model_key(model, options)
     loaded = _RUNNERS.get(model, {})
-    if any(k[0] == key and not isinstance(r, str) for k, r in loaded.items()):
+    if any(k[0] == key and not k[4] and not isinstance(r, str) for k, r in loaded.items()):
         return True
     directory = store_directory()
-    return directory is not None and any((directory / key).glob("exported-*.pt2"))
+    stored = [] if directory is None else (directory / key).glob("exported-*.pt2")
+    return any(not path.stem.endswith("-masked") for path in stored)
 
 
 def _served(input_ids: torch.Tensor, kwargs: dict) -> bool:
