@@ -276,41 +276,34 @@ class QuantizedLinear(nn.Module):
         """(N, in) -> (N, out), in the kernel's compute dtype (fp32 where a graph reduces)."""
         if self.kernel == "int4pack":
             return int4pack_product(rows, self.packed, self.scales_and_zeros, self.out_features)
-        if self._reduces_in_graph(rows.shape[0]):
-            return int8_reduction_product(rows, self.codes, self.scales)
-        if self._chunks_in_graph():
-            return int8_chunked_product(rows, self.codes, self.scales)
+        if self.kernel not in ("int8-blockwise", "int4pack-pair"):
+            return F.linear(rows.float(), self.dense_weight)
+        if torch.compiler.is_compiling():
+            return self._graph_product(rows)
         if self.kernel == "int4pack-pair" and rows.shape[0] < PAIR_ROWS:
             pair = int4pack_pair_rows(rows)  # (N, 2 in)
             return int4pack_product(pair, self.packed, self.scales_and_zeros, self.out_features)
-        if self.kernel in ("int8-blockwise", "int4pack-pair"):
-            return int8_blockwise_product(rows, self.codes, self.scales)
-        return F.linear(rows.float(), self.dense_weight)
+        return int8_blockwise_product(rows, self.codes, self.scales)
 
-    def _reduces_in_graph(self, rows: int) -> bool:
-        """Whether a Q8_0 product of `rows` rows is one reduction over the int8 codes: inside a
-        graph (torch.compile, torch.export) and under PAIR_ROWS rows (GRAPH_CHUNK_ROWS where the
-        codes are more than CACHED_CODES, `int8_chunked_product` from there). Inductor makes it one
-        streaming pass in fp32 on the exact weights, faster there than both eager kernels: a
-        SmolLM2 Q8_0 step exported 78 tok/s against 68 with the int4pack pair (Intel AVX-512,
-        2 threads, benchmarks/decode_smollm2.py's prompt)."""
-        kernels = ("int8-blockwise", "int4pack-pair")
-        if self.kernel not in kernels or not torch.compiler.is_compiling():
-            return False
-        return rows < (GRAPH_CHUNK_ROWS if self.codes.numel() > CACHED_CODES else PAIR_ROWS)
-
-    def _chunks_in_graph(self) -> bool:
-        """Whether a Q8_0 product of several rows inside a graph is `int8_chunked_product`: its
-        codes dequantized a cached chunk at a time, each chunk read for every row; rather than
-        `int8_blockwise_product`, whose scratch a graph would copy at every chunk."""
-        kernels = ("int8-blockwise", "int4pack-pair")
-        return self.kernel in kernels and torch.compiler.is_compiling()
+    def _graph_product(self, rows: torch.Tensor) -> torch.Tensor:
+        """A Q8_0 product inside a graph (torch.compile, torch.export), fp32 on the exact
+        weights. Under PAIR_ROWS rows (GRAPH_CHUNK_ROWS where the codes are more than
+        CACHED_CODES) one reduction over the int8 codes: inductor makes it one streaming pass,
+        faster there than both eager kernels (a SmolLM2 Q8_0 step exported 78 tok/s against 68
+        with the int4pack pair, Intel AVX-512, 2 threads, benchmarks/decode_smollm2.py's
+        prompt). From there `int8_chunked_product`: the codes dequantized a cached chunk at a
+        time, each chunk read for every row, rather than `int8_blockwise_product`, whose scratch
+        a graph would copy at every chunk. (N, in) -> (N, out)."""
+        reduced = GRAPH_CHUNK_ROWS if self.codes.numel() > CACHED_CODES else PAIR_ROWS
+        if rows.shape[0] < reduced:
+            return int8_reduction_product(rows, self.codes, self.scales)
+        return int8_chunked_product(rows, self.codes, self.scales)
 
     def _traced_alone(self) -> bool:
         """Inside torch.compile's graphs each layer computes its own product (kept slices would
         be state guarded in the graph). torch.export's tracing (non-strict: the Python runs, on
         fake tensors) shares int4pack products as eager calls do, so the exported step holds one
-        product per shared input; a Q8_0 layer reduces on its own there (`_reduces_in_graph`)."""
+        product per shared input; a Q8_0 layer reduces on its own there (`_graph_product`)."""
         if not torch.compiler.is_compiling():
             return False
         return not torch.compiler.is_exporting() or self.kernel == "int4pack-pair"

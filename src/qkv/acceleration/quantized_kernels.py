@@ -109,7 +109,7 @@ def int8_blockwise_product(
     rows = rows.float()
     out_features, groups = codes.shape[:2]
     y = rows.new_empty(rows.shape[0], out_features)
-    step = max(16, SCRATCH_VALUES // (groups * BLOCK))
+    step = _chunk_rows(groups)
     scratch = rows.new_empty(min(step, out_features), groups, BLOCK)
     for start in range(0, out_features, step):
         stop = min(start + step, out_features)
@@ -146,12 +146,18 @@ def int8_chunked_product(
     AVX-512, 2 threads). (N, in) -> (N, out)."""
     x = rows.float()
     out_features, groups = codes.shape[:2]
-    step = max(16, SCRATCH_VALUES // (groups * BLOCK))
+    step = _chunk_rows(groups)
     chunks = [
         x @ (codes[start : start + step].float() * scales[start : start + step]).flatten(1).t()
         for start in range(0, out_features, step)
     ]  # each (N, step)
     return torch.cat(chunks, dim=-1)
+
+
+def _chunk_rows(groups: int) -> int:
+    """Output rows of a Q8_0 weight of `groups` blocks a row dequantized at once: SCRATCH_VALUES
+    fp32 values, at least 16 rows."""
+    return max(16, SCRATCH_VALUES // (groups * BLOCK))
 
 
 def _f16(fields: torch.Tensor, offset: int) -> torch.Tensor:
