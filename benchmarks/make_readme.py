@@ -3,15 +3,14 @@
     python benchmarks/make_readme.py            # rewrite benchmarks/README.md
     python benchmarks/make_readme.py --check    # exit 1 if README.md is not what the JSON gives
 
-Every figure of the page comes from a JSON file written by a benchmark script (the ratios and
-ranges are computed from the values in those files), so the page cannot drift from the
-measurements: after a benchmark run, run this script; the tests run it with --check. The text
-and the tables' columns are in readme/templates/, one Markdown template per section (page.md:
-the introduction, the headlines and the order of the sections); readme/sections.py,
-readme/decoding.py and readme/real_model.py compute each section's figures and rows (for most,
-the fields of its template: a table's columns name the keys of the rows or of the file), and
-readme/template.py fills the templates. Only the standard library is used, so that the check
-takes a fraction of a second.
+Every figure of the page comes from a JSON file written by a benchmark script, so the page
+cannot drift from the measurements: after a benchmark run, run this script; the tests run it
+with --check. The text and the tables are Markdown templates in readme/templates/, one per
+section (page.md: the introduction, the headlines and the order of the sections), whose fields
+name the values of the files (readme/template.py fills them); readme/derived.py adds the few
+figures the files do not hold (verdicts against targets, ratios), readme/machine.py the table
+of the machine each file ran on. Only the standard library is used, so that the check takes a
+fraction of a second.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 # benchmarks/ is a folder of scripts, not a package: its package readme/ is found on sys.path,
 # which holds this folder when the script runs; appended (not prepended) when it is imported
@@ -30,111 +30,94 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.append(str(HERE))
 
-from readme import decoding, real_model, sections  # noqa: E402
-from readme.template import fill, get, is_number  # noqa: E402
-from readme.values import dtype_name, dtype_rank, machine_table, num, span  # noqa: E402
+from readme.derived import derive  # noqa: E402
+from readme.machine import machine_table  # noqa: E402
+from readme.template import fill  # noqa: E402
 
 RESULTS = HERE / "results"
 README = HERE / "README.md"
-# The sections of one result file each: the function gives the fields of part "section" of
-# templates/STEM.md (or of the part named here) but its machine table; the sections of several
-# files (patterns, flash, gpu, models) render themselves.
-SINGLE = {
-    "attention": sections.attention, "sparse": sections.sparse, "linear": sections.linear,
-    "long_documents": sections.long_documents, "context_parallel": sections.context_parallel,
-    "decode": decoding.decode, "decode_batch": decoding.decode_batch,
-    "decode_batch_padded": decoding.decode_batch,
-    "decode_breakdown": decoding.decode_breakdown, "kv_heads": decoding.kv_heads,
-    "inspect_overhead": decoding.inspect_overhead,
-    "parity_llama_cpp": real_model.parity,
-    "parity_llama_cpp_q8_0": real_model.parity, "load_gguf": real_model.load,
-    "decode_smollm2": real_model.decode, "perplexity_smollm2": real_model.perplexity,
-}  # fmt: skip
-PARTS = {  # (template, part) where a file's section is not part "section" of templates/STEM.md
-    "parity_llama_cpp": ("real_model", "parity"), "parity_llama_cpp_q8_0": ("real_model", "parity"),
-    "load_gguf": ("real_model", "load"), "decode_smollm2": ("real_model", "decode"),
-    "perplexity_smollm2": ("real_model", "perplexity"),
-    "decode_batch_padded": ("decode_batch", "padded"),
+
+
+class Section(NamedTuple):
+    """A section of the page: part `part` of templates/TEMPLATE.md over the result files
+    `stems` (the first one as `d`, its rows as `r`), with their machine table; `each`: a part
+    rendered once per file (`d`, `r`, `machine` its own), given as `files`; `missing`: the part
+    shown without any file."""
+
+    template: str
+    stems: tuple[str, ...]
+    part: str = "section"
+    each: str | None = None
+    missing: str | None = None
+
+
+# In the order of the page; the runs held to AVX2 (`*_avx2`) are the same scripts with
+# ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (and MKL_ENABLE_INSTRUCTIONS=AVX2).
+PATTERN_FILES = (
+    "patterns", "patterns_backward", "patterns_long", "patterns_backward_long", "patterns_avx2",
+    "patterns_backward_avx2",
+)  # fmt: skip
+SECTIONS = {
+    "attention": Section("attention", ("attention",)),
+    "patterns": Section("patterns", PATTERN_FILES, each="file"),
+    "flash": Section("flash", ("flash",)),
+    "sparse": Section("sparse", ("sparse",)),
+    "linear": Section("linear", ("linear",)),
+    "long_documents": Section("long_documents", ("long_documents",)),
+    "gpu": Section("gpu", ("flash_gpu",), missing="missing"),
+    "models": Section("models", ("models",), each="figures"),
+    "models_avx2": Section("models", ("models_avx2",), part="avx2", each="figures"),
+    "decode": Section("decode", ("decode",)),
+    "decode_batch": Section("decode_batch", ("decode_batch",)),
+    "decode_batch_padded": Section("decode_batch", ("decode_batch_padded",), part="padded"),
+    "decode_breakdown": Section("decode_breakdown", ("decode_breakdown",)),
+    "kv_heads": Section("kv_heads", ("kv_heads",)),
+    "inspect_overhead": Section("inspect_overhead", ("inspect_overhead",)),
+    "context_parallel": Section("context_parallel", ("context_parallel",)),
+    "parity_llama_cpp": Section("real_model", ("parity_llama_cpp",), part="parity"),
+    "parity_llama_cpp_q8_0": Section("real_model", ("parity_llama_cpp_q8_0",), part="parity"),
+    "load_gguf": Section("real_model", ("load_gguf",), part="load"),
+    "decode_smollm2": Section("real_model", ("decode_smollm2",), part="decode"),
+    "perplexity_smollm2": Section("real_model", ("perplexity_smollm2",), part="perplexity"),
 }  # fmt: skip
 # Any other result file is listed at the end; smoke runs (*_quick.json) are left out.
-KNOWN = {
-    *SINGLE, *sections.PATTERN_FILES, *sections.FLASH_FILES, "flash_gpu", *decoding.MODELS_FILES,
-}  # fmt: skip
+KNOWN = {stem for section in SECTIONS.values() for stem in section.stems}
 
 
 def load_results(results: Path) -> dict[str, dict]:
-    """{file stem: parsed JSON} for every results/*.json but smoke runs, sorted by name."""
+    """{file stem: parsed JSON, its derived figures added} for every results/*.json but smoke
+    runs, sorted by name."""
     found = {}
     for path in sorted(results.glob("*.json")):
         if not path.stem.endswith("_quick"):
-            found[path.stem] = json.loads(path.read_text(encoding="utf-8"))
+            found[path.stem] = derive(path.stem, json.loads(path.read_text(encoding="utf-8")))
     return found
 
 
 def render(results_dir: Path = RESULTS) -> str:
     """The whole README.md for the result files in `results_dir` (templates/page.md)."""
     results = load_results(Path(results_dir))
-    single = {stem: section(stem, results[stem]) if stem in results else "" for stem in SINGLE}
+    sections = {name: section(s, results) for name, s in SECTIONS.items()}
     others = [(stem, data) for stem, data in results.items() if stem not in KNOWN]
+    # a file the page lacks is an empty list: the headlines that read it repeat zero times
+    headlines = fill("page", "headlines", **{stem: results.get(stem, []) for stem in KNOWN})
     page = fill(
-        "page", "page", **single, headlines=headlines(results),
-        patterns=sections.patterns(results), flash=sections.flash(results),
-        gpu=sections.gpu(results.get("flash_gpu")), models=decoding.models(results),
+        "page", "page", **sections, headlines=headlines or fill("page", "none"),
         others=fill("page", "others", machines=machine_table(others)) if others else "",
     )  # fmt: skip
     return page + "\n"
 
 
-def section(stem: str, data: dict) -> str:
-    """The section of one result file, its machine table last or where its template puts it."""
-    name, part = PARTS.get(stem, (stem, "section"))
-    return fill(name, part, machine=machine_table([(stem, data)]), **SINGLE[stem](data))
-
-
-def headlines(results: dict[str, dict]) -> str:
-    """One figure from each benchmark."""
-    items = []
-    if attention := sections.qkv_over_sdpa(_rows(results, "attention")):
-        items.append(fill("page", "attention", **attention))
-    flash = sections.merged_flash_rows(results)[0]
-    for dtype in sorted({r["dtype"] for r in flash}, key=dtype_rank):
-        if window := sections.window_speedup(flash, dtype):
-            items.append(fill("page", "window", **window))
-    models = decoding.default_ratios(results)
-    if models:
-        avx2 = fill("page", "avx2") if "models_avx2" in results else ""
-        items.append(fill(
-            "page", "models", span=span(models, ".2f", "x"), count=len(models), avx2=avx2,
-        ))  # fmt: skip
-    for r in _rows(results, "decode"):
-        aot = get(r, "tokens_per_s", "qkv_aot") is not None  # the fastest path, if timed
-        speed = get(r, "tokens_per_s", "qkv_aot" if aot else "qkv_compiled")
-        hf = get(r, "tokens_per_s", "transformers")
-        llama_cpp = get(r, "aot_peer_paired_ratios" if aot else "peer_paired_ratios", "llama_cpp")
-        items.append(fill(
-            "page", "decode", dtype=dtype_name(r["dtype"]), speed=num(speed, ".1f"),
-            path='qkv compile="aot"' if aot else "compiled qkv",
-            ratio=num(speed / hf if speed and hf else None, ".2f"), llama_cpp=_llama_cpp(llama_cpp),
-        ))  # fmt: skip
-    for r in _rows(results, "decode_batch"):
-        speed = get(r, "tokens_per_s", r.get("qkv_fastest", "qkv_compiled"))
-        items.append(fill(
-            "page", "decode_batch", batch=r["batch"], dtype=dtype_name(r["dtype"]),
-            speed=num(speed, ".1f"), ratio=num(get(r, "paired_ratios", "transformers"), ".2f"),
-            llama_cpp=_llama_cpp(get(r, "paired_ratios", "llama_cpp")),
-        ))  # fmt: skip
-    return "\n".join(items) or fill("page", "none")
-
-
-def _rows(results: dict[str, dict], stem: str) -> list[dict]:
-    """The rows of results/STEM.json, in dtype order."""
-    rows = get(results, stem, "rows", default=[]) or []
-    return sorted(rows, key=lambda r: dtype_rank(r["dtype"]))
-
-
-def _llama_cpp(ratio: object) -> str:
-    """', 0.89x llama.cpp (paired)', or nothing where llama.cpp was not timed."""
-    return fill("page", "llama_cpp", ratio=ratio) if is_number(ratio) else ""
+def section(s: Section, results: dict[str, dict]) -> str:
+    """One section: its files' figures and machine table, or its note for no file."""
+    files = [(stem, results[stem]) for stem in s.stems if stem in results]
+    if not files:
+        return fill(s.template, s.missing) if s.missing else ""
+    each = [fill(s.template, s.each, d=x, r=x.get("rows", []), machine=machine_table([(stem, x)]))
+            for stem, x in files if s.each]  # fmt: skip
+    d = files[0][1]
+    return fill(s.template, s.part, d=d, r=d.get("rows", []), files="\n\n".join(each),
+                machine=machine_table(files))  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

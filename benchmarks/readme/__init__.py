@@ -1,6 +1,5 @@
-"""The pieces of benchmarks/README.md: `template` (the template mechanism), `values` (numbers,
-dtypes, the machine of a file), `sections`, `decoding` and `real_model` (each section's figures
-and table rows), and `templates/` (the text of every section). `python benchmarks/make_readme.py`
-renders the page; the modules import each other relatively, so that the benchmark scripts in
-benchmarks/ are never shadowed.
+"""The pieces of benchmarks/README.md: `templates/` (the text of every section), `template`
+(the template mechanism), `derived` (the figures the result files do not hold) and `machine`
+(the machine of a file). `python benchmarks/make_readme.py` renders the page; the modules import
+each other relatively, so that the benchmark scripts in benchmarks/ are never shadowed.
 """

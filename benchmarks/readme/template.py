@@ -2,18 +2,17 @@
 
 `templates/NAME.md` holds the text of one section, as parts that each start with a line
 `<!-- part: PART -->`. `fill(NAME, PART, **values)` renders a part block by block (blocks are
-separated by blank lines). Fields follow `str.format`: `{name}`, `{r[ms][qkv]:.2f}`; a figure
-the result file lacks (a missing key, None, or not a finite number under a numeric format)
-prints "-", so a partial file still gives a page.
-- A block of table lines (starting with "|") and fields alone on their line: a field alone is
-  replaced by its value as it is (lines already rendered: another part, a list); a table line
-  whose fields name a list, such as `| {r[L]} | {r[ms]:.1f} |` with `r=rows`, is filled once
-  per item of the list, the row of the table; an empty value or list takes its line out.
-- Any other block is prose: filled, then refilled to 100 columns (the values change its
-  length), unless the part is marked `<!-- part: PART verbatim -->`.
-A block left empty goes with its blank line. Every field of a part must get a value and every
-value must be a field of the part: a misspelt name fails the rendering instead of leaving
-`{name}` on the page or a figure off it.
+separated by blank lines). Fields follow `str.format`, looked up leniently:
+- `{d[pattern][window]}`: a key the value lacks (or None) prints "-", as does anything but a
+  finite number under a numeric format, so a partial result file still gives a page;
+- `{r[fwd_s]:.1f/ms}`: a unit after the format divides by it first (s -> ms, bytes -> MiB, ...);
+- `{r[dtype]!d}`: a dtype's short name (fp32, bf16); `{d[labels]!l}`: the length of a list,
+  `!x` its extent ("18-32"); True and False print yes and no.
+A line or "- " item whose field walks through a list (`| {r[L]} | {r[ms][qkv]:.2f} |` with `r` a
+list of rows, or `{d[rows][dtype]}`; `{d[verdicts][*]}` is the item itself) is repeated once per
+item of the list, a table's rows; an empty list takes it out, as does an empty value alone on its
+line. Table lines, headings and fields alone are kept as they are; any other block is prose,
+refilled to 100 columns once filled unless the part is marked `<!-- part: PART verbatim -->`.
 """
 
 from __future__ import annotations
@@ -28,6 +27,8 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 PART = re.compile(r"^<!-- part: (\w+)( verbatim)? -->$", re.MULTILINE)
 ALONE = re.compile(r"\{(\w+)\}")
 NUMERIC = tuple("eEfFgGn%")  # the format types of a number
+DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+UNITS = {"ms": 1e-3, "us": 1e-6, "M": 1e6, "G": 1e9, "MiB": 2**20, "GiB": 2**30}
 # A word that would turn a line it starts into markdown structure (a quote, a list item, a
 # heading, a setext underline, a table row) instead of continuing a paragraph.
 MARKUP = re.compile(r"[>+*#=|-]|\d+[.)]$|<=?$")
@@ -47,17 +48,49 @@ def is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def _path(field: str) -> list[str | int]:
+    """`r[ms][qkv]` -> ["r", "ms", "qkv"]."""
+    return [int(k) if k.isdigit() else k for k in re.split(r"\]?\[", field.removesuffix("]"))]
+
+
 class _Formatter(string.Formatter):
-    """`str.format`, where `{r[ms][qkv]}` looks its keys up leniently: "-" for a missing one."""
+    """`str.format` with lenient lookups, units and list conversions; `item` stands for the list
+    at `prefix` while a repeated line is filled."""
+
+    prefix: tuple = ()
+    item: object = None
 
     def get_field(self, field_name: str, args, kwargs) -> tuple[object, str]:
-        name, *keys = re.split(r"\]?\[", field_name.removesuffix("]"))
-        return get(kwargs[name], *(int(k) if k.isdigit() else k for k in keys)), name
+        name, *keys = path = _path(field_name)
+        if name not in kwargs:
+            raise KeyError(f"no value for field {name!r}")
+        n = len(self.prefix)
+        if self.prefix and tuple(path[:n]) == self.prefix:
+            return get(self.item, *(key for key in path[n:] if key != "*")), name
+        return get(kwargs[name], *keys), name
+
+    def convert_field(self, value: object, conversion: str | None) -> object:
+        if conversion is None or value is None:
+            return value
+        items = value if isinstance(value, list) else []
+        if conversion == "d":
+            return DTYPES.get(str(value), value)
+        if conversion == "l":
+            return len(items)
+        if conversion == "x":
+            low, high = (f"{x:g}" for x in (min(items), max(items))) if items else ("-", "-")
+            return low if low == high else f"{low}-{high}"
+        return super().convert_field(value, conversion)
 
     def format_field(self, value: object, format_spec: str) -> str:
+        format_spec, _, unit = format_spec.partition("/")
         finite = is_number(value) and math.isfinite(value)  # type: ignore[arg-type]
         if value is None or (format_spec.endswith(NUMERIC) and not finite):
             return "-"
+        if isinstance(value, bool):
+            return "yes" if value else "no"
+        if unit:
+            value = value / UNITS[unit]  # type: ignore[operator]
         return format(value, format_spec)
 
 
@@ -78,45 +111,59 @@ def parts(name: str) -> dict[str, tuple[str, bool]]:
     return found
 
 
-def fields(text: str) -> set[str]:
-    """The names that the fields of `text` start with: {"r"} for `{r[ms][qkv]:.2f}`."""
-    found = (field for _, field, _, _ in FORMAT.parse(text) if field is not None)
-    return {field.split("[")[0] for field in found}
+def fields(text: str) -> list[str]:
+    """The fields of `text`, as written: ["r[ms][qkv]"] for `{r[ms][qkv]:.2f}`."""
+    return [field for _, field, _, _ in FORMAT.parse(text) if field is not None]
 
 
 def fill(name: str, part: str, /, **values: object) -> str:
     """Part PART of templates/NAME.md, its fields filled with `values`."""
     text, verbatim = parts(name)[part]
-    if fields(text) != values.keys():
-        missing, unused = fields(text) - values.keys(), values.keys() - fields(text)
-        raise KeyError(f"templates/{name}.md, part {part}: no value for {sorted(missing)}, "
-                       f"no field for {sorted(unused)}")  # fmt: skip
-    blocks = []
-    for block in re.split(r"\n[ \t]*\n", text):
-        lines = block.split("\n")
-        if all(line.startswith("|") or ALONE.fullmatch(line) for line in lines):
-            block = "\n".join(filter(None, (_table_line(line, values) for line in lines)))
-        elif verbatim:
-            block = FORMAT.vformat(block, (), values)
-        else:  # a paragraph and "- " items, as the template has them, each filled and refilled
-            items = (FORMAT.vformat(item, (), values) for item in re.split(r"\n(?=- )", block))
-            block = "\n".join(filter(None, map(wrap, items)))
-        if block:
-            blocks.append(block)
-    return "\n\n".join(blocks)
+    try:
+        return "\n\n".join(filter(None, (_block(b, values, verbatim) for b in
+                                         re.split(r"\n[ \t]*\n", text))))  # fmt: skip
+    except KeyError as error:
+        raise KeyError(f"templates/{name}.md, part {part}: {error.args[0]}") from None
 
 
-def _table_line(line: str, values: dict[str, object]) -> str:
-    """A field alone: its value; a table line: filled, once per item where a field names a list."""
-    if alone := ALONE.fullmatch(line):
-        return str(values[alone[1]])
-    listed = [name for name in fields(line) if isinstance(values[name], list)]
-    if not listed:
-        return FORMAT.vformat(line, (), values)
-    if len(listed) > 1:
-        raise ValueError(f"a table line repeats over one list, not {listed}: {line}")
-    rows = values[listed[0]]
-    return "\n".join(FORMAT.vformat(line, (), {**values, listed[0]: row}) for row in rows)
+def _block(block: str, values: dict[str, object], verbatim: bool) -> str:
+    """One block: table lines and fields alone kept as lines, prose items filled and refilled."""
+    lines = block.split("\n")
+    if all(line.startswith(("|", "#")) or ALONE.fullmatch(line) for line in lines):
+        return "\n".join(x for line in lines for x in _repeated(line, values) if x)
+    if verbatim:
+        return "\n".join(x for line in lines for x in _repeated(line, values))
+    items = re.split(r"\n(?=- )", block)
+    return "\n".join(filter(None, (wrap(x) for item in items for x in _repeated(item, values))))
+
+
+def _repeated(text: str, values: dict[str, object]) -> list[str]:
+    """`text` filled once, or once per item of the one list its fields walk through."""
+    lists = {prefix for field in fields(text) if (prefix := _list_prefix(_path(field), values))}
+    if len(lists) > 1:
+        raise ValueError(f"a line repeats over one list, not {sorted(lists)}: {text}")
+    if not lists:
+        return [FORMAT.vformat(text, (), values)]
+    FORMAT.prefix = prefix = lists.pop()
+    try:
+        found = []
+        items = get(values, *prefix)
+        for FORMAT.item in items if isinstance(items, list) else []:
+            found.append(FORMAT.vformat(text, (), values))
+        return found
+    finally:
+        FORMAT.prefix, FORMAT.item = (), None
+
+
+def _list_prefix(path: list[str | int], values: dict[str, object]) -> tuple | None:
+    """The leading keys of `path` that reach a list which a further key looks into by name, or
+    the keys before a `*` (what they reach is a list, or nothing to repeat over)."""
+    value = values.get(path[0])  # type: ignore[call-overload]
+    for n, key in enumerate(path[1:], start=1):
+        if (isinstance(value, list) and isinstance(key, str)) or key == "*":
+            return tuple(path[:n])
+        value = get(value, key)
+    return None
 
 
 def wrap(text: str, width: int = 100) -> str:

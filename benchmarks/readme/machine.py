@@ -1,61 +1,14 @@
-"""The values of the page: numbers as the tables print them, dtypes, the machine of a file.
-
-A number that a result file lacks (or holds as something else) prints as "-" rather than
-failing, so a partial file still gives a page; a machine field that a file lacks (older files
-have no ISA flags) reads "not recorded". dtypes print short (fp32, bf16, fp16), in that order.
+"""The machine table of a section: one column per result file, the machine it ran on and the
+command that wrote it; a field a file lacks (older files have no ISA flags) reads "not recorded".
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
-from .template import fill, get, is_number
+from .template import fill, get
 
 NOT_RECORDED = "not recorded"
-DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-DTYPE_ORDER = {"fp32": 0, "bf16": 1, "fp16": 2}
-
-
-def num(value: object, spec: str, *, missing: str = "-") -> str:
-    """`value` formatted with `spec` ('.3f', ',.0f', ...), or `missing` if it is not a number."""
-    if not is_number(value) or (isinstance(value, float) and not math.isfinite(value)):
-        return missing
-    return format(value, spec)
-
-
-def span(values: Iterable[float], spec: str, unit: str = "") -> str:
-    """'a-b' (or 'a' when both ends print alike) over `values`; '-' for none."""
-    values = sorted(values)
-    if not values:
-        return "-"
-    low, high = format(values[0], spec), format(values[-1], spec)
-    return f"{low}{unit}" if low == high else f"{low}-{high}{unit}"
-
-
-def paired(ratio: object, paired_ratio: object, spec: str = ".3f") -> str:
-    """'1.088 (1.089)': the ratio of the medians, and the median of the per-round ratios."""
-    return num(ratio, spec) + (f" ({paired_ratio:{spec}})" if is_number(paired_ratio) else "")
-
-
-def listing(pairs: Iterable[tuple[object, object]], spec: str, unit: str = "", scale=1) -> str:
-    """'fp32 170.0 GFLOP/s, bf16 ...': each (name, value) as the name (a dtype's short one,
-    dtypes in their order) and the value over `scale`, formatted with `spec`."""
-    found = sorted(((dtype_name(n), x) for n, x in pairs), key=lambda kv: dtype_rank(kv[0]))
-    return ", ".join(f"{n} {num(x / scale if is_number(x) else x, spec)}{unit}" for n, x in found)
-
-
-def met(ok: bool) -> str:
-    return "met" if ok else "not met"
-
-
-def dtype_name(name: object) -> str:
-    return DTYPE_NAMES.get(str(name), str(name))
-
-
-def dtype_rank(name: object) -> int:
-    return DTYPE_ORDER.get(dtype_name(name), len(DTYPE_ORDER))
-
 
 # the fields of a machine record that print as the file holds them, and those of a GPU
 TEXT_KEYS = (
