@@ -253,7 +253,8 @@ def test_a_q8_0_layer_is_one_reduction_in_a_graph_with_its_fp32_products(monkeyp
     where it runs, in bf16), computes a step's rows inside a compiled graph as one reduction
     over its int8 codes (never an eager kernel: the chunks and int4pack are made to raise
     here), within fp32's error bound of the exact product; a prompt's rows, eager, keep their
-    kernel."""
+    kernel. (Where PyTorch's kernels are AVX2, a layer with the pair takes it: the next test.)"""
+    monkeypatch.setattr(quantized, "graph_int8_reductions", lambda: True)
     generator = torch.Generator().manual_seed(3)
     linear = torch.nn.Linear(96, 40, bias=False)
     with torch.no_grad():
@@ -271,6 +272,46 @@ def test_a_q8_0_layer_is_one_reduction_in_a_graph_with_its_fp32_products(monkeyp
         assert y.dtype == torch.float32 and (y.double() - exact).abs().max().item() <= bound
     with pytest.raises(AssertionError, match="an eager kernel"):
         head(torch.randn(quantized.PAIR_ROWS, 96))  # eager: the chunks, here refused
+
+
+def test_where_int8_loads_are_slow_in_graphs_q8_0_layers_take_the_pair_or_the_words(monkeypatch):
+    """Where inductor's int8 loads are slow (PyTorch's kernels AVX2: `graph_int8_reductions`),
+    a Q8_0 layer with the int4pack pair computes a step's rows in a graph by the pair, as eager
+    does; one with fp32 outputs (no pair) holds its codes as int32 words instead (no view of the
+    blocks), reduced over in a graph, its chunks from their words for more rows (the bound
+    lowered here): each path the only one allowed, within fp32's error bound of the exact
+    product, eager too."""
+    monkeypatch.setattr(quantized, "graph_int8_reductions", lambda: False)
+    generator = torch.Generator().manual_seed(5)
+    linear = torch.nn.Linear(96, 64, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(64, 96, generator=generator) * 0.1)
+    layer = QuantizedLinear.from_linear(linear, "Q8_0")
+    head = QuantizedLinear.from_linear(linear, "Q8_0", fp32_output=True)
+    assert "words" in head._buffers and "codes" not in head._buffers
+    weight = head.dequantized_weight()
+    for name in ("int8_reduction_product", "int8_chunked_product"):
+        monkeypatch.setattr(quantized, name, _refused)
+    x = torch.randn(5, 96, generator=generator)
+    exact = torch.nn.functional.linear(x.double(), weight.double())
+    bound = dense_error_bound(x, weight, torch.float32)
+    if layer.kernel == "int4pack-pair":  # where int4pack runs
+        eager = layer(x[:3])
+        assert torch.equal(torch.compile(layer, fullgraph=True)(x[:3]), eager)
+    assert (head(x).double() - exact).abs().max().item() <= bound  # eager: chunks of the words
+    monkeypatch.setattr(quantized, "int8_blockwise_product", _refused)
+    monkeypatch.setattr(quantized, "int8_words_chunked_product", _refused)
+    one_row = torch.compile(head, fullgraph=True, dynamic=False)(x[:1])
+    assert (one_row.double() - exact[:1]).abs().max().item() <= bound
+    monkeypatch.setattr(quantized, "int8_words_chunked_product", chunked)
+    monkeypatch.setattr(quantized, "int8_words_reduction_product", _refused)
+    monkeypatch.setattr(quantized, "CACHED_CODES", 0)
+    monkeypatch.setattr(quantized_kernels, "SCRATCH_VALUES", 16 * 96)
+    rows = torch.compile(head, fullgraph=True, dynamic=False)(x)
+    assert (rows.double() - exact).abs().max().item() <= bound
+
+
+chunked = quantized_kernels.int8_words_chunked_product
 
 
 def _refused(*args):

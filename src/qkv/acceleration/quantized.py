@@ -19,7 +19,8 @@ formats) and computes x W^T + b with the first of these kernels that this machin
   zero 8d for the l groups, gives x W^T (the codes exact, d rounded to bf16 as above): 2.1x
   faster than "int8-blockwise" for one row on an AVX2 CPU, in bf16 as the Q4_0 and Q4_1
   products are. From `PAIR_ROWS` rows on (a prompt), int8-blockwise computes it, in fp32, and
-  inside a compiled graph int8-blockwise's reduction does (below), faster there.
+  inside a compiled graph int8-blockwise's reduction does (below), faster there, except where
+  PyTorch's kernels are AVX2 (`graph_int8_reductions`).
   PyTorch's int8 product (`_weight_int8pack_mm`) takes one scale per output row, not per block
   of 32, so it cannot hold Q8_0 without changing its values.
 - "int8-blockwise" (Q8_0, where int4pack does not run): the int8 codes (a view of the blocks)
@@ -50,6 +51,7 @@ from torch import nn
 
 from qkv.acceleration.quantized_kernels import (
     BLOCK,
+    graph_int8_reductions,
     int4pack_layout,
     int4pack_pair_layout,
     int4pack_pair_rows,
@@ -58,6 +60,10 @@ from qkv.acceleration.quantized_kernels import (
     int8_chunked_product,
     int8_layout,
     int8_reduction_product,
+    int8_words,
+    int8_words_chunked_product,
+    int8_words_inputs,
+    int8_words_reduction_product,
 )
 from qkv.capabilities import Support
 from qkv.models.gguf.quants import (
@@ -143,13 +149,16 @@ def quantized_kernel(kind: str, *, fp32_output: bool = False) -> tuple[str, Supp
     _check_kind(kind)
     support = int4pack_products()
     if kind == "Q8_0" and support and not fp32_output:
+        graph = "one reduction over the codes" if graph_int8_reductions() else "the same"
         return "int4pack-pair", Support(True, f"{support.reason}: one product over two "
-                                              "nibbles of each Q8_0 code")  # fmt: skip
+                                              f"nibbles of each Q8_0 code; in a compiled step "
+                                              f"{graph}")  # fmt: skip
     if kind == "Q8_0":
         why = "fp32 outputs asked for" if fp32_output else support.reason
+        codes = "the codes" if graph_int8_reductions() else "the codes, read as int32 words,"
         return "int8-blockwise", Support(True, f"{why}; Q8_0: int8 codes times fp32 block "
                                                "scales, in cache-sized chunks (public ops, "
-                                               "any CPU), one reduction over the codes in a "
+                                               f"any CPU), one reduction over {codes} in a "
                                                "compiled step")  # fmt: skip
     if support:
         return "int4pack", support
@@ -215,6 +224,7 @@ class QuantizedLinear(nn.Module):
         if getattr(self, "_sharing", None) is not None:
             self._sharing[0].dissolve()
         self.kernel, self.kernel_reason = quantized_kernel(self.kind, fp32_output=self.fp32_output)
+        self.graph_int8_reductions = graph_int8_reductions()  # decided here: graphs read a bool
         shape = (self.out_features, self.in_features)
         if self.kernel == "int4pack":
             packed, scales_and_zeros = int4pack_layout(self.blocks, self.kind, *shape)
@@ -227,6 +237,8 @@ class QuantizedLinear(nn.Module):
         elif self.kernel == "int8-blockwise":
             codes, scales = int8_layout(self.blocks, *shape)
             laid_out = {"codes": codes, "scales": scales}
+            if not self.graph_int8_reductions:  # AVX2: the codes as words, the blocks unread
+                laid_out = {"words": int8_words(codes), "scales": scales}
         else:
             laid_out = {"dense_weight": self.dequantized_weight()}
         for name in _LAID_OUT:
@@ -278,11 +290,16 @@ class QuantizedLinear(nn.Module):
             return int4pack_product(rows, self.packed, self.scales_and_zeros, self.out_features)
         if self.kernel not in ("int8-blockwise", "int4pack-pair"):
             return F.linear(rows.float(), self.dense_weight)
-        if torch.compiler.is_compiling():
+        pair = self.kernel == "int4pack-pair" and rows.shape[0] < PAIR_ROWS
+        if torch.compiler.is_compiling() and (self.graph_int8_reductions or not pair):
             return self._graph_product(rows)
-        if self.kernel == "int4pack-pair" and rows.shape[0] < PAIR_ROWS:
-            pair = int4pack_pair_rows(rows)  # (N, 2 in)
-            return int4pack_product(pair, self.packed, self.scales_and_zeros, self.out_features)
+        if pair:
+            pair_rows = int4pack_pair_rows(rows)  # (N, 2 in)
+            return int4pack_product(pair_rows, self.packed, self.scales_and_zeros,
+                                    self.out_features)  # fmt: skip
+        if "words" in self._buffers:  # the inputs in the words' byte order
+            return int8_blockwise_product(int8_words_inputs(rows), self.words.view(torch.int8),
+                                          self.scales)  # fmt: skip
         return int8_blockwise_product(rows, self.codes, self.scales)
 
     def _graph_product(self, rows: torch.Tensor) -> torch.Tensor:
@@ -294,7 +311,11 @@ class QuantizedLinear(nn.Module):
         prompt). From there `int8_chunked_product`: the codes dequantized a cached chunk at a
         time, each chunk read for every row, rather than `int8_blockwise_product`, whose scratch
         a graph would copy at every chunk. (N, in) -> (N, out)."""
-        reduced = GRAPH_CHUNK_ROWS if self.codes.numel() > CACHED_CODES else PAIR_ROWS
+        reduced = GRAPH_CHUNK_ROWS if self.scales.numel() * BLOCK > CACHED_CODES else PAIR_ROWS
+        if "words" in self._buffers:  # held to AVX2
+            if rows.shape[0] < reduced:
+                return int8_words_reduction_product(rows, self.words, self.scales)
+            return int8_words_chunked_product(rows, self.words, self.scales)
         if rows.shape[0] < reduced:
             return int8_reduction_product(rows, self.codes, self.scales)
         return int8_chunked_product(rows, self.codes, self.scales)
@@ -349,7 +370,7 @@ class _QuantizedProduct(torch.autograd.Function):
         return (grad.to(dtype) @ weight).to(grad.dtype), None  # (..., in)
 
 
-_LAID_OUT = ("packed", "scales_and_zeros", "codes", "scales", "dense_weight")
+_LAID_OUT = ("packed", "scales_and_zeros", "codes", "words", "scales", "dense_weight")
 
 
 def _check_kind(kind: object) -> None:

@@ -5,7 +5,8 @@ product, and the products. Shapes: blocks (out, in // 32 * block bytes) uint8, r
   `_weight_int4pack_mm_for_cpu`: w = (q - 8) * scale + zero per group of 32, bf16);
 - int4pack-pair (Q8_0): `int4pack_pair_layout`, the same product over [x, x];
 - int8-blockwise (Q8_0): `int8_layout`, `int8_blockwise_product` (fp32, exact weights), and
-  `int8_reduction_product`, the same product written as one reduction for a compiled graph.
+  `int8_reduction_product`, the same product written as one reduction for a compiled graph
+  (`int8_words_reduction_product` over `int8_words` where PyTorch's kernels are AVX2).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from qkv.models.gguf.quants import BLOCK_FORMATS
 __all__ = [
     "BLOCK",
     "SCRATCH_VALUES",
+    "graph_int8_reductions",
     "int4pack_layout",
     "int4pack_pair_layout",
     "int4pack_pair_rows",
@@ -26,6 +28,10 @@ __all__ = [
     "int8_chunked_product",
     "int8_layout",
     "int8_reduction_product",
+    "int8_words",
+    "int8_words_chunked_product",
+    "int8_words_inputs",
+    "int8_words_reduction_product",
 ]
 
 BLOCK = 32  # values per block of every kind here, and int4pack's group size
@@ -151,6 +157,67 @@ def int8_chunked_product(
         x @ (codes[start : start + step].float() * scales[start : start + step]).flatten(1).t()
         for start in range(0, out_features, step)
     ]  # each (N, step)
+    return torch.cat(chunks, dim=-1)
+
+
+def graph_int8_reductions() -> bool:
+    """Do Q8_0 products of a few rows run as one reduction over the int8 codes inside a graph?
+    Not where PyTorch's kernels (and so inductor's code) are AVX2: its vector loops load 8 int8
+    values at a time through a copy (at::vec's partial load), where AVX-512's loads are masked;
+    one row of SmolLM2's 49152 x 576 table reduced took 24 ms held to AVX2 against 1.4 ms, the
+    int4pack pair 3.5 ms (Intel). There a layer with the pair layout takes the pair product in
+    graphs too; one without (fp32 outputs) keeps the reduction."""
+    return torch.backends.cpu.get_cpu_capability() != "AVX2"
+
+
+def int8_words(codes: torch.Tensor) -> torch.Tensor:
+    """Q8_0 codes (out, groups, 32) int8 -> (out, groups, 8) int32 words, a copy in which byte
+    k of word j (little-endian) holds code 8k + j. Inductor's AVX2 loops load int8 values 8 at
+    a time through a copy (at::vec's partial load); words load a full vector at a time, their
+    bytes are taken apart in registers, and byte k of a block's 8 words are its codes 8k to
+    8k + 7, which multiply 8 consecutive inputs: one row of SmolLM2's 49152 x 576 output layer
+    reduced in 1.6 ms held to AVX2, against 24 from the codes (Intel, 2 threads)."""
+    out_features, groups, _ = codes.shape
+    order = codes.reshape(out_features, groups, 4, 8).transpose(-1, -2)  # (out, groups, j, k)
+    return order.contiguous().view(out_features, groups, BLOCK).view(torch.int32)
+
+
+def int8_words_inputs(rows: torch.Tensor) -> torch.Tensor:
+    """Rows (N, in) in the order of `int8_words`' bytes (input 8k + j of a block where code
+    8k + j is): a copy, whose product with the words' bytes read as codes, in memory order
+    (`int8_blockwise_product(rows, words.view(torch.int8), scales)`), is the product."""
+    return rows.reshape(rows.shape[0], -1, 4, 8).transpose(-1, -2).reshape(rows.shape)
+
+
+def _word_values(words: torch.Tensor) -> list[torch.Tensor]:
+    """Byte k of every word as the int8 code it holds, k = 0..3: 4 x (..., 8) int32."""
+    return [(((words >> (8 * k)) & 0xFF) ^ 0x80) - 0x80 for k in range(4)]
+
+
+def int8_words_reduction_product(
+    rows: torch.Tensor, words: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor:
+    """`int8_reduction_product` over `int8_words`' words, for graphs held to AVX2. (N, in) ->
+    (N, out)."""
+    out_features, groups, _ = words.shape
+    x = rows.float().view(rows.shape[0], 1, groups, 4, 8)  # input 8k + j at [..., k, j]
+    terms = [values * x[:, :, :, k] for k, values in enumerate(_word_values(words))]
+    return ((terms[0] + terms[1] + terms[2] + terms[3]) * scales).sum((-1, -2))
+
+
+def int8_words_chunked_product(
+    rows: torch.Tensor, words: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor:
+    """`int8_chunked_product` over `int8_words`' words: each chunk's codes taken out of its
+    words, in the inputs' order, then dequantized and multiplied. (N, in) -> (N, out)."""
+    x = rows.float()
+    out_features, groups = words.shape[:2]
+    step = _chunk_rows(groups)
+    chunks = []
+    for start in range(0, out_features, step):
+        values = torch.stack(_word_values(words[start : start + step]), dim=-2)  # (n, g, 4, 8)
+        weight = values.float().flatten(-2) * scales[start : start + step]  # (n, groups, 32)
+        chunks.append(x @ weight.flatten(1).t())  # (N, n)
     return torch.cat(chunks, dim=-1)
 
 
