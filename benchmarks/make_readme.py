@@ -77,7 +77,9 @@ SECTIONS = {
     "parity_llama_cpp": Section("real_model", ("parity_llama_cpp",), part="parity"),
     "parity_llama_cpp_q8_0": Section("real_model", ("parity_llama_cpp_q8_0",), part="parity"),
     "load_gguf": Section("real_model", ("load_gguf",), part="load"),
-    "decode_smollm2": Section("real_model", ("decode_smollm2",), part="decode"),
+    "decode_smollm2": Section(
+        "real_model", ("decode_smollm2", "decode_smollm2_avx2"), part="decode", each="decode_file"
+    ),
     "perplexity_smollm2": Section("real_model", ("perplexity_smollm2",), part="perplexity"),
 }  # fmt: skip
 # Any other result file is listed at the end; smoke runs (*_quick.json) are left out.

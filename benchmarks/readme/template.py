@@ -83,12 +83,12 @@ class _Formatter(string.Formatter):
         return super().convert_field(value, conversion)
 
     def format_field(self, value: object, format_spec: str) -> str:
+        if isinstance(value, bool):
+            return "yes" if value else "no"
         format_spec, _, unit = format_spec.partition("/")
         finite = is_number(value) and math.isfinite(value)  # type: ignore[arg-type]
         if value is None or (format_spec.endswith(NUMERIC) and not finite):
             return "-"
-        if isinstance(value, bool):
-            return "yes" if value else "no"
         if unit:
             value = value / UNITS[unit]  # type: ignore[operator]
         return format(value, format_spec)
