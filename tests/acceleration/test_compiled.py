@@ -277,10 +277,10 @@ def test_a_q8_0_layer_is_one_reduction_in_a_graph_with_its_fp32_products(monkeyp
 def test_where_int8_loads_are_slow_in_graphs_q8_0_layers_take_the_pair_or_the_words(monkeypatch):
     """Where inductor's int8 loads are slow (PyTorch's kernels AVX2: `graph_int8_reductions`),
     a Q8_0 layer with the int4pack pair computes a step's rows in a graph by the pair, as eager
-    does; one with fp32 outputs (no pair) holds its codes as int32 words instead (no view of the
-    blocks), reduced over in a graph, its chunks from their words for more rows (the bound
-    lowered here): each path the only one allowed, within fp32's error bound of the exact
-    product, eager too."""
+    does (for any number of rows, within bf16's bound); one with fp32 outputs (no pair) holds
+    its codes as int32 words instead (no view of the blocks), reduced over in a graph, its
+    chunks from their words for more rows (the bound lowered here): each path the only one
+    allowed, within fp32's error bound of the exact product, eager too."""
     monkeypatch.setattr(quantized, "graph_int8_reductions", lambda: False)
     generator = torch.Generator().manual_seed(5)
     linear = torch.nn.Linear(96, 64, bias=False)
@@ -295,9 +295,14 @@ def test_where_int8_loads_are_slow_in_graphs_q8_0_layers_take_the_pair_or_the_wo
     x = torch.randn(5, 96, generator=generator)
     exact = torch.nn.functional.linear(x.double(), weight.double())
     bound = dense_error_bound(x, weight, torch.float32)
-    if layer.kernel == "int4pack-pair":  # where int4pack runs
+    if layer.kernel == "int4pack-pair":  # where int4pack runs: the pair for any rows
         eager = layer(x[:3])
         assert torch.equal(torch.compile(layer, fullgraph=True)(x[:3]), eager)
+        many = torch.randn(quantized.PAIR_ROWS, 96, generator=generator)
+        pair_bound = dense_error_bound(many, weight, torch.bfloat16)
+        exact_many = torch.nn.functional.linear(many.double(), weight.double())
+        compiled = torch.compile(layer, fullgraph=True, dynamic=False)(many)
+        assert (compiled.double() - exact_many).abs().max().item() <= pair_bound
     assert (head(x).double() - exact).abs().max().item() <= bound  # eager: chunks of the words
     monkeypatch.setattr(quantized, "int8_blockwise_product", _refused)
     monkeypatch.setattr(quantized, "int8_words_chunked_product", _refused)

@@ -290,10 +290,10 @@ class QuantizedLinear(nn.Module):
             return int4pack_product(rows, self.packed, self.scales_and_zeros, self.out_features)
         if self.kernel not in ("int8-blockwise", "int4pack-pair"):
             return F.linear(rows.float(), self.dense_weight)
-        pair = self.kernel == "int4pack-pair" and rows.shape[0] < PAIR_ROWS
-        if torch.compiler.is_compiling() and (self.graph_int8_reductions or not pair):
+        pair, compiling = self.kernel == "int4pack-pair", torch.compiler.is_compiling()
+        if compiling and (self.graph_int8_reductions or not pair):
             return self._graph_product(rows)
-        if pair:
+        if pair and (rows.shape[0] < PAIR_ROWS or compiling):  # held to AVX2: any rows
             pair_rows = int4pack_pair_rows(rows)  # (N, 2 in)
             return int4pack_product(pair_rows, self.packed, self.scales_and_zeros,
                                     self.out_features)  # fmt: skip
