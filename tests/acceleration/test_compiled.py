@@ -255,10 +255,7 @@ def test_a_q8_0_layer_is_one_reduction_in_a_graph_with_its_fp32_products(monkeyp
     here), within fp32's error bound of the exact product; a prompt's rows, eager, keep their
     kernel. (Where PyTorch's kernels are AVX2, a layer with the pair takes it: the next test.)"""
     monkeypatch.setattr(quantized, "graph_int8_reductions", lambda: True)
-    generator = torch.Generator().manual_seed(3)
-    linear = torch.nn.Linear(96, 40, bias=False)
-    with torch.no_grad():
-        linear.weight.copy_(torch.randn(40, 96, generator=generator) * 0.1)
+    linear, generator = _linear(out_features=40, seed=3)
     head = QuantizedLinear.from_linear(linear, "Q8_0", fp32_output=fp32_output)
     weight = head.dequantized_weight()
     x = torch.randn(3, 96, generator=generator)
@@ -282,10 +279,7 @@ def test_where_int8_loads_are_slow_in_graphs_q8_0_layers_take_the_pair_or_the_wo
     chunks from their words for more rows (the bound lowered here): each path the only one
     allowed, within fp32's error bound of the exact product, eager too."""
     monkeypatch.setattr(quantized, "graph_int8_reductions", lambda: False)
-    generator = torch.Generator().manual_seed(5)
-    linear = torch.nn.Linear(96, 64, bias=False)
-    with torch.no_grad():
-        linear.weight.copy_(torch.randn(64, 96, generator=generator) * 0.1)
+    linear, generator = _linear(out_features=64, seed=5)
     layer = QuantizedLinear.from_linear(linear, "Q8_0")
     head = QuantizedLinear.from_linear(linear, "Q8_0", fp32_output=True)
     assert "words" in head._buffers and "codes" not in head._buffers
@@ -319,6 +313,15 @@ def test_where_int8_loads_are_slow_in_graphs_q8_0_layers_take_the_pair_or_the_wo
 chunked = quantized_kernels.int8_words_chunked_product
 
 
+def _linear(out_features: int, seed: int) -> tuple[torch.nn.Linear, torch.Generator]:
+    """A (96 -> out_features) linear of small seeded weights, and its generator for inputs."""
+    generator = torch.Generator().manual_seed(seed)
+    linear = torch.nn.Linear(96, out_features, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, 96, generator=generator) * 0.1)
+    return linear, generator
+
+
 def _refused(*args):
     raise AssertionError("an eager kernel (the chunks, or int4pack) was called")
 
@@ -331,10 +334,7 @@ def test_a_q8_0_layer_beyond_the_cache_is_chunked_in_a_graph_from_a_few_rows(mon
     only one allowed to run, within fp32's error bound of the exact product. (The codes as they
     are: held to AVX2 they are read as words, tested above.)"""
     monkeypatch.setattr(quantized, "graph_int8_reductions", lambda: True)
-    generator = torch.Generator().manual_seed(4)
-    linear = torch.nn.Linear(96, 100, bias=False)
-    with torch.no_grad():
-        linear.weight.copy_(torch.randn(100, 96, generator=generator) * 0.1)
+    linear, generator = _linear(out_features=100, seed=4)
     head = QuantizedLinear.from_linear(linear, "Q8_0", fp32_output=True)
     monkeypatch.setattr(quantized, "CACHED_CODES", 0)
     monkeypatch.setattr(quantized_kernels, "SCRATCH_VALUES", 16 * 96)
