@@ -247,28 +247,51 @@ def test_a_bad_mode_and_bad_steps_are_refused():
         generate(model, torch.ones(1, 2, dtype=torch.long), max_new_tokens=2, steps="aot")
 
 
-@pytest.mark.parametrize("fp32_output", [True, False], ids=["output-layer", "int4pack-pair"])
-def test_a_q8_0_layer_is_one_reduction_in_a_graph_with_its_fp32_products(monkeypatch, fp32_output):
-    """A Q8_0 layer, an output layer (fp32 outputs: eager chunks) or another (the int4pack pair
-    where it runs, in bf16), computes a step's rows inside a compiled graph as one reduction
-    over its int8 codes (never an eager kernel: the chunks and int4pack are made to raise
-    here), within fp32's error bound of the exact product; a prompt's rows, eager, keep their
-    kernel. (Where PyTorch's kernels are AVX2, a layer with the pair takes it: the next test.)"""
+def test_a_q8_0_output_layer_is_one_reduction_in_a_graph_with_its_fp32_products(monkeypatch):
+    """A Q8_0 output layer (fp32 outputs: eager chunks) computes a step's rows inside a compiled
+    graph as one reduction over its int8 codes (never an eager kernel: the chunks are made to
+    raise here), within fp32's error bound of the exact product; a prompt's rows, eager, keep
+    their kernel. (Where PyTorch's kernels are AVX2, it reduces over words: a test below.)"""
     monkeypatch.setattr(quantized, "graph_int8_reductions", lambda: True)
     linear, generator = _linear(out_features=40, seed=3)
-    head = QuantizedLinear.from_linear(linear, "Q8_0", fp32_output=fp32_output)
+    head = QuantizedLinear.from_linear(linear, "Q8_0", fp32_output=True)
     weight = head.dequantized_weight()
     x = torch.randn(3, 96, generator=generator)
-    eager = head(x)  # the chunks, or the int4pack pair
+    eager = head(x)  # the chunks
     monkeypatch.setattr(quantized, "int8_blockwise_product", _refused)
-    monkeypatch.setattr(quantized, "int4pack_product", _refused)
     compiled = torch.compile(head, fullgraph=True)(x)
     exact = torch.nn.functional.linear(x.double(), weight.double())
-    for y, dtype in ((eager, head.compute_dtype), (compiled, torch.float32)):
-        bound = dense_error_bound(x, weight, dtype)
+    bound = dense_error_bound(x, weight, torch.float32)
+    for y in (eager, compiled):
         assert y.dtype == torch.float32 and (y.double() - exact).abs().max().item() <= bound
     with pytest.raises(AssertionError, match="an eager kernel"):
         head(torch.randn(quantized.PAIR_ROWS, 96))  # eager: the chunks, here refused
+
+
+def test_a_q8_0_pair_layer_takes_the_pair_in_a_graph_and_its_codes_chunks_for_more_rows(
+    monkeypatch,
+):
+    """A Q8_0 layer of the int4pack pair (where it runs) computes a step's rows inside a graph
+    by the pair, as eager does (the same outputs); PAIR_ROWS rows or more in fp32 chunks of
+    the codes taken back out of the pair (never the eager scratch, never the blocks), within
+    fp32's error bound of the exact product. (Held to AVX2, the pair for any rows: below.)"""
+    monkeypatch.setattr(quantized, "graph_int8_reductions", lambda: True)
+    linear, generator = _linear(out_features=40, seed=3)
+    layer = QuantizedLinear.from_linear(linear, "Q8_0")
+    if layer.kernel != "int4pack-pair":  # no int4pack here: the output layer's kernel, above
+        assert layer.kernel == "int8-blockwise" and not quantized.int4pack_products()
+        return
+    weight = layer.dequantized_weight()
+    x = torch.randn(3, 96, generator=generator)
+    assert torch.equal(torch.compile(layer, fullgraph=True, dynamic=False)(x), layer(x))
+    many = torch.randn(quantized.PAIR_ROWS + 1, 96, generator=generator)
+    monkeypatch.setattr(quantized, "int4pack_product", _refused)
+    monkeypatch.setattr(quantized, "int4pack_pair_blockwise_product", _refused)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)(many)
+    exact = torch.nn.functional.linear(many.double(), weight.double())
+    bound = dense_error_bound(many, weight, torch.float32)
+    assert compiled.shape == (len(many), 40)
+    assert (compiled.double() - exact).abs().max().item() <= bound
 
 
 def test_where_int8_loads_are_slow_in_graphs_q8_0_layers_take_the_pair_or_the_words(monkeypatch):
@@ -314,7 +337,10 @@ chunked = quantized_kernels.int8_words_chunked_product
 
 
 def _linear(out_features: int, seed: int) -> tuple[torch.nn.Linear, torch.Generator]:
-    """A (96 -> out_features) linear of small seeded weights, and its generator for inputs."""
+    """A (96 -> out_features) linear of small seeded weights, and its generator for inputs.
+    Dynamo's state is reset first: each test compiles QuantizedLinear.forward for its own
+    layers, and across the tests that would pass dynamo's recompile limit for that code."""
+    torch._dynamo.reset()
     generator = torch.Generator().manual_seed(seed)
     linear = torch.nn.Linear(96, out_features, bias=False)
     with torch.no_grad():

@@ -131,6 +131,42 @@ def test_q8_0_rows_of_a_prompt_are_computed_in_fp32_and_a_steps_in_the_pair_prod
         assert (layer(x).double() - exact).abs().max().item() <= bound
 
 
+@settings(max_examples=10, deadline=None)
+@given(out_features=st.integers(1, 140), groups=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_the_pair_gives_back_the_blocks_codes_and_is_the_layers_only_copy(
+    out_features, groups, seed
+):
+    """int4pack's CPU layout (blocks of 64 output rows where PyTorch's kernels are AVX-512, 32
+    AVX2) read back: the codes taken out of a Q8_0 pair layout are the blocks' own, bit for
+    bit. A pair layer keeps no view of its blocks: with the blocks zeroed after it was laid
+    out, a step's rows and a prompt's (fp32 chunks of the codes out of the pair) come out as
+    before, within their dtype's bound of the exact product."""
+    from qkv.acceleration import quantized_kernels as kernels
+
+    generator = torch.Generator().manual_seed(seed)
+    in_features = 32 * groups
+    linear = nn.Linear(in_features, out_features, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=generator))
+    layer = QuantizedLinear.from_linear(linear, "Q8_0")
+    if not quantized_module.int4pack_products():
+        assert layer.kernel == "int8-blockwise"
+        return
+    expected_block = {"AVX512": 64, "AVX2": 32}[torch.backends.cpu.get_cpu_capability()]
+    assert kernels.int4pack_row_block() == expected_block and layer.kernel == "int4pack-pair"
+    codes, _ = kernels.int8_layout(layer.blocks, out_features, in_features)
+    taken_out = kernels.int4pack_pair_codes(layer.packed, expected_block)
+    assert torch.equal(taken_out[:out_features], codes)
+    weight = layer.dequantized_weight()
+    layer.blocks.zero_()  # a product that read them now would be 0
+    for rows in (1, quantized_module.PAIR_ROWS + 3):
+        x = torch.randn(rows, in_features, generator=generator)
+        dtype = torch.bfloat16 if rows < quantized_module.PAIR_ROWS else torch.float32
+        exact = F.linear(x.double(), weight.double())
+        error = (layer(x).double() - exact).abs().max().item()
+        assert error <= dense_error_bound(x, weight, dtype)
+
+
 def test_a_width_that_is_not_whole_blocks_is_refused_by_name():
     with pytest.raises(ValueError, match="in_features=50 is not a multiple"):
         QuantizedLinear.from_linear(nn.Linear(50, 16), "Q4_1")

@@ -16,20 +16,16 @@ formats) and computes x W^T + b with the first of these kernels that this machin
 - "int4pack-pair" (Q8_0): the same int4pack product, as two nibbles. A Q8_0 value d * q (q an
   int8) is d * (16 h + l - 128) with h, l the nibbles of q + 128, so one product over [x, x]
   with the codes [h | l] along the input, scale 16d and zero 0 for the h groups, scale d and
-  zero 8d for the l groups, gives x W^T (the codes exact, d rounded to bf16 as above): 2.1x
-  faster than "int8-blockwise" for one row on an AVX2 CPU, in bf16 as the Q4_0 and Q4_1
-  products are. From `PAIR_ROWS` rows on (a prompt), int8-blockwise computes it, in fp32, and
-  inside a compiled graph int8-blockwise's reduction does (below), faster there, except where
-  PyTorch's kernels are AVX2 (`graph_int8_reductions`).
-  PyTorch's int8 product (`_weight_int8pack_mm`) takes one scale per output row, not per block
-  of 32, so it cannot hold Q8_0 without changing its values.
-- "int8-blockwise" (Q8_0, where int4pack does not run): the int8 codes (a view of the blocks)
-  times their blocks' fp32 scales, dequantized a chunk of rows at a time into an fp32 scratch
-  of 2 MiB that stays in cache, each chunk multiplied by F.linear: fp32, the exact weights.
-  Inside a compiled graph (the decoding steps of `qkv.acceleration.decoding_steps`), fewer
-  than `PAIR_ROWS` rows are one reduction over the codes instead (`int8_reduction_product`),
-  and more rows (from `GRAPH_CHUNK_ROWS` on, for codes beyond a cache) the chunks without
-  their scratch (`int8_chunked_product`).
+  zero 8d for the l groups, gives x W^T (the codes exact, d rounded to bf16 as above), eager
+  and in compiled graphs: 2.1x faster than "int8-blockwise" for one row (AVX2). It is the
+  layer's only copy of the codes: from `PAIR_ROWS` rows on (a prompt) they are taken back out
+  of it a chunk at a time (`int4pack_pair_codes`) for int8-blockwise's fp32 product, and the
+  file's blocks are not read again (SmolLM2 in Q8_0 holds 1.3 bytes a weight, not 2.3).
+  (`_weight_int8pack_mm` takes one scale per output row, not per block: not Q8_0's values.)
+- "int8-blockwise" (Q8_0 where the pair does not run, and output layers: fp32): the int8 codes
+  (a view of the blocks) times their fp32 scales, dequantized a chunk of rows at a time into
+  a 2 MiB scratch that stays in cache, each chunk multiplied by F.linear: the exact weights.
+  In a compiled graph, fewer rows are one reduction over the codes (`_graph_product`).
 - "dequantized" (the fallback): the weight dequantized once, at construction, to fp32, and
   F.linear: correct everywhere, 4 bytes per weight.
 
@@ -53,9 +49,12 @@ from qkv.acceleration.quantized_kernels import (
     BLOCK,
     graph_int8_reductions,
     int4pack_layout,
+    int4pack_pair_blockwise_product,
+    int4pack_pair_chunked_product,
     int4pack_pair_layout,
     int4pack_pair_rows,
     int4pack_product,
+    int4pack_row_block,
     int8_blockwise_product,
     int8_chunked_product,
     int8_layout,
@@ -91,11 +90,9 @@ _VECTORISED = ("AVX2", "AVX512")  # the ISAs int4pack's CPU kernel has vector co
 # running the pair product, whose cost grows with the rows (AVX2, 576 x 1536: 1 row 176 us
 # against 371, 16 rows 736 against 645, a 512-token prefill 23 ms against 6)
 PAIR_ROWS = 16
-# Inside a graph, a Q8_0 weight of more int8 codes than this (beyond a core's cache) is read
-# for every row by the one-row reduction: from GRAPH_CHUNK_ROWS rows on, its chunks are
-# dequantized once for all rows instead (`int8_chunked_product`; measured where they cross:
-# SmolLM2's 49152 x 576 output layer, 2 rows 2.8 ms reduced and 3.6 chunked, 8 rows 10.9 and
-# 4.5; its 1536 x 576 FFN weights stay reduced: 0.36 against 0.42 ms at 8 rows)
+# In a graph, int8 codes beyond a cache (more than this) are read for every row by the one-row
+# reduction: from GRAPH_CHUNK_ROWS rows on their chunks are dequantized once for all rows
+# (SmolLM2's 49152 x 576 output layer: 2 rows 2.8 ms reduced, 3.6 chunked; 8 rows 10.9, 4.5)
 CACHED_CODES = 1 << 22
 GRAPH_CHUNK_ROWS = 4
 
@@ -148,13 +145,16 @@ def quantized_kernel(kind: str, *, fp32_output: bool = False) -> tuple[str, Supp
     `fp32_output`: a Q8_0 layer whose outputs must not be rounded to bf16 (a model's logits)."""
     _check_kind(kind)
     support = int4pack_products()
-    if kind == "Q8_0" and support and not fp32_output:
-        graph = "one reduction over the codes" if graph_int8_reductions() else "the same"
-        return "int4pack-pair", Support(True, f"{support.reason}: one product over two "
-                                              f"nibbles of each Q8_0 code; in a compiled step "
-                                              f"{graph}")  # fmt: skip
+    pair = support and int4pack_row_block() is not None  # a layout qkv reads codes back from
+    if kind == "Q8_0" and pair and not fp32_output:
+        return "int4pack-pair", Support(True, f"{support.reason}: one product over two nibbles "
+                                              "of each Q8_0 code, in compiled steps too; a "
+                                              "prompt's rows in fp32 chunks of the codes taken "
+                                              "out of it")  # fmt: skip
     if kind == "Q8_0":
         why = "fp32 outputs asked for" if fp32_output else support.reason
+        if support and not pair and not fp32_output:
+            why = "int4pack's layout here is not one qkv can read the codes back from"
         codes = "the codes" if graph_int8_reductions() else "the codes, read as int32 words,"
         return "int8-blockwise", Support(True, f"{why}; Q8_0: int8 codes times fp32 block "
                                                "scales, in cache-sized chunks (public ops, "
@@ -225,15 +225,16 @@ class QuantizedLinear(nn.Module):
             self._sharing[0].dissolve()
         self.kernel, self.kernel_reason = quantized_kernel(self.kind, fp32_output=self.fp32_output)
         self.graph_int8_reductions = graph_int8_reductions()  # decided here: graphs read a bool
+        self.row_block = int4pack_row_block()  # and an int
         shape = (self.out_features, self.in_features)
         if self.kernel == "int4pack":
             packed, scales_and_zeros = int4pack_layout(self.blocks, self.kind, *shape)
             laid_out = {"packed": packed, "scales_and_zeros": scales_and_zeros}
-        elif self.kernel == "int4pack-pair":  # and int8-blockwise's for PAIR_ROWS rows or more
+        elif self.kernel == "int4pack-pair":  # and fp32 scales for PAIR_ROWS rows or more
             packed, scales_and_zeros = int4pack_pair_layout(self.blocks, *shape)
-            codes, scales = int8_layout(self.blocks, *shape)
-            laid_out = {"packed": packed, "scales_and_zeros": scales_and_zeros,
-                        "codes": codes, "scales": scales}  # fmt: skip
+            scales = int8_layout(self.blocks, *shape)[1]  # (out, groups, 1): padded as packed
+            scales = F.pad(scales, (0, 0, 0, 0, 0, packed.shape[0] - self.out_features))
+            laid_out = {"packed": packed, "scales_and_zeros": scales_and_zeros, "scales": scales}
         elif self.kernel == "int8-blockwise":
             codes, scales = int8_layout(self.blocks, *shape)
             laid_out = {"codes": codes, "scales": scales}
@@ -249,8 +250,7 @@ class QuantizedLinear(nn.Module):
     @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype the kernel computes in (inputs are cast to it, outputs cast back), for
-        fewer than PAIR_ROWS rows in eager calls (int4pack-pair's products of more rows, and of
-        any rows inside a compiled graph, are fp32)."""
+        fewer than PAIR_ROWS rows (int4pack-pair's products of more rows are fp32)."""
         return torch.bfloat16 if self.kernel.startswith("int4pack") else torch.float32
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -288,29 +288,31 @@ class QuantizedLinear(nn.Module):
         """(N, in) -> (N, out), in the kernel's compute dtype (fp32 where a graph reduces)."""
         if self.kernel == "int4pack":
             return int4pack_product(rows, self.packed, self.scales_and_zeros, self.out_features)
-        if self.kernel not in ("int8-blockwise", "int4pack-pair"):
+        if self.kernel == "dequantized":
             return F.linear(rows.float(), self.dense_weight)
-        pair, compiling = self.kernel == "int4pack-pair", torch.compiler.is_compiling()
-        if compiling and (self.graph_int8_reductions or not pair):
-            return self._graph_product(rows)
-        if pair and (rows.shape[0] < PAIR_ROWS or compiling):  # held to AVX2: any rows
-            pair_rows = int4pack_pair_rows(rows)  # (N, 2 in)
-            return int4pack_product(pair_rows, self.packed, self.scales_and_zeros,
-                                    self.out_features)  # fmt: skip
-        if "words" in self._buffers:  # the inputs in the words' byte order
-            return int8_blockwise_product(int8_words_inputs(rows), self.words.view(torch.int8),
-                                          self.scales)  # fmt: skip
-        return int8_blockwise_product(rows, self.codes, self.scales)
+        compiling = torch.compiler.is_compiling()
+        if self.kernel == "int8-blockwise":
+            if compiling:
+                return self._graph_product(rows)
+            if "words" in self._buffers:  # the inputs in the words' byte order
+                words = self.words.view(torch.int8)
+                return int8_blockwise_product(int8_words_inputs(rows), words, self.scales)
+            return int8_blockwise_product(rows, self.codes, self.scales)
+        # int4pack-pair; held to AVX2 a graph's uint8 loads are slow: the pair for any rows
+        if rows.shape[0] < PAIR_ROWS or (compiling and not self.graph_int8_reductions):
+            return int4pack_product(int4pack_pair_rows(rows), self.packed,
+                                    self.scales_and_zeros, self.out_features)  # fmt: skip
+        product = int4pack_pair_chunked_product if compiling else int4pack_pair_blockwise_product
+        y = product(rows, self.packed, self.scales, self.row_block)  # (N, out + padding)
+        return y if y.shape[1] == self.out_features else y[:, : self.out_features]
 
     def _graph_product(self, rows: torch.Tensor) -> torch.Tensor:
-        """A Q8_0 product inside a graph (torch.compile, torch.export), fp32 on the exact
-        weights. Under PAIR_ROWS rows (GRAPH_CHUNK_ROWS where the codes are more than
-        CACHED_CODES) one reduction over the int8 codes: inductor makes it one streaming pass,
-        faster there than both eager kernels (a SmolLM2 Q8_0 step exported 78 tok/s against 68
-        with the int4pack pair, Intel AVX-512, 2 threads, benchmarks/decode_smollm2.py's
-        prompt). From there `int8_chunked_product`: the codes dequantized a cached chunk at a
-        time, each chunk read for every row, rather than `int8_blockwise_product`, whose scratch
-        a graph would copy at every chunk. (N, in) -> (N, out)."""
+        """An int8-blockwise product inside a graph (torch.compile, torch.export), fp32 on the
+        exact weights: under PAIR_ROWS rows (GRAPH_CHUNK_ROWS where the codes are more than
+        CACHED_CODES) one reduction over the codes, which inductor makes one streaming pass
+        (SmolLM2's 49152 x 576 output layer: 1.6 ms a row, ~10 for the eager chunks; Intel
+        AVX-512, 2 threads); from there their chunks (`int8_chunked_product`), without the
+        eager scratch that a graph would copy at every chunk. (N, in) -> (N, out)."""
         reduced = GRAPH_CHUNK_ROWS if self.scales.numel() * BLOCK > CACHED_CODES else PAIR_ROWS
         if "words" in self._buffers:  # held to AVX2
             if rows.shape[0] < reduced:
@@ -323,11 +325,9 @@ class QuantizedLinear(nn.Module):
     def _traced_alone(self) -> bool:
         """Inside torch.compile's graphs each layer computes its own product (kept slices would
         be state guarded in the graph). torch.export's tracing (non-strict: the Python runs, on
-        fake tensors) shares int4pack products as eager calls do, so the exported step holds one
-        product per shared input; a Q8_0 layer reduces on its own there (`_graph_product`)."""
-        if not torch.compiler.is_compiling():
-            return False
-        return not torch.compiler.is_exporting() or self.kernel == "int4pack-pair"
+        fake tensors) shares products as eager calls do, so that the exported decoding step
+        holds one product per shared input."""
+        return torch.compiler.is_compiling() and not torch.compiler.is_exporting()
 
     def requires_grad_(self, requires_grad: bool = True) -> QuantizedLinear:
         """The bias follows; the quantized weight cannot: refused when `requires_grad`."""

@@ -3,13 +3,16 @@ product, and the products. Shapes: blocks (out, in // 32 * block bytes) uint8, r
 
 - int4pack (Q4_0, Q4_1): `int4pack_layout`, `int4pack_product` (PyTorch's
   `_weight_int4pack_mm_for_cpu`: w = (q - 8) * scale + zero per group of 32, bf16);
-- int4pack-pair (Q8_0): `int4pack_pair_layout`, the same product over [x, x];
+- int4pack-pair (Q8_0): `int4pack_pair_layout`, the same product over [x, x], and for a
+  prompt's rows fp32 chunks of the codes taken back out of it (`int4pack_pair_codes`);
 - int8-blockwise (Q8_0): `int8_layout`, `int8_blockwise_product` (fp32, exact weights), and
   `int8_reduction_product`, the same product written as one reduction for a compiled graph
   (`int8_words_reduction_product` over `int8_words` where PyTorch's kernels are AVX2).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -21,9 +24,13 @@ __all__ = [
     "SCRATCH_VALUES",
     "graph_int8_reductions",
     "int4pack_layout",
+    "int4pack_pair_blockwise_product",
+    "int4pack_pair_chunked_product",
+    "int4pack_pair_codes",
     "int4pack_pair_layout",
     "int4pack_pair_rows",
     "int4pack_product",
+    "int4pack_row_block",
     "int8_blockwise_product",
     "int8_chunked_product",
     "int8_layout",
@@ -37,6 +44,9 @@ __all__ = [
 BLOCK = 32  # values per block of every kind here, and int4pack's group size
 # fp32 values dequantized at once by the Q8_0 kernel: a scratch of 2 MiB, kept in cache
 SCRATCH_VALUES = 1 << 19
+# the pair layout's rows are padded to a multiple of this: whole blocks of int4pack's CPU
+# layout, whose blocks are 64 output rows (AVX-512) or 32 (AVX2) (`int4pack_row_block`)
+PAIR_ROW_PADDING = 64
 
 
 def int4pack_layout(
@@ -64,20 +74,80 @@ def int4pack_pair_layout(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Q8_0 blocks as one int4pack weight of (out, 2 in): the high nibbles h of q + 128 (scale
     16d, zero 0: (h - 8) 16d = 16dh - 128d), then the low ones l (scale d, zero 8d: dl); their
-    sum over [x, x] is x (d q)^T. Rows padded to 16 as `_int4pack_layout` pads them."""
+    sum over [x, x] is x (d q)^T. Rows padded to PAIR_ROW_PADDING (scale 0, zero 0)."""
     groups = in_features // BLOCK
     fields = blocks.reshape(out_features, groups, BLOCK_FORMATS["Q8_0"].nbytes)
     d = _f16(fields, 0)  # (out, groups) float64
     q = fields[..., 2:].view(torch.int8).to(torch.int32) + 128  # (out, groups, 32) in [0, 255]
     codes = torch.cat(((q >> 4).reshape(out_features, in_features),
                        (q & 15).reshape(out_features, in_features)), dim=1)  # fmt: skip
-    padding = -out_features % 16
+    padding = -out_features % PAIR_ROW_PADDING
     codes = F.pad(codes, (0, 0, 0, padding))  # (out + padding, 2 in)
     high = torch.stack((16 * d, torch.zeros_like(d)), dim=-1)  # (out, groups, 2)
     low = torch.stack((d, 8 * d), dim=-1)
     scales_and_zeros = F.pad(torch.cat((high, low), dim=1), (0, 0, 0, 0, 0, padding))
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     return packed, scales_and_zeros.transpose(0, 1).contiguous().to(torch.bfloat16)
+
+
+@functools.cache
+def int4pack_row_block() -> int | None:
+    """Output rows per block of int4pack's CPU layout here (64 where PyTorch's kernels are
+    AVX-512, 32 AVX2), learned by packing a known weight: None where neither layout below is
+    what this PyTorch writes, and the pair's codes cannot be read back (`int4pack_pair_codes`).
+    In a block of B rows the values of input k are B / 2 bytes, byte i holding row i in its
+    low nibble and row B / 2 + i in its high one."""
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randint(0, 16, (2 * PAIR_ROW_PADDING, 64), generator=generator)
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.to(torch.int32), 1)
+    except RuntimeError:
+        return None
+    for block in (64, 32):
+        halves = values.view(-1, 2, block // 2, 64)  # (blocks, low/high nibble, i, k)
+        bytes_ = (halves[:, 0] | halves[:, 1] << 4).transpose(1, 2)  # (blocks, k, i)
+        if torch.equal(bytes_.flatten().to(torch.uint8), packed.flatten()):
+            return block
+    return None
+
+
+def int4pack_pair_codes(packed: torch.Tensor, row_block: int) -> torch.Tensor:
+    """The Q8_0 codes of whole blocks of a pair layout's rows, taken back out of it: packed
+    (n, in) uint8 rows of `int4pack_pair_layout`, n a multiple of `row_block`
+    (`int4pack_row_block`) -> (n, in // 32, 32) int8, the blocks' own codes."""
+    n, in_features = packed.shape
+    nibbles = packed.view(n // row_block, 2, in_features, row_block // 2)  # (b, h/l, k, i)
+    high, low = nibbles[:, 0], nibbles[:, 1]
+    first = (high & 15) << 4 | low & 15  # q + 128 of the block's rows i
+    second = high & 0xF0 | low >> 4  # of rows row_block / 2 + i
+    shifted = torch.stack((first, second), dim=1).transpose(-1, -2)  # (b, 2, i, k)
+    return (shifted ^ 0x80).reshape(n, in_features // BLOCK, BLOCK).view(torch.int8)
+
+
+def int4pack_pair_blockwise_product(
+    rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, row_block: int
+) -> torch.Tensor:
+    """`int8_blockwise_product` (fp32, the exact weights) over the codes of a pair layout,
+    taken out of it a chunk at a time; scales (out + padding, groups, 1) fp32. (N, in) -> (N,
+    out + padding)."""
+    codes = functools.partial(_pair_chunk, packed, row_block)
+    return _blockwise(rows, scales, codes, row_block)
+
+
+def int4pack_pair_chunked_product(
+    rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, row_block: int
+) -> torch.Tensor:
+    """`int8_chunked_product` (inside a graph) over the codes of a pair layout, taken out of it
+    a chunk at a time. (N, in) -> (N, out + padding)."""
+
+    def weights(chunk: slice) -> torch.Tensor:  # (n, groups, 32)
+        return _pair_chunk(packed, row_block, chunk.start, chunk.stop).float() * scales[chunk]
+
+    return _by_chunks(rows, scales.shape, weights, row_block)
+
+
+def _pair_chunk(packed: torch.Tensor, row_block: int, start: int, stop: int) -> torch.Tensor:
+    return int4pack_pair_codes(packed[start:stop], row_block)
 
 
 def int4pack_pair_rows(rows: torch.Tensor) -> torch.Tensor:
@@ -112,14 +182,20 @@ def int8_blockwise_product(
 ) -> torch.Tensor:
     """Q8_0: codes times fp32 scales, a cache-sized chunk of rows at a time, each chunk
     multiplied by F.linear in fp32: the exact weights, never all at once. (N, in) -> (N, out)."""
+    return _blockwise(rows, scales, lambda start, stop: codes[start:stop])
+
+
+def _blockwise(rows: torch.Tensor, scales: torch.Tensor, codes, multiple: int = 1) -> torch.Tensor:
+    """The chunk loop of `int8_blockwise_product`: `codes(start, stop)` gives the (stop -
+    start, groups, 32) int8 codes of those output rows; chunks of a multiple of `multiple`."""
     rows = rows.float()
-    out_features, groups = codes.shape[:2]
+    out_features, groups = scales.shape[:2]
     y = rows.new_empty(rows.shape[0], out_features)
-    step = _chunk_rows(groups)
+    step = _chunk_rows(groups, multiple)
     scratch = rows.new_empty(min(step, out_features), groups, BLOCK)
     for start in range(0, out_features, step):
         stop = min(start + step, out_features)
-        weight = scratch[: stop - start].copy_(codes[start:stop])  # int8 -> fp32
+        weight = scratch[: stop - start].copy_(codes(start, stop))  # int8 -> fp32
         weight.mul_(scales[start:stop])  # (rows, groups, 32): dequantize's values
         y[:, start:stop] = F.linear(rows, weight.view(stop - start, -1))
     return y
@@ -153,12 +229,13 @@ def int8_chunked_product(
     return _by_chunks(rows, codes.shape, lambda chunk: codes[chunk].float() * scales[chunk])
 
 
-def _by_chunks(rows: torch.Tensor, shape: torch.Size, weights) -> torch.Tensor:
+def _by_chunks(rows: torch.Tensor, shape: torch.Size, weights, multiple: int = 1) -> torch.Tensor:
     """The rows times each chunk of output rows' fp32 weights, `weights(chunk)` (n, groups, 32)
-    for a slice of the (out, groups, ...) `shape`, one matrix product a chunk, concatenated."""
+    for a slice of the (out, groups, ...) `shape`, one matrix product a chunk, concatenated;
+    chunks of a multiple of `multiple` rows."""
     x = rows.float()
     out_features, groups = shape[:2]
-    step = _chunk_rows(groups)
+    step = _chunk_rows(groups, multiple)
     starts = range(0, out_features, step)
     chunks = [x @ weights(slice(start, start + step)).flatten(1).t() for start in starts]
     return torch.cat(chunks, dim=-1)
@@ -222,10 +299,11 @@ def int8_words_chunked_product(
     return _by_chunks(rows, words.shape, weights)
 
 
-def _chunk_rows(groups: int) -> int:
+def _chunk_rows(groups: int, multiple: int = 1) -> int:
     """Output rows of a Q8_0 weight of `groups` blocks a row dequantized at once: SCRATCH_VALUES
-    fp32 values, at least 16 rows."""
-    return max(16, SCRATCH_VALUES // (groups * BLOCK))
+    fp32 values, at least 16 rows, rounded up to a multiple of `multiple`."""
+    rows = max(16, SCRATCH_VALUES // (groups * BLOCK))
+    return -(-rows // multiple) * multiple
 
 
 def _f16(fields: torch.Tensor, offset: int) -> torch.Tensor:
