@@ -72,10 +72,12 @@ def test_one_product_for_the_layers_that_read_one_input_with_their_own_outputs(
     assert ffn.gate_proj._sharing[0].shares_with(0) == ["up_proj"]
     assert ffn.down_proj._sharing is None  # alone of its input width
     joined = attn.q_proj.joined_scales_and_zeros  # (groups, 256, 2): q, k and v's scales
-    assert joined.is_contiguous() and joined.data_ptr() == sharing.spare.data_ptr()
+    assert joined.is_contiguous() and joined.data_ptr() == sharing.scales.data_ptr()
     assert torch.equal(joined, torch.cat([m.scales_and_zeros for m in sharing.layers[:3]], 1))
-    for index, layer in enumerate(sharing.layers):  # the codes: views of the joint layout
+    for index, layer in enumerate(sharing.layers):  # codes and scales: views of the joint ones
         assert layer.packed.untyped_storage().data_ptr() == sharing.packed.data_ptr()
+        scales = layer.scales_and_zeros.untyped_storage()
+        assert scales.data_ptr() == sharing.scales.untyped_storage().data_ptr()
         assert layer.packed.data_ptr() == sharing.packed[sharing.starts[index]].data_ptr()
     # a step, once learned: q+k+v, out, gate+up, down per layer (a Q8_0 prompt is fp32 chunks)
     per_step = [128 + 64 + 64, 128, 192 + 192, 128] * CONFIG.num_layers

@@ -18,11 +18,14 @@ and ends at a multiple of 64 is a packed weight of its own (checked on this mach
 Which children read one tensor is learned from the first round of calls, as `shared_input` learns
 it for `packed_linears` (`InputSharing`): out_proj reads the attention's output, not x. From then
 on those children, contiguous in the joint layout, are one product over their rows, each taking
-its slice when called with that very tensor. Their scales are joined too, into room taken at
-load (a quarter of the codes' bytes: 10 MB for SmolLM2). A child called with another tensor or
-under autograd computes its own product, and so does every child inside torch.compile's graphs;
-torch.export's tracing shares them as eager calls do, so that the exported decoding step
-(qkv.acceleration.exported) holds one product per shared input.
+its slice when called with that very tensor. Their scales are joined too, in place: at load each
+child's scales move into its segment of one tensor (`scales`), and the segments of children found
+to share an input are rewritten there as their joint (groups, rows, 2) scales, whose column slices
+the children then hold (a view is copied before int4pack reads it). So the scales are in memory
+once, as the file's are. A child called with another tensor or under autograd computes its own
+product, and so does every child inside torch.compile's graphs; torch.export's tracing shares them
+as eager calls do, so that the exported decoding step (qkv.acceleration.exported) holds one
+product per shared input.
 """
 
 from __future__ import annotations
@@ -87,15 +90,22 @@ class QuantizedSharing(InputSharing):
         # (`row_slices_hold`), built without reading their blocks again
         self.packed = torch.cat([layer.packed for layer in layers])
         self.starts = [0, *torch.tensor(self.widths).cumsum(0).tolist()]
-        # room for the joined scales of the subsets that will be learned, taken now: made
-        # while a prompt runs, these long-lived tensors pinned glibc's heap above its
-        # temporaries (30-100 MB more after a 512-token context, SmolLM2)
-        self.spare = first.scales_and_zeros.new_empty(
-            first.scales_and_zeros.shape[0] * self.starts[-1] * 2
-        )
+        # every layer's scales in its segment of one tensor, taken now (made while a prompt
+        # runs, long-lived tensors pinned glibc's heap above its temporaries: 30-100 MB more
+        # after a 512-token context, SmolLM2); the subsets learned later are joined there
+        groups = first.scales_and_zeros.shape[0]
+        self.scales = first.scales_and_zeros.new_empty(groups * self.starts[-1] * 2)
         for index, layer in enumerate(layers):
             layer.packed = self.packed[self.starts[index] : self.starts[index + 1]]  # a view
+            segment = self._segment(range(index, index + 1)).view(groups, layer.out_features, 2)
+            layer.scales_and_zeros = segment.copy_(layer.scales_and_zeros)  # its own freed
             layer._sharing = (self, index)
+
+    def _segment(self, subset) -> torch.Tensor:
+        """The flat room of `scales` for the layers of `subset` (consecutive indices)."""
+        groups = self.layers[0].scales_and_zeros.shape[0]
+        rows = slice(self.starts[subset[0]], self.starts[subset[-1] + 1])
+        return self.scales[2 * groups * rows.start : 2 * groups * rows.stop]
 
     def dissolve(self) -> None:
         """Each layer computes alone from now on (one was laid out again: a state dict loaded);
@@ -118,10 +128,12 @@ class QuantizedSharing(InputSharing):
         owner = self.layers[subset[0]]
         owner.register_buffer("joined_packed", self.packed[rows], persistent=False)
         width, groups = rows.stop - rows.start, owner.scales_and_zeros.shape[0]
-        room = self.spare[2 * groups * rows.start : 2 * groups * rows.stop]  # disjoint subsets
-        scales = room.view(groups, width, 2)  # contiguous, as the kernel and its lowering read
-        torch.cat([self.layers[j].scales_and_zeros for j in subset], dim=1, out=scales)
+        joint = torch.cat([self.layers[j].scales_and_zeros for j in subset], dim=1)  # a copy
+        scales = self._segment(subset).view(groups, width, 2).copy_(joint)  # over their own
         owner.register_buffer("joined_scales_and_zeros", scales, persistent=False)
+        for j in subset:  # each layer's columns of the joint scales: their values, not copied
+            start = self.starts[j] - rows.start
+            self.layers[j].scales_and_zeros = scales[:, start : start + self.widths[j]]
         pair = self.kernel == "int4pack-pair"
 
         def fused(x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., width) in x's dtype
