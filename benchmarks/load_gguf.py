@@ -37,9 +37,31 @@ from common import format_table, log, machine_info, write_json
 HERE = Path(__file__).resolve().parent
 
 # Each child prints one JSON line: {"import_s", "load_s", "peak_rss_mb", "import_rss_mb",
-# "context_rss_mb"} (the high-water marks after the imports, the load, and a 512-token context).
+# "context_rss_mb"} (the high-water marks after the imports, the load, and a 512-token context),
+# "mapped_mb" (the file's pages resident in the process then) and "weights_mb" (those and the
+# model's storages outside the file: what its weights hold in memory; llama.cpp: None).
 _CHILD = r"""
-import json, resource, sys, time
+import json, os, re, resource, sys, time
+def file_mapping(path):
+    # ([(start, end)] of the mappings of the file at `path`, MiB of their resident pages)
+    ranges, resident, inside, real = [], 0, False, os.path.realpath(path)
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            header = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+            if header:
+                inside = line.split()[-1] == real
+                if inside:
+                    ranges.append((int(header[1], 16), int(header[2], 16)))
+            elif inside and line.startswith("Rss:"):
+                resident += int(line.split()[1])
+    return ranges, resident / 1024
+def weights_mb(model, ranges, mapped):
+    # the distinct storages of the model's parameters and buffers outside the file's mappings,
+    # and the file's resident pages: what the weights hold in memory
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*model.parameters(), *model.buffers()]}
+    inside = lambda p: any(a <= p < b for a, b in ranges)
+    return sum(n for p, n in storages.items() if not inside(p)) / 2**20 + mapped
 def high_water_mb():
     # VmHWM: this process's own mark. ru_maxrss starts at the parent's RSS when it forked
     # (Linux keeps the pre-exec copy's mark), which would floor every loader at the parent's.
@@ -92,9 +114,11 @@ else:
     for _ in range(16):  # greedy: the argmax of the last position's logits
         last = llama_cpp.llama_get_logits_ith(model.ctx, -1)
         model.eval([int(np.ctypeslib.as_array(last, shape=(model.n_vocab(),)).argmax())])
+ranges, mapped = file_mapping(path)
+weights = None if sys.argv[2] == "llama.cpp" else weights_mb(model, ranges, mapped)
 print(json.dumps({"import_s": imported - started, "load_s": done - started,
                   "peak_rss_mb": loaded_mb, "import_rss_mb": import_mb,
-                  "context_rss_mb": high_water_mb()}))
+                  "context_rss_mb": high_water_mb(), "mapped_mb": mapped, "weights_mb": weights}))
 """
 
 

@@ -167,6 +167,31 @@ def test_the_pair_gives_back_the_blocks_codes_and_is_the_layers_only_copy(
         assert error <= dense_error_bound(x, weight, dtype)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_blocks_in_llama_cpps_rope_order_are_the_layer_on_the_reordered_rows(kind):
+    """A q/k projection's blocks as a GGUF file holds them (llama.cpp's interleaved RoPE rows)
+    with `rope_heads`: the same layer as one on the rows reordered to qkv's half-split order,
+    in its products, its dequantized weight and its state dict, whose blocks (the layer's
+    order) load into either; a head count that does not split the rows is refused by name."""
+    from qkv.positional.rope_layout import interleaved_to_half_split
+
+    generator = torch.Generator().manual_seed(7)
+    file_order = quantize_blocks(torch.randn(128, 64, generator=generator), kind)  # 2 heads
+    reordered = QuantizedLinear(interleaved_to_half_split(file_order, 2), kind)
+    layer = QuantizedLinear(file_order, kind, rope_heads=2)
+    assert layer.blocks.data_ptr() == file_order.data_ptr()  # kept, not copied
+    x = torch.randn(3, 64, generator=generator)
+    assert torch.equal(layer(x), reordered(x))
+    assert torch.equal(layer.dequantized_weight(), reordered.dequantized_weight())
+    assert torch.equal(layer.state_dict()["blocks"], reordered.blocks)
+    reordered.load_state_dict(layer.state_dict())
+    layer.load_state_dict(reordered.state_dict())  # now its own rows, in its order
+    assert layer.rope_heads is None and file_order.data_ptr() != layer.blocks.data_ptr()
+    assert torch.equal(layer(x), reordered(x))
+    with pytest.raises(ValueError, match="rope_heads: expected heads of an even size"):
+        QuantizedLinear(file_order, kind, rope_heads=3)
+
+
 def test_a_width_that_is_not_whole_blocks_is_refused_by_name():
     with pytest.raises(ValueError, match="in_features=50 is not a multiple"):
         QuantizedLinear.from_linear(nn.Linear(50, 16), "Q4_1")

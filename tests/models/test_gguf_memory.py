@@ -78,16 +78,16 @@ def test_a_small_file_is_read_whole_and_release_leaves_it_alone(tmp_path):
 @linux
 def test_the_quantized_loader_keeps_views_of_the_file_and_releases_what_it_read(smollm2_path):
     """The Q4_1 and Q8_0 blocks of quantized_from_gguf's model are views of the file's mapping
-    (q/k, whose rows move to qkv's RoPE order, are copies), and once loaded the file's pages
-    are no longer resident: the kernels read their own layouts of the blocks, the rest was
-    decoded or copied."""
+    (q/k too: their rows are reordered to qkv's RoPE order as they are laid out, `rope_heads`),
+    and once loaded the file's pages are no longer resident: the kernels read their own
+    layouts of the blocks, the rest was decoded."""
     file = read_gguf(smollm2_path)
     model = quantized_from_gguf(file)
     low, high = _address_range(file)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
-    viewed = {n for n, m in linears.items() if low <= m.blocks.data_ptr() < high}
-    copied = set(linears) - viewed
-    assert copied == {n for n in linears if n.endswith(("q_proj", "k_proj"))}
+    assert all(low <= m.blocks.data_ptr() < high for m in linears.values())
+    reordered = {n for n, m in linears.items() if m.rope_heads is not None}
+    assert reordered == {n for n in linears if n.endswith(("q_proj", "k_proj"))}
     assert low <= model.token_embedding.blocks.data_ptr() < high
     # of a 94 MiB file: the header read (~1.8 MiB) and the partial pages at tensors' ends
     assert _resident_kib(file) < 4 * 1024

@@ -38,8 +38,6 @@ float64 from the dequantized weight: a reference path for checks). Gradients flo
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -47,6 +45,7 @@ from torch import nn
 
 from qkv.acceleration.quantized_kernels import (
     BLOCK,
+    INT4PACK_OPS,
     graph_int8_reductions,
     int4pack_layout,
     int4pack_pair_blockwise_product,
@@ -54,6 +53,7 @@ from qkv.acceleration.quantized_kernels import (
     int4pack_pair_layout,
     int4pack_pair_rows,
     int4pack_product,
+    int4pack_products,
     int4pack_row_block,
     int8_blockwise_product,
     int8_chunked_product,
@@ -72,6 +72,7 @@ from qkv.models.gguf.quants import (
     quantize_q4_1,
     quantize_q8_0,
 )
+from qkv.positional.rope_layout import interleaved_to_half_split
 
 __all__ = [
     "INT4PACK_OPS",
@@ -84,8 +85,6 @@ __all__ = [
 
 KINDS = ("Q4_0", "Q4_1", "Q8_0")
 _QUANTIZERS = {"Q4_0": quantize_q4_0, "Q4_1": quantize_q4_1, "Q8_0": quantize_q8_0}
-INT4PACK_OPS = ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu")
-_VECTORISED = ("AVX2", "AVX512")  # the ISAs int4pack's CPU kernel has vector code for
 # From this many rows on, a Q8_0 product dequantizes chunks for F.linear (fp32) rather than
 # running the pair product, whose cost grows with the rows (AVX2, 576 x 1536: 1 row 176 us
 # against 371, 16 rows 736 against 645, a 512-token prefill 23 ms against 6)
@@ -105,39 +104,6 @@ def quantize_blocks(weight: torch.Tensor, kind: str) -> torch.Tensor:
         got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
         raise ValueError(f"weight: expected a 2-D (out_features, in_features) tensor, got {got}")
     return _QUANTIZERS[kind](weight)
-
-
-def int4pack_products() -> Support:
-    """Can PyTorch's int4pack CPU kernel serve Q4_0/Q4_1 products here? The build must have
-    its ops, PyTorch's kernels must dispatch to AVX2 or AVX-512 (elsewhere, e.g. under
-    ATEN_CPU_CAPABILITY=default, the kernel is a scalar loop, tens of times slower than
-    F.linear), and one product on a tiny weight must be right."""
-    missing = [op for op in INT4PACK_OPS if not hasattr(torch.ops.aten, op)]
-    if missing:
-        return Support(False, f"this PyTorch build lacks the int4pack ops {missing}")
-    isa = torch.backends.cpu.get_cpu_capability()
-    if isa not in _VECTORISED:
-        return Support(False, f"PyTorch's kernels dispatch to {isa} here, and int4pack's CPU "
-                              "kernel is vectorised for AVX2 and AVX-512 only")  # fmt: skip
-    return _int4pack_proved()
-
-
-@functools.cache
-def _int4pack_proved() -> Support:
-    generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(16, 2 * BLOCK, generator=generator)  # (out, in)
-    x = torch.randn(3, 2 * BLOCK, generator=generator)
-    blocks = quantize_q4_1(weight)
-    try:
-        y = int4pack_product(x, *int4pack_layout(blocks, "Q4_1", 16, 2 * BLOCK), 16)
-    except RuntimeError as error:
-        first_line = (str(error).strip().splitlines() or ["no message"])[0]
-        return Support(False, f"PyTorch's int4pack product failed here: {first_line}")
-    expected = F.linear(x, dequantize(blocks, "Q4_1", (16, 2 * BLOCK)))
-    if not torch.allclose(y.float(), expected, rtol=0.02, atol=0.05):
-        return Support(False, "PyTorch's int4pack product gave wrong results here")
-    isa = torch.backends.cpu.get_cpu_capability()
-    return Support(True, f"PyTorch's int4pack ops, with {isa} vector code")
 
 
 def quantized_kernel(kind: str, *, fp32_output: bool = False) -> tuple[str, Support]:
@@ -174,6 +140,10 @@ class QuantizedLinear(nn.Module):
     fp32_output: for a model's output layer, keep Q8_0 outputs in fp32 ("int8-blockwise"):
     logits rounded to bf16 move in steps of 1/8 around 16, which ties a greedy choice and
     coarsens sampling (Q4_0 and Q4_1 have no fp32 kernel here but the dequantized fallback).
+    rope_heads: `blocks` are a q or k projection's rows in llama.cpp's interleaved RoPE order,
+    for this many heads; the layer's rows are qkv's half-split order
+    (`interleaved_to_half_split`), laid out from them: a file's blocks are kept, not copied in
+    that order (the state dict holds them in the layer's order).
     (..., in_features) -> (..., out_features) in x's dtype; `kernel` names what computes it.
     """
 
@@ -184,11 +154,18 @@ class QuantizedLinear(nn.Module):
         *,
         bias: torch.Tensor | None = None,
         fp32_output: bool = False,
+        rope_heads: int | None = None,
     ) -> None:
         super().__init__()
-        self.fp32_output = fp32_output
+        self.fp32_output, self.rope_heads = fp32_output, rope_heads
         _check_kind(kind)
         blocks = _as_block_rows(blocks, kind)
+        rows = blocks.shape[0]
+        if rope_heads is not None and (
+            rope_heads <= 0 or rows % rope_heads or rows // rope_heads % 2
+        ):
+            raise ValueError(f"rope_heads: expected heads of an even size, {rows} rows in all; "
+                             f"got {rope_heads}")  # fmt: skip
         self.kind = kind
         self.out_features = blocks.shape[0]
         self.in_features = blocks.shape[1] // BLOCK_FORMATS[kind].nbytes * BLOCK
@@ -226,17 +203,17 @@ class QuantizedLinear(nn.Module):
         self.kernel, self.kernel_reason = quantized_kernel(self.kind, fp32_output=self.fp32_output)
         self.graph_int8_reductions = graph_int8_reductions()  # decided here: graphs read a bool
         self.row_block = int4pack_row_block()  # and an int
-        shape = (self.out_features, self.in_features)
+        shape, blocks = (self.out_features, self.in_features), self.row_blocks()
         if self.kernel == "int4pack":
-            packed, scales_and_zeros = int4pack_layout(self.blocks, self.kind, *shape)
+            packed, scales_and_zeros = int4pack_layout(blocks, self.kind, *shape)
             laid_out = {"packed": packed, "scales_and_zeros": scales_and_zeros}
-        elif self.kernel == "int4pack-pair":  # and fp32 scales for PAIR_ROWS rows or more
-            packed, scales_and_zeros = int4pack_pair_layout(self.blocks, *shape)
-            scales = int8_layout(self.blocks, *shape)[1]  # (out, groups, 1): padded as packed
+        elif self.kernel == "int4pack-pair":  # and the file's fp16 scales for a prompt's rows
+            packed, scales_and_zeros = int4pack_pair_layout(blocks, *shape)
+            scales = int8_layout(blocks, *shape)[1].half()  # (out, groups, 1), exact
             scales = F.pad(scales, (0, 0, 0, 0, 0, packed.shape[0] - self.out_features))
             laid_out = {"packed": packed, "scales_and_zeros": scales_and_zeros, "scales": scales}
         elif self.kernel == "int8-blockwise":
-            codes, scales = int8_layout(self.blocks, *shape)
+            codes, scales = int8_layout(blocks, *shape)
             laid_out = {"codes": codes, "scales": scales}
             if not self.graph_int8_reductions:  # AVX2: the codes as words, the blocks unread
                 laid_out = {"words": int8_words(codes), "scales": scales}
@@ -256,7 +233,23 @@ class QuantizedLinear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A new (out_features, in_features) tensor: the blocks dequantized (bit-exact)."""
         shape = (self.out_features, self.in_features)
-        return dequantize(self.blocks, self.kind, shape).to(dtype)
+        return dequantize(self.row_blocks(), self.kind, shape).to(dtype)
+
+    def row_blocks(self) -> torch.Tensor:
+        """The blocks in the layer's row order: `blocks`, or (rope_heads) a reordered copy."""
+        if self.rope_heads is None:
+            return self.blocks
+        return interleaved_to_half_split(self.blocks, self.rope_heads)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.rope_heads is not None:  # the blocks in the layer's row order
+            destination[prefix + "blocks"] = self.row_blocks()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args) -> None:
+        if self.rope_heads is not None and prefix + "blocks" in state_dict:  # the layer's order
+            self.rope_heads, self.blocks = None, torch.empty_like(self.blocks)  # not the file's
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 0 or x.shape[-1] != self.in_features or x.device.type != "cpu":

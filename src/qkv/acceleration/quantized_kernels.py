@@ -17,10 +17,12 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from qkv.models.gguf.quants import BLOCK_FORMATS
+from qkv.capabilities import Support
+from qkv.models.gguf.quants import BLOCK_FORMATS, dequantize, quantize_q4_1
 
 __all__ = [
     "BLOCK",
+    "INT4PACK_OPS",
     "SCRATCH_VALUES",
     "graph_int8_reductions",
     "int4pack_layout",
@@ -30,6 +32,7 @@ __all__ = [
     "int4pack_pair_layout",
     "int4pack_pair_rows",
     "int4pack_product",
+    "int4pack_products",
     "int4pack_row_block",
     "int8_blockwise_product",
     "int8_chunked_product",
@@ -42,11 +45,46 @@ __all__ = [
 ]
 
 BLOCK = 32  # values per block of every kind here, and int4pack's group size
+INT4PACK_OPS = ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu")
+_VECTORISED = ("AVX2", "AVX512")  # the ISAs int4pack's CPU kernel has vector code for
 # fp32 values dequantized at once by the Q8_0 kernel: a scratch of 2 MiB, kept in cache
 SCRATCH_VALUES = 1 << 19
 # the pair layout's rows are padded to a multiple of this: whole blocks of int4pack's CPU
 # layout, whose blocks are 64 output rows (AVX-512) or 32 (AVX2) (`int4pack_row_block`)
 PAIR_ROW_PADDING = 64
+
+
+def int4pack_products() -> Support:
+    """Can PyTorch's int4pack CPU kernel serve Q4_0/Q4_1 products here? The build must have
+    its ops, PyTorch's kernels must dispatch to AVX2 or AVX-512 (elsewhere, e.g. under
+    ATEN_CPU_CAPABILITY=default, the kernel is a scalar loop, tens of times slower than
+    F.linear), and one product on a tiny weight must be right."""
+    missing = [op for op in INT4PACK_OPS if not hasattr(torch.ops.aten, op)]
+    if missing:
+        return Support(False, f"this PyTorch build lacks the int4pack ops {missing}")
+    isa = torch.backends.cpu.get_cpu_capability()
+    if isa not in _VECTORISED:
+        return Support(False, f"PyTorch's kernels dispatch to {isa} here, and int4pack's CPU "
+                              "kernel is vectorised for AVX2 and AVX-512 only")  # fmt: skip
+    return _int4pack_proved()
+
+
+@functools.cache
+def _int4pack_proved() -> Support:
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(16, 2 * BLOCK, generator=generator)  # (out, in)
+    x = torch.randn(3, 2 * BLOCK, generator=generator)
+    blocks = quantize_q4_1(weight)
+    try:
+        y = int4pack_product(x, *int4pack_layout(blocks, "Q4_1", 16, 2 * BLOCK), 16)
+    except RuntimeError as error:
+        first_line = (str(error).strip().splitlines() or ["no message"])[0]
+        return Support(False, f"PyTorch's int4pack product failed here: {first_line}")
+    expected = F.linear(x, dequantize(blocks, "Q4_1", (16, 2 * BLOCK)))
+    if not torch.allclose(y.float(), expected, rtol=0.02, atol=0.05):
+        return Support(False, "PyTorch's int4pack product gave wrong results here")
+    isa = torch.backends.cpu.get_cpu_capability()
+    return Support(True, f"PyTorch's int4pack ops, with {isa} vector code")
 
 
 def int4pack_layout(
@@ -128,8 +166,8 @@ def int4pack_pair_blockwise_product(
     rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, row_block: int
 ) -> torch.Tensor:
     """`int8_blockwise_product` (fp32, the exact weights) over the codes of a pair layout,
-    taken out of it a chunk at a time; scales (out + padding, groups, 1) fp32. (N, in) -> (N,
-    out + padding)."""
+    taken out of it a chunk at a time; scales (out + padding, groups, 1) fp16 or fp32. (N, in)
+    -> (N, out + padding)."""
     codes = functools.partial(_pair_chunk, packed, row_block)
     return _blockwise(rows, scales, codes, row_block)
 

@@ -33,7 +33,7 @@ from qkv.acceleration.quantized_sharing import share_quantized_inputs
 from qkv.models.building import built_on_meta, return_freed_heap
 from qkv.models.gguf.config import gguf_config
 from qkv.models.gguf.file import GGUFError, GGUFFile, GGUFTensor, read_gguf
-from qkv.models.gguf.model import gguf_keys, gguf_tensor_names, rope_rows_to_qkv
+from qkv.models.gguf.model import gguf_keys, gguf_tensor_names, rope_heads, rope_rows_to_qkv
 from qkv.models.gguf.quants import BLOCK_FORMATS, dequantize
 from qkv.models.gpt import GPT
 
@@ -100,7 +100,8 @@ def quantized_from_gguf(source: str | Path | GGUFFile) -> GPT:
     """The GGUF file at `source` (a path, or a file read by `qkv.models.gguf.read_gguf`) as a
     GPT in eval mode whose linears stored as Q4_0, Q4_1 or Q8_0 are `QuantizedLinear`s on the
     file's blocks, never dequantized (q/k rows reordered for qkv's RoPE layout, as
-    `qkv.models.from_gguf` does). A token embedding of one of those types is a
+    `qkv.models.from_gguf` does, the blocks kept in the file's order: `rope_heads`). A token
+    embedding of one of those types is a
     `QuantizedEmbedding` on its blocks (each lookup dequantizes its rows), and a tied output
     layer (no output.weight) a QuantizedLinear on the same blocks: the table is in memory once.
     Norms, biases and tensors of other types are dequantized to fp32, as `from_gguf` does; a
@@ -110,7 +111,7 @@ def quantized_from_gguf(source: str | Path | GGUFFile) -> GPT:
     model = built_on_meta(lambda: GPT(config))  # no memory: every weight comes from the file
     dense, quantized = _file_tensors(file, model)
     tied = config.tie_embeddings and "output.weight" not in file.tensors
-    embedding = quantized.pop("token_embedding", None)  # (blocks, kind) or None: dense
+    embedding = quantized.pop("token_embedding", None)  # (blocks, kind, None) or None: dense
     if embedding is not None and tied:  # one table in memory, for the lookup and the output
         quantized = {"lm_head": embedding, **quantized}  # first: its pages go before the rest
     biases = {path: dense.pop(f"{path}.bias", None) for path in quantized}
@@ -130,11 +131,12 @@ def quantized_from_gguf(source: str | Path | GGUFFile) -> GPT:
             f"{missing[:10]}, unexpected {unexpected}"
         )
     if embedding is not None:
-        model.token_embedding = QuantizedEmbedding(*embedding)
-    for path, (blocks, kind) in quantized.items():
+        model.token_embedding = QuantizedEmbedding(*embedding[:2])
+    for path, (blocks, kind, heads) in quantized.items():
         parent, _, name = path.rpartition(".")
         head = path == "lm_head"  # its logits stay fp32 where a kernel can (Q8_0)
-        linear = QuantizedLinear(blocks, kind, bias=biases[path], fp32_output=head)
+        linear = QuantizedLinear(blocks, kind, bias=biases[path], fp32_output=head,
+                                 rope_heads=heads)  # fmt: skip
         model.get_submodule(parent).register_module(name, linear)
         file.release(blocks)  # laid out for its kernel: the file's pages go until read again
         return_freed_heap()  # and the temporaries of the layout
@@ -171,9 +173,10 @@ def quantized_pays(source: str | Path | GGUFFile) -> capabilities.Support:
 
 
 def _file_tensors(file: GGUFFile, model: GPT) -> tuple[dict, dict]:
-    """({qkv key: fp32 tensor}, {linear path: (blocks (out, row bytes), kind)}): the file's
-    tensors under qkv's names, q/k rows in qkv's RoPE layout, each checked against the (meta)
-    model's shape. A linear weight of one of KINDS stays blocks; the rest is dequantized."""
+    """({qkv key: fp32 tensor}, {linear path: (blocks (out, row bytes), kind, rope heads)}):
+    the file's tensors under qkv's names, each checked against the (meta) model's shape, q/k
+    rows in qkv's RoPE layout (blocks: in the file's, with the heads that reorder them). A
+    linear weight of one of KINDS stays blocks; the rest is dequantized."""
     config = model.config
     names = gguf_tensor_names(config.num_layers)
     expected = model.state_dict()
@@ -197,15 +200,13 @@ def _file_tensors(file: GGUFFile, model: GPT) -> tuple[dict, dict]:
         values = (
             _block_rows(tensor) if blocks else dequantize(tensor.raw, tensor.kind, tensor.shape)
         )
-        viewed = False  # whether a part keeps the file's bytes (blocks not reordered)
         for key, part in zip(keys, values.chunk(len(keys), dim=0), strict=True):
-            moved = rope_rows_to_qkv(key, part, config)
-            if blocks:  # an embedding's rows are blocks as a linear's are
-                quantized[key.removesuffix(".weight")] = (moved, tensor.kind)
-                viewed = viewed or moved is part
+            if blocks:  # an embedding's rows are blocks as a linear's are: the file's bytes
+                heads = rope_heads(key, config)
+                quantized[key.removesuffix(".weight")] = (part, tensor.kind, heads)
             else:
-                dense[key] = moved
-        if not viewed:  # decoded or copied: the file's pages are not needed again
+                dense[key] = rope_rows_to_qkv(key, part, config)
+        if not blocks:  # decoded: the file's pages are not needed again
             file.release(tensor.raw)
     return dense, quantized
 

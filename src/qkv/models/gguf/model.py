@@ -158,11 +158,18 @@ def gguf_keys(name: str, names: dict[str, str]) -> list[str]:
 def rope_rows_to_qkv(key: str, values: torch.Tensor, config: GPTConfig) -> torch.Tensor:
     """q/k rows (weights, biases, or their quantized blocks) from llama.cpp's adjacent-pair
     RoPE layout to qkv's half-split one; any other tensor as it is."""
+    heads = rope_heads(key, config)
+    return values if heads is None else interleaved_to_half_split(values, heads)
+
+
+def rope_heads(key: str, config: GPTConfig) -> int | None:
+    """The heads whose rows the tensor `key` (a qkv name) holds in llama.cpp's RoPE layout: a
+    q or k projection's of a RoPE model; None for any other."""
     if config.position == "rope" and ".q_proj." in key:
-        return interleaved_to_half_split(values, config.num_heads)
+        return config.num_heads
     if config.position == "rope" and ".k_proj." in key:
-        return interleaved_to_half_split(values, config.num_kv_heads or config.num_heads)
-    return values
+        return config.num_kv_heads or config.num_heads
+    return None
 
 
 def _check_shapes(file: GGUFFile, expected: dict, names: dict[str, str]) -> None:
