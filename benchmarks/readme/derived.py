@@ -139,10 +139,6 @@ def parity(d: dict) -> dict:
     return {"written_by_qkv": [d["written"]] if d.get("written") else []}
 
 
-def load(d: dict) -> dict:
-    return {"rows": [{"name": name, **row} for name, row in d.get("rows", {}).items()]}
-
-
 def decode_smollm2(d: dict) -> dict:
     """The kernel lines of `explain_quantized` per file; the AOT rows for the headlines."""
     kernels = [f"{kind} file: {line.strip()}" for kind, text in d.get("kernels", {}).items()
@@ -167,6 +163,6 @@ KINDS = {  # a file's stem, or the start of it before "_": its function
     "attention": attention, "patterns": patterns, "flash": flash, "sparse": sparse,
     "models": models, "decode": decode, "decode_batch": decode_batch,
     "decode_breakdown": decode_breakdown, "context_parallel": context_parallel,
-    "parity_llama_cpp": parity, "load_gguf": load, "decode_smollm2": decode_smollm2,
+    "parity_llama_cpp": parity, "decode_smollm2": decode_smollm2,
     "flash_gpu": flash_gpu,
 }  # fmt: skip
