@@ -26,6 +26,11 @@ hits each alike):
     same tokens    greedy tokens equal to llama.cpp's on the same file, to the first difference
     weights MB     the storages behind the model's parameters and buffers that its kernels
                    read (qkv; llama.cpp maps the file)
+    of read limit  decode tok/s over the limit this machine's read bandwidth sets: a step reads
+                   every weight once (qkv: weights MB; llama.cpp: the file) and the KV cache
+                   (fp32 for qkv, f16 for llama.cpp, at the mean decoded length), so the limit
+                   is the bandwidth over those bytes, measured by decode.py's probe (.sum() over
+                   1 GiB) once a round: the median over rounds of each round's fraction
 and each qkv candidate's ratio to llama.cpp on its file: the median over rounds of the ratio
 within a round. Written to results/decode_smollm2.json
 with the machine (CPU model, ISA, PyTorch's CPU capability) and the kernels.
@@ -43,6 +48,7 @@ from pydoc_data.topics import topics
 import numpy as np
 import torch
 from common import format_table, log, machine_info, write_json
+from decode import Bandwidth
 from load_gguf import smollm2_file, write_again
 
 from qkv.acceleration import (
@@ -219,6 +225,19 @@ def race_batch(candidates: dict, ids: list[int], args) -> list[dict]:
     ]  # fmt: skip
 
 
+def step_bytes_read(
+    weights_mb: float | None, file_bytes: int, meta: dict, positions: float
+) -> float:
+    """Bytes a decoding step reads: the weights (qkv's `weights_mb`; None: llama.cpp, the
+    file's `file_bytes`) and the KV cache of `positions` tokens (fp32 for qkv, f16 for
+    llama.cpp)."""
+    head_dim = meta["llama.embedding_length"] // meta["llama.attention.head_count"]
+    per_position = 2 * meta["llama.block_count"] * meta["llama.attention.head_count_kv"] * head_dim
+    if weights_mb is None:
+        return file_bytes + 2 * per_position * positions
+    return weights_mb * 2**20 + 4 * per_position * positions
+
+
 def paired_ratio(ours: list[float], theirs: list[float]) -> float:
     """The median over rounds of ours / theirs in the same round: a busy spell that slows one
     round slows both sides of its ratio."""
@@ -267,7 +286,12 @@ def main() -> None:
         decode = {key: [] for key in candidates}
         prefill = {key: [] for key in candidates}
         tokens = {}
+        bandwidth = Bandwidth("cpu")
+        bandwidth.measure(3)
+        read = []  # bytes/s of each round's probe
         for round_index in range(args.rounds):
+            bandwidth.measure(1)
+            read.append(bandwidth.x.nbytes / bandwidth.read_samples[-1])
             order = list(candidates)
             order = order[round_index % len(order) :] + order[: round_index % len(order)]
             for key in order:
@@ -282,6 +306,7 @@ def main() -> None:
             "qkv quantized, AOT": Qkv(models[("Q4_1", "qkv quantized")], "aot", BATCH),
         }
         batch_rows = race_batch(batched, ids, args)
+        sizes = {kind: path.stat().st_size for kind, path in files.items()}
         batched["llama.cpp"].close()
     rows = []
     for (kind, name), candidate in candidates.items():
@@ -298,19 +323,26 @@ def main() -> None:
         }  # fmt: skip
         row["decode_vs_llama_cpp"] = paired_ratio(decode[(kind, name)], decode[peer])
         row["prefill_vs_llama_cpp"] = paired_ratio(prefill[(kind, name)], prefill[peer])
+        step_bytes = step_bytes_read(row["weights_mb"], sizes[kind], file.metadata,
+                                     len(ids) + args.new_tokens / 2)  # fmt: skip
+        rates = zip(decode[(kind, name)], read, strict=True)
+        row["bytes_per_token"] = step_bytes
+        row["read_limit_fraction"] = statistics.median(r * step_bytes / limit for r, limit in rates)
         rows.append(row)
     print(format_table(
         [[r["file"], r["candidate"], f"{r['decode_tok_s']:.1f}", f"{r['decode_vs_llama_cpp']:.2f}x",
-          f"{r['prefill_tok_s']:.0f}", f"{r['prefill_vs_llama_cpp']:.2f}x",
-          f"{r['same_tokens']} of {r['new_tokens']}"] for r in rows],
-        ["file", "candidate", "decode tok/s", "vs llama.cpp", "prefill tok/s", "vs llama.cpp",
-         "same tokens"],
+          f"{r['read_limit_fraction']:.0%}", f"{r['prefill_tok_s']:.0f}",
+          f"{r['prefill_vs_llama_cpp']:.2f}x", f"{r['same_tokens']} of {r['new_tokens']}"]
+         for r in rows],
+        ["file", "candidate", "decode tok/s", "vs llama.cpp", "of read limit", "prefill tok/s",
+         "vs llama.cpp", "same tokens"],
     ))  # fmt: skip
     payload = {
         "machine": machine_info("cpu"), "model": shipped.name, "prompt": PROMPT,
         "prompt_tokens": len(ids), "prefill_tokens": len(long_ids), "threads": threads,
         "rounds": args.rounds, "kernels": kernels, "rows": rows, "batch": BATCH,
         "batch_new_tokens": args.new_tokens // 2, "batch_rows": batch_rows,
+        "bandwidth": bandwidth.summary(),
     }  # fmt: skip
     log(f"wrote {write_json(args.out, payload)}")
 
