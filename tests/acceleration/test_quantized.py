@@ -167,6 +167,29 @@ def test_the_pair_gives_back_the_blocks_codes_and_is_the_layers_only_copy(
         assert error <= dense_error_bound(x, weight, dtype)
 
 
+def test_an_int4pack_layout_qkv_cannot_read_back_leaves_q8_0_on_its_codes(monkeypatch):
+    """Where PyTorch's int4pack packing is not one of the two layouts qkv reads codes back from
+    (or is missing), `int4pack_row_block` says None, and a Q8_0 layer takes int8-blockwise on
+    its codes, saying why: never a pair whose prompt rows would read wrong codes."""
+    from qkv.acceleration import quantized_kernels as kernels
+
+    def transposed(values, inner_k_tiles):  # bytes in an order neither layout has
+        return (values[:, ::2] | values[:, 1::2] << 4).t().contiguous().to(torch.uint8)
+
+    def missing(values, inner_k_tiles):
+        raise AttributeError("no such op")
+
+    for op in (transposed, missing):
+        monkeypatch.setattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", op)
+        assert kernels.int4pack_row_block.__wrapped__() is None
+    monkeypatch.undo()
+    monkeypatch.setattr(quantized_module, "int4pack_row_block", lambda: None)
+    kernel, why = quantized_module.quantized_kernel("Q8_0")
+    assert kernel == "int8-blockwise"
+    if quantized_module.int4pack_products():
+        assert why.reason.startswith("int4pack's layout here is not one qkv can read")
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_blocks_in_llama_cpps_rope_order_are_the_layer_on_the_reordered_rows(kind):
     """A q/k projection's blocks as a GGUF file holds them (llama.cpp's interleaved RoPE rows)

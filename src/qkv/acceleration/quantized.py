@@ -202,7 +202,7 @@ class QuantizedLinear(nn.Module):
             self._sharing[0].dissolve()
         self.kernel, self.kernel_reason = quantized_kernel(self.kind, fp32_output=self.fp32_output)
         self.graph_int8_reductions = graph_int8_reductions()  # decided here: graphs read a bool
-        self.row_block = int4pack_row_block()  # and an int
+        self.row_block = int4pack_row_block() if self.kernel == "int4pack-pair" else None
         shape, blocks = (self.out_features, self.in_features), self.row_blocks()
         if self.kernel == "int4pack":
             packed, scales_and_zeros = int4pack_layout(blocks, self.kind, *shape)
