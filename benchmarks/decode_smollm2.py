@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from common import format_table, log, machine_info, write_json
 from decode import Bandwidth
-from load_gguf import smollm2_file, write_again
+from load_gguf import kv_values_per_position, smollm2_file, write_again
 
 from qkv.acceleration import (
     QuantizedLinear,
@@ -231,8 +231,7 @@ def step_bytes_read(
     """Bytes a decoding step reads: the weights (qkv's `weights_mb`; None: llama.cpp, the
     file's `file_bytes`) and the KV cache of `positions` tokens (fp32 for qkv, f16 for
     llama.cpp)."""
-    head_dim = meta["llama.embedding_length"] // meta["llama.attention.head_count"]
-    per_position = 2 * meta["llama.block_count"] * meta["llama.attention.head_count_kv"] * head_dim
+    per_position = kv_values_per_position(meta)
     if weights_mb is None:
         return file_bytes + 2 * per_position * positions
     return weights_mb * 2**20 + 4 * per_position * positions

@@ -147,15 +147,19 @@ def write_again(path: Path, folder: Path, weight_type: str) -> Path:
     return save_gguf(model_from_file(file), target, weight_type=weight_type, extra_metadata=keys)
 
 
+def kv_values_per_position(meta: dict) -> int:
+    """Keys and values a position adds to the KV cache over all layers (`meta`: the file's
+    metadata)."""
+    head_dim = meta["llama.embedding_length"] // meta["llama.attention.head_count"]
+    return 2 * meta["llama.block_count"] * meta["llama.attention.head_count_kv"] * head_dim
+
+
 def kv_cache_mb(meta: dict, loader: str) -> float:
     """MiB of the KV cache each loader holds after the context (`meta`: the file's metadata):
     fp32 keys and values of the 528 positions for qkv and transformers, f16 of all n_ctx =
     2048 for llama.cpp (allocated with the context)."""
-    layers, heads = meta["llama.block_count"], meta["llama.attention.head_count"]
-    kv_heads = meta["llama.attention.head_count_kv"]
-    head_dim = meta["llama.embedding_length"] // heads
     positions, size = (2048, 2) if loader == "llama.cpp" else (512 + 16, 4)
-    return 2 * layers * kv_heads * head_dim * positions * size / 2**20
+    return kv_values_per_position(meta) * positions * size / 2**20
 
 
 def load_once(loader: str, path: Path) -> dict:

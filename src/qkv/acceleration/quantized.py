@@ -111,16 +111,16 @@ def quantized_kernel(kind: str, *, fp32_output: bool = False) -> tuple[str, Supp
     `fp32_output`: a Q8_0 layer whose outputs must not be rounded to bf16 (a model's logits)."""
     _check_kind(kind)
     support = int4pack_products()
-    pair = support and int4pack_row_block() is not None  # a layout qkv reads codes back from
-    if kind == "Q8_0" and pair and not fp32_output:
-        return "int4pack-pair", Support(True, f"{support.reason}: one product over two nibbles "
-                                              "of each Q8_0 code, in compiled steps too; a "
-                                              "prompt's rows in fp32 chunks of the codes taken "
-                                              "out of it")  # fmt: skip
+    if kind == "Q8_0" and support and not fp32_output:
+        if int4pack_row_block() is not None:  # a layout qkv reads the codes back from
+            return "int4pack-pair", Support(True, f"{support.reason}: one product over two "
+                                                  "nibbles of each Q8_0 code, in compiled "
+                                                  "steps too; a prompt's rows in fp32 chunks "
+                                                  "of the codes taken out of it")  # fmt: skip
+        support = Support(False, "int4pack's layout here is not one qkv can read the codes "
+                                 "back from")  # fmt: skip
     if kind == "Q8_0":
         why = "fp32 outputs asked for" if fp32_output else support.reason
-        if support and not pair and not fp32_output:
-            why = "int4pack's layout here is not one qkv can read the codes back from"
         codes = "the codes" if graph_int8_reductions() else "the codes, read as int32 words,"
         return "int8-blockwise", Support(True, f"{why}; Q8_0: int8 codes times fp32 block "
                                                "scales, in cache-sized chunks (public ops, "

@@ -285,7 +285,9 @@ def graph_int8_reductions() -> bool:
     values at a time through a copy (at::vec's partial load), where AVX-512's loads are masked;
     one row of SmolLM2's 49152 x 576 table reduced took 24 ms held to AVX2 against 1.4 ms, the
     int4pack pair 3.5 ms (Intel). There a layer with the pair layout takes the pair product in
-    graphs too; one without (fp32 outputs) reduces over its codes kept as words (`int8_words`)."""
+    graphs for any number of rows (the codes taken out of the pair for more rows would be
+    loaded the same slow way); one without (fp32 outputs) reduces over its codes kept as words
+    (`int8_words`)."""
     return torch.backends.cpu.get_cpu_capability() != "AVX2"
 
 
