@@ -112,3 +112,43 @@ def test_packed_sequences_keep_a_nan_inside_its_own_sequence():
     reference = qkv.attention(q, k, v, backend="reference", causal=True, pattern=pattern)
     assert torch.equal(torch.isnan(output), torch.isnan(reference))
     assert torch.isnan(output[0, 0, 4:6]).all() and not torch.isnan(output[0, 0, :4]).any()
+
+
+MASKED_CASES = [case for case in CASES if case[5] is not None and "no mask" not in case[0]]
+
+
+@pytest.mark.parametrize(PARAMETERS[1:], MASKED_CASES, ids=[case[0] for case in MASKED_CASES])
+def test_sdpa_keeps_the_rule_where_it_cannot_ask_the_host(
+    monkeypatch, description, L_q, L_k, kv_heads, options, visible, nan
+):
+    """An eager CPU call asks once whether any key is NaN and skips the rule's work when none
+    is (`nan_rows.known_clean`); in a traced graph or on a GPU it does not ask, and must give
+    the same rows, with and without the NaN."""
+    from qkv.attention import sdpa
+
+    q, k, v = _qkv(L_q, L_k, kv_heads=kv_heads)
+    clean = qkv.attention(q, k, v, backend="sdpa", **options)
+    which, batch, head, position = nan
+    target = q if which == "q" else k
+    target[batch, head, slice(None) if position is None else position, 3] = NAN
+    asked = qkv.attention(q, k, v, backend="sdpa", **options)
+    monkeypatch.setattr(sdpa, "known_clean", lambda nan_key: False)
+    assert torch.equal(torch.isnan(qkv.attention(q, k, v, backend="sdpa", **options)),
+                       torch.isnan(asked))  # fmt: skip
+    q, k, v = _qkv(L_q, L_k, kv_heads=kv_heads)
+    torch.testing.assert_close(qkv.attention(q, k, v, backend="sdpa", **options), clean,
+                               rtol=0, atol=0)  # fmt: skip
+
+
+def test_nan_keys_are_exactly_the_keys_holding_a_nan():
+    """`nan_keys` reads each key's maximum: NaN for a NaN anywhere in it, in any dtype, and
+    not for a key holding infinities (whose scores the rule leaves to the softmax)."""
+    from qkv.attention.nan_rows import nan_keys
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        k = torch.randn(1, 2, 5, 8).to(dtype)
+        k[0, 0, 1, 7] = NAN
+        k[0, 1, 3, 0] = NAN
+        k[0, 1, 4, 2], k[0, 1, 4, 5] = float("inf"), float("-inf")
+        k[0, 0, 2, 0] = float("-inf")
+        assert torch.equal(nan_keys(k), torch.isnan(k).any(dim=-1))

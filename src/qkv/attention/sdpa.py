@@ -27,7 +27,13 @@ import torch
 import torch.nn.functional as F
 
 from qkv.attention import score_terms, sdpa_packed
-from qkv.attention.nan_rows import fill_nan_rows, nan_rows, without_nan_keys
+from qkv.attention.nan_rows import (
+    fill_nan_rows,
+    known_clean,
+    nan_keys,
+    nan_rows,
+    without_nan_keys,
+)
 from qkv.attention.request import AttentionRequest
 from qkv.attention.sparse import Packed
 
@@ -95,13 +101,19 @@ def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:
         output = fill_nan_rows(output, nan_rows(q, k[:, :, :1], None))
         return _cast_back(output, request), None
     attn_mask, row_visible = _kernel_mask(request, dtype)
+    nan_key = nan_keys(k)  # (B, H_kv, L_k)
+    if known_clean(nan_key):  # no NaN key: nothing to hide from the kernel or to look for
+        kernel_k, visible = k, None
+    else:  # the rows with no visible key see every key in attn_mask: zeroed below anyway
+        kernel_k = without_nan_keys(k, nan_key)
+        visible = attn_mask if attn_mask.dtype == torch.bool else ~torch.isneginf(attn_mask)
     output = F.scaled_dot_product_attention(
-        q, without_nan_keys(k), v, attn_mask=attn_mask, dropout_p=request.dropout_p,
-        scale=request.scale, **gqa,
+        q, kernel_k, v, attn_mask=attn_mask, dropout_p=request.dropout_p, scale=request.scale,
+        **gqa,
     )  # fmt: skip
-    visible = attn_mask if attn_mask.dtype == torch.bool else ~torch.isneginf(attn_mask)
-    output = fill_nan_rows(output, nan_rows(q, k, visible & row_visible))
-    output = torch.where(row_visible, output, 0.0)  # rows with no visible key -> 0
+    output = fill_nan_rows(output, nan_rows(q, k, visible, nan_key))
+    if row_visible is not None:
+        output = torch.where(row_visible, output, 0.0)  # rows with no visible key -> 0
     return _cast_back(output, request), None
 
 
@@ -175,11 +187,11 @@ def _needs_mask(request: AttentionRequest) -> bool:
 
 def _kernel_mask(
     request: AttentionRequest, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One SDPA attn_mask with no empty rows, and which rows had any visible key.
 
     Returns (attn_mask broadcastable to (B, H, L_q, L_k), bool or `dtype`; row_visible
-    (..., L_q, 1) bool).
+    (..., L_q, 1) bool, or None where every row sees a key).
     """
     if request.mask is None and request.bias is None and request.alibi_slopes is None:
         key = score_terms.structure_key(request)  # None where it is not to be cached
@@ -200,9 +212,13 @@ def _kernel_mask(
 
 
 @functools.lru_cache(maxsize=8)
-def _structural_kernel_mask(*key) -> tuple[torch.Tensor, torch.Tensor]:
+def _structural_kernel_mask(*key) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`_kernel_mask` of a call with causal/window/sinks only: the same in every layer and
-    step of a model, so built once (within `structure_key`'s size bound)."""
+    step of a model, so built once (within `structure_key`'s size bound), with one host sync
+    to learn whether any row is empty (causal alone, L_q <= L_k, has none: a chunk of a
+    prompt over a filled KV cache)."""
     allowed = score_terms.structural_visibility(*key)
     row_visible = allowed.any(dim=-1, keepdim=True)
+    if bool(row_visible.all()):
+        return allowed, None
     return allowed | ~row_visible, row_visible
