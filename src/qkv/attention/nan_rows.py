@@ -16,9 +16,10 @@ where it should, while `nan_rows`, computed from the real k, marks the rows that
 traces into compiled steps), and the backends fill them with NaN after the kernel. Its cost
 is O(L (D + L_k)) beside the kernel's O(L L_k D); where every row sees key 0 (no mask, or
 aligned causal: a decoding step) `sdpa` passes key 0 alone, which is enough there. A masked
-call reads the K cache once more (`nan_keys`); an eager CPU call then asks whether any key
-is NaN (`known_clean`) and, where none is, skips `without_nan_keys` (a copy of K) and the
-(L_q, L_k) pass of `nan_rows`: a prompt's chunk over a filled KV cache pays for neither.
+call reads the K cache once more (`nan_keys`). An eager CPU call under a causal/window mask
+(whose structure `sdpa` caches, which it does only outside a traced graph) then asks whether
+any key is NaN (`known_clean`); where none is, it skips `without_nan_keys` (a copy of K) and
+the (L_q, L_k) pass of `nan_rows`: a prompt's chunk over a filled KV cache pays for neither.
 """
 
 from __future__ import annotations
@@ -69,12 +70,11 @@ def nan_keys(k: torch.Tensor) -> torch.Tensor:
 
 
 def known_clean(nan_key: torch.Tensor) -> bool:
-    """Whether no key holds a NaN, where that costs nothing to ask: an eager call on the CPU
-    (one host read, a memory load there; on a GPU it would wait for the queued kernels, and
-    in a traced graph it would break the graph). False where it is not asked."""
-    if torch.compiler.is_compiling() or nan_key.device.type != "cpu":
-        return False
-    return not bool(nan_key.any())
+    """Whether no key holds a NaN, asked of the host: for an eager call on the CPU only (there
+    one host read is a memory load; on a GPU it would wait for the queued kernels, and in a
+    traced graph it would break the graph). The caller vouches that the call is eager;
+    False on any other device."""
+    return nan_key.device.type == "cpu" and not bool(nan_key.any())
 
 
 def fill_nan_rows(output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

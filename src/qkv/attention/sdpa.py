@@ -100,9 +100,9 @@ def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:
         # key 0 stands for the whole K cache, and a decoding step reads D values, not L_k x D.
         output = fill_nan_rows(output, nan_rows(q, k[:, :, :1], None))
         return _cast_back(output, request), None
-    attn_mask, row_visible = _kernel_mask(request, dtype)
+    attn_mask, row_visible, eager = _kernel_mask(request, dtype)
     nan_key = nan_keys(k)  # (B, H_kv, L_k)
-    if known_clean(nan_key):  # no NaN key: nothing to hide from the kernel or to look for
+    if eager and known_clean(nan_key):  # no NaN key: nothing to hide from the kernel or find
         kernel_k, visible = k, None
     else:  # the rows with no visible key see every key in attn_mask: zeroed below anyway
         kernel_k = without_nan_keys(k, nan_key)
@@ -187,28 +187,30 @@ def _needs_mask(request: AttentionRequest) -> bool:
 
 def _kernel_mask(
     request: AttentionRequest, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One SDPA attn_mask with no empty rows, and which rows had any visible key.
+) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """One SDPA attn_mask with no empty rows, which rows had any visible key, and whether the
+    call is known to run eagerly (its structure was cached: `score_terms.structure_key` makes
+    no key in a traced graph).
 
     Returns (attn_mask broadcastable to (B, H, L_q, L_k), bool or `dtype`; row_visible
-    (..., L_q, 1) bool, or None where every row sees a key).
+    (..., L_q, 1) bool, or None where every row sees a key; eager).
     """
     if request.mask is None and request.bias is None and request.alibi_slopes is None:
         key = score_terms.structure_key(request)  # None where it is not to be cached
         if key is not None:
-            return _structural_kernel_mask(*key)
+            return *_structural_kernel_mask(*key), True
     allowed = score_terms.allowed(request)
     additive = score_terms.additive(request)
     if additive is None:
         row_visible = allowed.any(dim=-1, keepdim=True)
-        return allowed | ~row_visible, row_visible
+        return allowed | ~row_visible, row_visible, False
     additive = additive.to(dtype)
     if allowed is not None:
         additive = additive.masked_fill(~allowed, float("-inf"))
     # A row is empty only where every score is -inf: a NaN counts as visible, so that it
     # reaches the output (qkv.attention's NaN rule) instead of being zeroed with the row.
     row_visible = ~torch.isneginf(additive).all(dim=-1, keepdim=True)
-    return additive.masked_fill(~row_visible, 0.0), row_visible
+    return additive.masked_fill(~row_visible, 0.0), row_visible, False
 
 
 @functools.lru_cache(maxsize=8)
