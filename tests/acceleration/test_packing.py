@@ -278,13 +278,22 @@ def test_without_onednn_bf16_autocast_and_bf16_products_are_f_linears(
     assert "computed by F.linear" in repr(PackedLinear(bf16))
 
 
+@pytest.mark.parametrize("onednn_bf16", [False, True], ids=["without oneDNN bf16", "with it"])
 def test_where_bf16_products_are_emulated_several_rows_compute_in_fp32(
-    no_onednn_bf16, slow_bf16_products, monkeypatch
+    onednn_bf16, slow_bf16_products, monkeypatch, request
 ):
     """bf16 storage, fp32 compute: a PackedLinear over bf16 weights, and over fp32 weights
     under bf16 autocast, gives several rows the bf16 product's values (within one bf16
-    rounding of F.linear's bf16 result) without any bf16 F.linear call; one row (a decoding
-    step, fast in bf16 on any CPU) stays F.linear's."""
+    rounding of F.linear's bf16 result) without any bf16 F.linear call, nor a oneDNN bf16
+    product where oneDNN could pack (its bf16 kernels are emulated as slowly on such a CPU:
+    nothing is packed); one row (a decoding step, fast in bf16 on any CPU) stays F.linear's
+    (without oneDNN bf16)."""
+    if onednn_bf16:  # as a CPU with AVX-512 and no AVX512-BF16 answers (nothing is packed)
+        answer = capabilities.Support(True, "oneDNN packs bf16 weights on this CPU")
+        monkeypatch.setattr(onednn_probe, "packed_products", lambda dtype: answer)
+    else:
+        request.getfixturevalue("no_onednn_bf16")
+    monkeypatch.setattr(PackedLinear, "_pack", lambda self, dtype: pytest.fail("packed"))
     torch.manual_seed(0)
     fp32, x = nn.Linear(64, 96), torch.randn(5, 64)
     bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
@@ -304,7 +313,8 @@ def test_where_bf16_products_are_emulated_several_rows_compute_in_fp32(
         with torch.autocast("cpu", dtype=torch.bfloat16):
             under_autocast = PackedLinear(fp32)(x)
         assert not any(bf16_calls)
-        assert torch.equal(PackedLinear(bf16)(x[:1].bfloat16()), one_row)
+        if not onednn_bf16:
+            assert torch.equal(PackedLinear(bf16)(x[:1].bfloat16()), one_row)
     assert got.dtype == under_autocast.dtype == torch.bfloat16
     assert torch.equal(got, exact.bfloat16()) and torch.equal(under_autocast, got)
     torch.testing.assert_close(got, expected, rtol=2**-7, atol=1e-6)

@@ -120,8 +120,8 @@ class PackedLinear(nn.Module):
         dtype = self._compute_dtype()
         if x.dtype != dtype:
             x = x.to(dtype)
-        if not onednn_probe.packed_products(dtype):  # e.g. bf16 on a CPU without AVX-512
-            return self._plain_linear(x)
+        if not onednn_probe.packed_products(dtype) or self._emulated_bf16(x):
+            return self._plain_linear(x)  # e.g. bf16 on a CPU without AVX-512 (or AVX512-BF16)
         if dtype not in self._packed:
             start = time.perf_counter()
             self._packed[dtype] = self._pack(dtype)
@@ -138,11 +138,19 @@ class PackedLinear(nn.Module):
         operands are rounded to bf16 as a bf16 product (or autocast) rounds them, multiplied
         in fp32 (exact for bf16 values) with fp32 sums, as bf16 kernels accumulate, and the
         result rounded to bf16: the bf16 product's values, at fp32 speed."""
-        several_rows = x.numel() > x.shape[-1]
-        if x.dtype == torch.bfloat16 and several_rows and not capabilities.bf16_products():
+        if self._emulated_bf16(x):
             return self._fp32_product(x)
         outputs = [F.linear(x, linear.weight, linear.bias) for linear in self._linears]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+
+    @staticmethod
+    def _emulated_bf16(x: torch.Tensor) -> bool:
+        """Whether x is several bf16 rows on a CPU whose bf16 products are emulated: oneDNN's
+        packed bf16 kernels are then as slow as F.linear's (SmolLM2's 512-token prompt: ~250
+        tokens/s either way, on an Intel CPU with AVX-512 and no AVX512-BF16), and fp32
+        compute on the bf16 values is several times faster (`_fp32_product`)."""
+        several_rows = x.numel() > x.shape[-1]
+        return x.dtype == torch.bfloat16 and several_rows and not capabilities.bf16_products()
 
     def _fp32_product(self, x: torch.Tensor) -> torch.Tensor:
         """`_plain_linear` of bf16 x, computed in fp32 (outside autocast), rounded to bf16."""
@@ -181,10 +189,11 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         support = onednn_probe.packed_products(self._dtype)
         packed = "oneDNN-packed" if self._packed else "packed at its first call"
-        if not support:
+        emulated = "several rows computed in fp32 (bf16 products are emulated here)"
+        if self._dtype == torch.bfloat16 and not capabilities.bf16_products():
+            packed = f"{packed} for one row, {emulated}" if support else emulated
+        elif not support:
             packed = f"computed by F.linear: {support.reason}"
-            if self._dtype == torch.bfloat16 and not capabilities.bf16_products():
-                packed = "several rows computed in fp32 (bf16 products are emulated here)"
         stacked = f", {len(self._linears)} linears stacked" if len(self._linears) > 1 else ""
         sizes = f"in_features={self.in_features}, out_features={self.out_features}"
         return f"{sizes}{stacked}, {packed}"
