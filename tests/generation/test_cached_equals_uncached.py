@@ -88,3 +88,33 @@ def test_decoding_builds_no_autograd_graph():
         assert torch.is_grad_enabled()
         assert not step.logits.requires_grad
         assert not any(t.requires_grad for t in step.cache.keys + step.cache.values)
+
+
+CHUNKED = [*PRESETS, "alibi", "t5"]
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["left-padded", "unpadded"])
+@pytest.mark.parametrize("kind", CHUNKED)
+def test_a_prompt_in_chunks_decodes_as_the_recomputed_prefix(monkeypatch, kind, padded):
+    """A prompt longer than PROMPT_CHUNK goes through the model a chunk at a time, each chunk
+    attending over the cache the earlier ones filled (causal aligned bottom-right, the window,
+    ALiBi's and T5's biases, the padding): chunks of 3 over prompts of 9 (the last chunk
+    whole) and 5 (the last one short) give the recomputed logits and tokens."""
+    import qkv.generation.steps as steps_module
+
+    monkeypatch.setattr(steps_module, "PROMPT_CHUNK", 3)
+    model = qkv_model(kind) if kind in PRESETS else qkv_model("tiny-llama", position=kind)
+    ids, mask = left_padded_prompts()
+    if not padded:
+        ids, mask = ids[1:2, 4:], mask[1:2, 4:]
+    assert ids.shape[1] > 3
+    lengths = []
+    hook = model.register_forward_pre_hook(lambda _, args: lengths.append(args[0].shape[1]))
+    steps = list(decode_steps(model, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS))
+    hook.remove()
+    assert lengths[: -(NEW_TOKENS - 1)] == ([3, 3, 3] if padded else [3, 2])
+    cached_tokens = torch.stack([s.tokens for s in steps], dim=1)  # (B, new)
+    cached_logits = torch.stack([s.logits for s in steps], dim=1)  # (B, new, V)
+    expected_ids, expected_logits = _recompute(model, ids, mask, NEW_TOKENS)
+    torch.testing.assert_close(cached_logits, expected_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(cached_tokens, expected_ids[:, ids.shape[1] :])
