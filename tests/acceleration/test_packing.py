@@ -26,6 +26,32 @@ from tests.layers.helpers import randomize_
 STAND_INS = (PackedLinear, SharedInputMember)  # what a packed_linears block swaps a linear for
 
 
+@pytest.fixture(autouse=True)
+def onednn_fp32_products():
+    """These tests check oneDNN's packed products: fp32 answers as on AMD's CPUs, where they
+    are chosen (`packing.packs`); on Intel's, fp32 stays F.linear's (tested below)."""
+    with capabilities.kernels_as({"onednn_fp32_linears": True}):
+        yield
+
+
+def test_where_mkl_is_the_faster_fp32_products_stay_f_linear_s():
+    """On Intel's CPUs (`capabilities.onednn_fp32_products` False) a PackedLinear over fp32
+    weights packs nothing and computes F.linear's very outputs, one row or several; the block
+    still swaps and fuses, and says so."""
+    torch.manual_seed(0)
+    with capabilities.kernels_as({"onednn_fp32_linears": False}), torch.no_grad():
+        linear, x = nn.Linear(64, 96), torch.randn(3, 64)
+        packed = PackedLinear(linear)
+        assert torch.equal(packed(x), linear(x)) and torch.equal(packed(x[:1]), linear(x[:1]))
+        assert not packed._packed and "computed by F.linear" in repr(packed)
+        text = str(explain_packing(nn.Sequential(linear)))
+        assert "fp32 products are F.linear's, unpacked" in text
+        # in a graph, one row is F.linear's (MKL's GEMV) too, not inductor's reduction
+        packed._matvec = lambda x: pytest.fail("one row as a reduction")
+        graph = torch.compile(packed, backend="eager", fullgraph=True)
+        assert torch.equal(graph(x[:1]), linear(x[:1]))
+
+
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 0.1)])
 @pytest.mark.parametrize("shape", [(1, 64), (1, 1, 64), (2, 7, 64)])
 @pytest.mark.parametrize("bias", [True, False])

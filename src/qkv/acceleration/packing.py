@@ -2,8 +2,9 @@
 
 At batch 1 every decoding step reads every weight once (decoding is memory-bound: Pope et al.
 2022, s2), so the speed of a step is the bandwidth `F.linear` reaches on a (1, E) input. On the
-CPUs measured in benchmarks/decode.py, PyTorch's default path (MKL's GEMV for fp32) reaches a
-fraction of what oneDNN's blocked-layout kernels reach on the same weights;
+AMD CPU measured in benchmarks/decode.py, PyTorch's default path (MKL's GEMV for fp32) reaches a
+fraction of what oneDNN's blocked-layout kernels reach on the same weights (on Intel's CPUs
+MKL's fp32 products are the faster, and fp32 stays F.linear's there: `packs`);
 `packed_linears(model)` swaps every `nn.Linear` of a model for a `PackedLinear` holding the
 weight reordered into oneDNN's layout, for as long as the `with` block lasts:
 
@@ -32,7 +33,8 @@ Under `torch.compile` (`qkv.acceleration.decoding_steps`), everything around the
 (norms, RoPE, the cache writes) fuses, and a product over
 - one row (a decoding step at batch 1) is written as an elementwise product and a sum, which
   inductor turns into one streaming C++ reduction over the plain weight, which reads the
-  weights faster than oneDNN's GEMV (nothing is packed then);
+  weights faster than oneDNN's GEMV (nothing is packed then); fp32 where MKL's products are
+  the faster (`packs`) stays F.linear, MKL's GEMV, as fast as the plain model's;
 - more rows is one opaque operator, `torch.ops.qkv.packed_linear`, which finds its module by a
   handle: a oneDNN-packed tensor has no strides, so the compiler cannot trace it.
 """
@@ -65,9 +67,9 @@ class PackedLinear(nn.Module):
 
     (..., in_features) -> (..., sum of out_features), in the weights' dtype, or in bf16 under
     CPU autocast (a bf16 copy of fp32 weights is packed then, as autocast's F.linear casts
-    them at every call). No gradients. Where oneDNN cannot pack the dtype on this machine
-    (`qkv.acceleration.onednn_probe.packed_products`), the product is F.linear's: the same
-    outputs, unpacked.
+    them at every call). No gradients. Where oneDNN cannot pack the dtype on this machine,
+    or its packed fp32 products are slower than MKL's (`packs`), the product is F.linear's:
+    the same outputs, unpacked.
     """
 
     def __init__(self, *linears: nn.Linear, batch_hint: int = 1) -> None:
@@ -78,6 +80,9 @@ class PackedLinear(nn.Module):
         self.batch_hint = batch_hint
         self._linears = linears  # a plain tuple: not submodules, nothing in a state_dict
         self._dtype = linears[0].weight.dtype
+        # fp32 on a CPU where MKL's products beat oneDNN's (Intel's): in a graph too, its one
+        # row is F.linear's (MKL's GEMV) rather than inductor's reduction (`_matvec`)
+        self._fp32_by_mkl = self._dtype == torch.float32 and not packs(torch.float32)
         # dtype -> (packed weight, bias): the weights' own, and under CPU autocast its dtype
         self._packed: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.packing_seconds = 0.0  # wall time spent packing so far (benchmarks report it)
@@ -91,7 +96,7 @@ class PackedLinear(nn.Module):
             )
         if torch.compiler.is_compiling():  # see the module doc
             if x.numel() == self.in_features and self._compute_dtype() == self._dtype:
-                return self._matvec(x)
+                return self._plain_linear(x) if self._fp32_by_mkl else self._matvec(x)
             return torch.ops.qkv.packed_linear(x, self._handle)
         return self._linear(x)
 
@@ -120,8 +125,8 @@ class PackedLinear(nn.Module):
         dtype = self._compute_dtype()
         if x.dtype != dtype:
             x = x.to(dtype)
-        if not onednn_probe.packed_products(dtype) or self._emulated_bf16(x):
-            return self._plain_linear(x)  # e.g. bf16 on a CPU without AVX-512 (or AVX512-BF16)
+        if not packs(dtype) or self._emulated_bf16(x):
+            return self._plain_linear(x)  # e.g. fp32 on Intel's CPUs, bf16 without AVX-512
         if dtype not in self._packed:
             start = time.perf_counter()
             self._packed[dtype] = self._pack(dtype)
@@ -187,7 +192,7 @@ class PackedLinear(nn.Module):
             return packed, torch.cat([b.detach() for b in biases]).to(dtype)  # (out,)
 
     def extra_repr(self) -> str:
-        support = onednn_probe.packed_products(self._dtype)
+        support = packs(self._dtype)
         packed = "oneDNN-packed" if self._packed else "packed at its first call"
         emulated = "several rows computed in fp32 (bf16 products are emulated here)"
         if self._dtype == torch.bfloat16 and not capabilities.bf16_products():
@@ -197,6 +202,19 @@ class PackedLinear(nn.Module):
         stacked = f", {len(self._linears)} linears stacked" if len(self._linears) > 1 else ""
         sizes = f"in_features={self.in_features}, out_features={self.out_features}"
         return f"{sizes}{stacked}, {packed}"
+
+
+def packs(dtype: torch.dtype) -> capabilities.Support:
+    """Whether PackedLinear's products of `dtype` run on oneDNN-packed weights here: where
+    oneDNN packs the dtype (`onednn_probe.packed_products`) and, for fp32, where qkv prefers
+    oneDNN's products to MKL's (`capabilities.onednn_fp32_products`: on AMD's CPUs, where MKL
+    keeps to AVX2). On Intel's, MKL's are the faster: one row of SmolLM2's shapes 1.2-3x, 512
+    rows alike (Intel AVX-512, 2 threads), so fp32 stays F.linear's there."""
+    if dtype == torch.float32:
+        preferred = capabilities.onednn_fp32_products()
+        if not preferred:
+            return preferred
+    return onednn_probe.packed_products(dtype)
 
 
 # handle -> PackedLinear, for the operator below; weak, so a dropped module is freed.

@@ -18,6 +18,7 @@ from torch import nn
 from qkv import capabilities
 from qkv.acceleration import onednn_probe
 from qkv.acceleration.onednn_linear import OneDNNLinear
+from qkv.acceleration.packing import packs
 from qkv.capabilities import Support
 
 __all__ = ["PackingPlan", "can_pack", "explain_packing", "packing_support"]
@@ -79,6 +80,11 @@ class PackingPlan:
         lines += [f"  group {label}" for *_, label in self.groups]
         lines += [f"  left {label}: {reason}" for label, reason in self.left]
         if any(linear.weight.dtype == torch.float32 for linear in self.packed()):
+            fp32 = packs(torch.float32)
+            if not fp32:
+                lines.append(
+                    f"  fp32 products are F.linear's, unpacked, fused as above ({fp32.reason})"
+                )
             bf16 = onednn_probe.packed_products(torch.bfloat16)
             how = "packed as bf16 copies" if bf16 else "computed by F.linear, as autocast does"
             lines.append(f"  under CPU autocast to bf16, products are {how} ({bf16.reason})")
