@@ -13,6 +13,9 @@ writes from it (`qkv.models.gguf.save_gguf`, the tokenizer's keys copied). On ea
                    Q4_1, its pair form for Q8_0; the output layer's Q8_0 in fp32, int8 blocks)
     qkv fp32, qkv bf16  (F32, BF16) `qkv.models.from_gguf`: the file's weights, as fp32 or as
                    bf16 (`.to(torch.bfloat16)`: the BF16 file's values exactly)
+every qkv model held in `qkv.acceleration.packed_linears` as `qkv generate` holds it (the dense
+models' products on oneDNN-packed copies; bf16 prompts computed in fp32 where this CPU's bf16
+products are emulated; the quantized models have nothing it packs),
 each eagerly (`decoding_steps(model, "eager")`: `qkv generate --no-compile`) and, ", AOT", with
 its steps through the library AOTInductor compiles (`decoding_steps(model, "aot")`, compiled
 before the rounds and kept in the compile store: `qkv generate --compile`). Then batch 8 on the
@@ -23,7 +26,9 @@ per candidate, as the median over rounds in which the candidates take turns (so 
 hits each alike):
     decode tok/s   new tokens after the first, per second of decoding (prefill excluded)
     prefill tok/s  a 512-token prompt (pydoc text), one forward, per second
-    same tokens    greedy tokens equal to llama.cpp's on the same file, to the first difference
+    same tokens    greedy tokens equal to llama.cpp's on the same file, to the first difference;
+                   there, how far each library's logits put its own choice above the other's
+                   (both small: a near tie that rounding decides)
     weights MB     the storages behind the model's parameters and buffers that its kernels
                    read (qkv; llama.cpp maps the file)
     of read limit  decode tok/s over the limit this machine's read bandwidth sets: a step reads
@@ -39,6 +44,7 @@ with the machine (CPU model, ISA, PyTorch's CPU capability) and the kernels.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import tempfile
 import time
@@ -55,6 +61,7 @@ from qkv.acceleration import (
     QuantizedLinear,
     decoding_steps,
     explain_quantized,
+    packed_linears,
     quantized_from_gguf,
 )
 from qkv.data import chat_format_from_metadata, tokenizer_from_metadata
@@ -106,12 +113,21 @@ class LlamaCpp:
         return time.perf_counter() - started, tokens
 
     def _greedy(self) -> int:
-        """The argmax of the last position's logits, read from llama.cpp's context (`scores`
-        holds logits only with logits_all=True, which would compute every position's)."""
+        return int(self._last_logits().argmax())
+
+    def _last_logits(self) -> np.ndarray:
+        """The last position's logits (V,), read from llama.cpp's context (`scores` holds
+        logits only with logits_all=True, which would compute every position's)."""
         import llama_cpp
 
         pointer = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
-        return int(np.ctypeslib.as_array(pointer, shape=(self.llm.n_vocab(),)).argmax())
+        return np.ctypeslib.as_array(pointer, shape=(self.llm.n_vocab(),))
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        """The logits (V,) after `ids`, from an empty context."""
+        self.llm.reset()
+        self.llm.eval(ids)
+        return self._last_logits().copy()
 
     def prefill(self, ids: list[int]) -> float:
         self.llm.reset()
@@ -237,6 +253,26 @@ def step_bytes_read(
     return weights_mb * 2**20 + 4 * per_position * positions
 
 
+def first_difference(model, llama: LlamaCpp, ids, ours, theirs) -> dict | None:
+    """Where qkv's greedy tokens first leave llama.cpp's, how far apart the two choices were
+    in each library's logits after the common prefix (qkv's: its eager forward over the
+    prefix, so a compiled step's choice may come out below the other by its own rounding):
+    both margins small is a near tie that the libraries' rounding decides (llama.cpp's
+    quantized products round the activations to 8 bits), not a wrong token. None where the
+    tokens agree."""
+    position = same_prefix(ours, theirs)
+    if position == min(len(ours), len(theirs)):
+        return None
+    prefix = ids + ours[:position]
+    with torch.inference_mode():
+        logits = model(torch.tensor([prefix]), logits_to_keep=1).logits[0, -1].float()
+    peer = llama.logits(prefix)
+    mine, other = ours[position], theirs[position]
+    return {"position": position, "qkv_token": mine, "llama_cpp_token": other,
+            "qkv_margin": float(logits[mine] - logits[other]),
+            "llama_cpp_margin": float(peer[other] - peer[mine])}  # fmt: skip
+
+
 def paired_ratio(ours: list[float], theirs: list[float]) -> float:
     """The median over rounds of ours / theirs in the same round: a busy spell that slows one
     round slows both sides of its ratio."""
@@ -272,6 +308,9 @@ def main() -> None:
             ("F32", "qkv fp32"): model_from_file(read_gguf(files["F32"])),
             ("BF16", "qkv bf16"): model_from_file(read_gguf(files["BF16"])).to(torch.bfloat16),
         }
+        held = contextlib.ExitStack()  # every model as `qkv generate` holds it
+        for model in models.values():
+            held.enter_context(packed_linears(model))
         candidates = {}
         for (kind, name), model in models.items():
             candidates[(kind, "llama.cpp")] = LlamaCpp(files[kind], threads)
@@ -307,6 +346,7 @@ def main() -> None:
         batch_rows = race_batch(batched, ids, args)
         sizes = {kind: path.stat().st_size for kind, path in files.items()}
         batched["llama.cpp"].close()
+        held.close()
     rows = []
     for (kind, name), candidate in candidates.items():
         peer = (kind, "llama.cpp")
@@ -316,6 +356,8 @@ def main() -> None:
             "prefill_tok_s": statistics.median(prefill[(kind, name)]),
             "same_tokens": same_prefix(tokens[(kind, name)], tokens[peer]),
             "new_tokens": len(tokens[peer]),
+            "first_difference": None if name == "llama.cpp" else first_difference(
+                candidate.model, candidates[peer], ids, tokens[(kind, name)], tokens[peer]),
             "weights_mb": None if name == "llama.cpp" else weights_mb(candidate.model),
             "samples": {"decode_tok_s": decode[(kind, name)],
                         "prefill_tok_s": prefill[(kind, name)]},

@@ -145,7 +145,18 @@ def decode_smollm2(d: dict) -> dict:
                for line in text.splitlines() if line.startswith("  ")]  # fmt: skip
     aot = {key: [r for r in d.get(key, []) if str(r.get("candidate")).endswith("AOT")]
            for key in ("rows", "batch_rows")}  # fmt: skip
-    return {"kernel_lines": kernels, "aot": aot}
+    rows = [{**r, "tokens": _same_tokens(r)} for r in d.get("rows", [])]
+    return {"kernel_lines": kernels, "aot": aot, "rows": rows}
+
+
+def _same_tokens(row: dict) -> str:
+    """'n of m', and where the tokens part, each library's margin for its own choice there."""
+    text = f"{row.get('same_tokens')} of {row.get('new_tokens')}"
+    apart = row.get("first_difference")
+    if not apart:
+        return text
+    return (f"{text}; then qkv's choice {apart['qkv_margin']:+.2f}, llama.cpp's "
+            f"{apart['llama_cpp_margin']:+.2f} in their logits")  # fmt: skip
 
 
 def flash_gpu(d: dict) -> dict:
