@@ -378,8 +378,12 @@ def main() -> None:
         ["file", "candidate", "decode tok/s", "vs llama.cpp", "of read limit", "prefill tok/s",
          "vs llama.cpp", "same tokens"],
     ))  # fmt: skip
+    import llama_cpp
+
     payload = {
         "machine": machine_info("cpu"), "model": shipped.name, "prompt": PROMPT,
+        "llama_cpp": {"version": llama_cpp.__version__,
+                      "system_info": llama_cpp.llama_print_system_info().decode().strip()},
         "prompt_tokens": len(ids), "prefill_tokens": len(long_ids), "threads": threads,
         "rounds": args.rounds, "kernels": kernels, "rows": rows, "batch": BATCH,
         "batch_new_tokens": args.new_tokens // 2, "batch_rows": batch_rows,

@@ -80,6 +80,7 @@ SECTIONS = {
     "decode_smollm2": Section(
         "real_model", ("decode_smollm2", "decode_smollm2_avx2"), part="decode", each="decode_file"
     ),
+    "prompt_chunks": Section("real_model", ("prompt_chunks",), part="chunks"),
     "perplexity_smollm2": Section("real_model", ("perplexity_smollm2",), part="perplexity"),
 }  # fmt: skip
 # Any other result file is listed at the end; smoke runs (*_quick.json) are left out.

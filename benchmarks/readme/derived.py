@@ -146,7 +146,10 @@ def decode_smollm2(d: dict) -> dict:
     aot = {key: [r for r in d.get(key, []) if str(r.get("candidate")).endswith("AOT")]
            for key in ("rows", "batch_rows")}  # fmt: skip
     rows = [{**r, "tokens": _same_tokens(r)} for r in d.get("rows", [])]
-    return {"kernel_lines": kernels, "aot": aot, "rows": rows}
+    peer = d.get("llama_cpp") or {}
+    build = (f"llama.cpp (llama-cpp-python {peer['version']}) as built for this run: "
+             f"{peer['system_info'].rstrip(' |')}" if peer else "")  # fmt: skip
+    return {"kernel_lines": kernels, "aot": aot, "rows": rows, "llama_cpp_build": build}
 
 
 def _same_tokens(row: dict) -> str:

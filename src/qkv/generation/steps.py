@@ -26,10 +26,10 @@ from qkv.layers.sink_cache import SinkKVCache
 __all__ = ["PROMPT_CHUNK", "DecoderOnlySteps", "make_cache", "prompt_mask"]
 
 # Prompt tokens per pass of the model: few enough that a long prompt's activations stay small,
-# enough for each product's fixed costs to amortise. SmolLM2-135M (Q8_0, Intel AVX-512, 2
-# threads): a 4096-token prompt rose 346 MB at its peak, 188 of them KV cache, and rises 218 in
-# chunks of 512, at 5% of its speed; chunks of 256 cost Q8_0 ~20% (its prompt products
-# dequantize their weights at every call).
+# enough for each product's fixed costs to amortise. SmolLM2-135M, a 4096-token prompt (Intel
+# AVX-512, 2 threads; benchmarks/prompt_chunks.py): the peak rise 402 -> 220 MB in Q4_1, 342 ->
+# 206 in Q8_0 (180 of them KV cache), for 8% and 12% of the prefill's speed; chunks of 256 cost
+# Q8_0 ~20% (its prompt products dequantize their weights at every call).
 PROMPT_CHUNK = 512
 
 
