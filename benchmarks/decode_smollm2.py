@@ -14,8 +14,9 @@ writes from it (`qkv.models.gguf.save_gguf`, the tokenizer's keys copied). On ea
     qkv fp32, qkv bf16  (F32, BF16) `qkv.models.from_gguf`: the file's weights, as fp32 or as
                    bf16 (`.to(torch.bfloat16)`: the BF16 file's values exactly)
 every qkv model held in `qkv.acceleration.packed_linears` as `qkv generate` holds it (the dense
-models' products on oneDNN-packed copies; bf16 prompts computed in fp32 where this CPU's bf16
-products are emulated; the quantized models have nothing it packs),
+models' products on oneDNN-packed copies where they pay on this CPU: bf16, and fp32 on AMD's;
+bf16 prompts computed in fp32 where this CPU's bf16 products are emulated; the quantized models
+have nothing it packs),
 each eagerly (`decoding_steps(model, "eager")`: `qkv generate --no-compile`) and, ", AOT", with
 its steps through the library AOTInductor compiles (`decoding_steps(model, "aot")`, compiled
 before the rounds and kept in the compile store: `qkv generate --compile`). Then batch 8 on the
