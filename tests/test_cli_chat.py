@@ -93,6 +93,26 @@ def test_the_second_answer_reads_the_first(loaded, capsys, monkeypatch):
     assert first in loaded.chat_format.render(asked[1])  # turn 2's prompt holds turn 1's answer
 
 
+def test_each_answer_runs_only_what_the_history_gained(loaded):
+    """The KV cache stays between answers: the second prompt goes through the model from where
+    the tokens it shares with the first turn end (the first answer's, but its last), and the
+    answer is the one a chat without that cache gives."""
+    chat = Chat(loaded, max_new_tokens=12)
+    chat.add_user(CAPITAL)
+    first_prompt = chat.prompt_ids()
+    chat.answer(lambda piece: None)
+    cached = chat.prompt_cache.ids
+    assert cached[: len(first_prompt)] == first_prompt and len(cached) > len(first_prompt)
+    chat.add_user(MUSEUM)
+    second_prompt = chat.prompt_ids()
+    afresh = Chat(loaded, max_new_tokens=12)
+    afresh.messages = list(chat.messages)
+    assert chat.answer(lambda piece: None) == afresh.answer(lambda piece: None)
+    shared = os.path.commonprefix([cached, second_prompt])
+    assert chat.prompt_cache.reused == len(shared) > len(first_prompt)
+    assert afresh.prompt_cache.reused == 0
+
+
 @pytest.mark.parametrize(("flags", "mode"), [((), "auto"), (("--compile",), "aot"),
                                              (("--no-compile",), "eager")])  # fmt: skip
 def test_chat_decodes_with_the_steps_its_compile_flag_names(tiny, capsys, monkeypatch, flags, mode):
@@ -249,7 +269,11 @@ def test_an_interrupted_answer_stays_in_the_history(tiny):
         chat.answer(stop_at_three)
     assert chat.messages[-1] == {"role": "assistant", "content": "".join(pieces)}
     chat.add_user("two")
-    assert chat.answer(lambda piece: None)  # the chat goes on
+    afresh = Chat(tiny, max_new_tokens=12)
+    afresh.messages = list(chat.messages)
+    answer = chat.answer(lambda piece: None)  # the chat goes on, from the cache it kept
+    assert answer and answer == afresh.answer(lambda piece: None)
+    assert chat.prompt_cache.reused > 0
     chat.reset()
     assert chat.messages == []
 

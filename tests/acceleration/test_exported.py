@@ -22,7 +22,7 @@ from qkv.acceleration.decoding import compiled_ready
 from qkv.acceleration.quantized import QuantizedLinear
 from qkv.acceleration.quantized_embedding import QuantizedEmbedding
 from qkv.acceleration.quantized_sharing import share_quantized_inputs
-from qkv.generation import decode_steps, generate
+from qkv.generation import PromptCache, decode_steps, generate
 from tests.acceleration.new_process import decodes_from_the_store
 from tests.generation.reference_models import left_padded_prompts, qkv_model, redraw
 
@@ -96,6 +96,26 @@ def test_compiling_passes_on_no_future_warning_of_torchs_own(llama, store):
     assert store[1].count(llama) == 1  # the fixture compiled, and recorded what it raised
     future = [str(w.message) for w in COMPILE_WARNINGS if issubclass(w.category, FutureWarning)]
     assert future == []
+
+
+def test_a_prompt_cache_kept_across_calls_is_served_as_a_new_one(llama, store):
+    """A chat's turns (`PromptCache`): each call's kept cache is a new one, of more slots once
+    the conversation outgrows it; the library serves it, with eager decoding's tokens and
+    logits, and nothing is compiled again."""
+    prompt_cache = PromptCache()
+    ids = torch.arange(1, 6).unsqueeze(0)
+    for turn in range(3):
+        steps = decoding_steps(llama, "aot")
+        decoded = list(decode_steps(llama, ids, max_new_tokens=NEW_TOKENS, steps=steps,
+                                    prompt_cache=prompt_cache))  # fmt: skip
+        tokens = torch.stack([s.tokens for s in decoded], 1)
+        logits = torch.stack([s.logits for s in decoded], 1)
+        eager_tokens, eager_logits = _steps(llama, ids)
+        torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
+        assert torch.equal(tokens, eager_tokens)
+        assert prompt_cache.reused == (0 if turn == 0 else ids.shape[1] - 4)  # new: 1 + 3
+        ids = torch.cat([ids, tokens, torch.arange(10, 13).unsqueeze(0) + turn], dim=1)
+    assert store[1].count(llama) == 1  # the fixture's compilation, and no other
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,8 @@ conversation kept within the model's context.
 - `Chat`: a conversation. Each answer continues the whole history, rendered by the template with
   the assistant's header at the end (transformers' `apply_chat_template(messages,
   add_generation_prompt=True)`), streamed as text until the token that ends an assistant's turn.
+  The KV cache stays from one answer to the next (`qkv.generation.PromptCache`): the model reads
+  only what the history gained since, not the whole of it at every turn.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from torch import nn
 from qkv.acceleration.quantized_models import quantized_from_gguf, quantized_pays
 from qkv.data.gguf_tokenizer import ChatFormat, chat_format_from_metadata, tokenizer_from_metadata
 from qkv.generation.options import DecodeOptions
+from qkv.generation.prompt_cache import PromptCache
 from qkv.generation.streaming import stream
 from qkv.generation.text import incremental_text, load_for_generation
 from qkv.models.checkpoints.bundled import PACKAGED_MODELS, packaged_model_path
@@ -189,7 +192,10 @@ class Chat:
     within the model's context (`trim_history`), each answer streamed as text.
 
     `options` are `qkv.generate`'s sampling fields (temperature, top_k, top_p, seed); greedy
-    by default, so that an answer is the same each time. `steps` is `qkv.generate`'s."""
+    by default, so that an answer is the same each time. `steps` is `qkv.generate`'s.
+    `prompt_cache` keeps the KV cache of the conversation's tokens between answers, so that
+    each prompt's tokens already seen are not run again (`prompt_cache.reused`: how many were
+    not, for the latest answer)."""
 
     def __init__(
         self,
@@ -216,6 +222,7 @@ class Chat:
         self.stop_ids = stop_token_ids(loaded.tokenizer, loaded.chat_format)
         self.messages: list[Message] = []
         self.generated = 0  # tokens of the last answer
+        self.prompt_cache = PromptCache()
         self.reset()
 
     def reset(self) -> None:
@@ -252,7 +259,8 @@ class Chat:
         model = self.loaded.model
         device = next(model.parameters()).device
         input_ids = torch.tensor([self.prompt_ids()], dtype=torch.long, device=device)  # (1, L)
-        tokens = stream(model, input_ids, self.options, steps=self.steps)
+        tokens = stream(model, input_ids, self.options, steps=self.steps,
+                        prompt_cache=self.prompt_cache)  # fmt: skip
         self.generated, pieces = 0, []
         try:
             for piece in incremental_text(self.loaded.tokenizer, self._until_stop(tokens)):

@@ -36,6 +36,7 @@ from qkv.generation.beam_strategy import BeamSearch
 from qkv.generation.encoder_decoder_steps import EncoderDecoderSteps, encoder_decoder_source
 from qkv.generation.loop import DecodeStep, decode_loop
 from qkv.generation.options import DecodeOptions, check_tokens, decode_options
+from qkv.generation.prompt_cache import PromptCache
 from qkv.generation.steps import DecoderOnlySteps, make_cache, prompt_mask
 from qkv.generation.strategies import TokenChoice
 from qkv.models.encoder_decoder import Transformer
@@ -56,6 +57,7 @@ def generate(
     attention_mask: torch.Tensor | None = None,
     on_token: Callable[[torch.Tensor], None] | None = None,
     steps: Callable | None = None,
+    prompt_cache: PromptCache | None = None,
     **fields: object,
 ) -> torch.Tensor:
     """The prompt followed by up to `max_new_tokens` new tokens, (B, L0 + new): L0 is the
@@ -74,6 +76,9 @@ def generate(
     each step (not with beam search, whose tokens are known only at the end). `steps` runs a
     decoder-only model's steps after its prefill (None: the model itself; see the module doc),
     e.g. `qkv.acceleration.decoding_steps(model)`: the same tokens, faster steps.
+    `prompt_cache` (a `qkv.generation.PromptCache`, one unpadded prompt, no beams, no sinks)
+    keeps the KV cache from one call to the next: a prompt that starts with the tokens an
+    earlier call fed the model (a chat's next turn) sends only the rest through it.
 
     Raises ValueError naming `model` when its logits stop being finite (NaN, +inf, or -inf
     for every token), with the step where they did: see `LogitsCheck` for when it is seen.
@@ -84,7 +89,7 @@ def generate(
             "on_token: beam search knows its tokens only at the end; expected on_token=None "
             "with num_beams > 1 (or num_beams=1 to stream)"
         )
-    decoding = start_decoding(model, input_ids, options, attention_mask, steps)
+    decoding = start_decoding(model, input_ids, options, attention_mask, steps, prompt_cache)
     new_tokens = []  # (B,) each
     for step in decoding.steps:
         new_tokens.append(step.tokens)
@@ -121,10 +126,12 @@ class Decoding:
     prompt: torch.Tensor
 
 
-def start_decoding(model, input_ids, options: DecodeOptions, attention_mask, steps) -> Decoding:
+def start_decoding(
+    model, input_ids, options: DecodeOptions, attention_mask, steps, prompt_cache=None
+) -> Decoding:
     """The checked call of `decode_steps`: beam search when num_beams > 1, else greedy search or
     sampling; finished rows are filled with the end token."""
-    prepared = prepare(model, input_ids, options, attention_mask, steps)
+    prepared = prepare(model, input_ids, options, attention_mask, steps, prompt_cache)
     eos = prepared.eos_token_id
     fill = 0 if eos is None else eos
     if options.num_beams > 1:
@@ -134,7 +141,9 @@ def start_decoding(model, input_ids, options: DecodeOptions, attention_mask, ste
     return Decoding(prepared.run(strategy, options), strategy, prepared.prompt)
 
 
-def prepare(model, input_ids, options: DecodeOptions, attention_mask, steps=None) -> Prepared:
+def prepare(
+    model, input_ids, options: DecodeOptions, attention_mask, steps=None, prompt_cache=None
+) -> Prepared:
     """The step source of a decoder-only or encoder-decoder model's call, its arguments checked."""
     if steps is not None and not callable(steps):
         raise TypeError(
@@ -147,8 +156,12 @@ def prepare(model, input_ids, options: DecodeOptions, attention_mask, steps=None
                 "steps: for decoder-only models; an encoder-decoder Transformer decodes through "
                 "its own `decode`; expected steps=None"
             )
+        if prompt_cache is not None:
+            raise ValueError("prompt_cache: for decoder-only models; expected None for an "
+                             "encoder-decoder Transformer")  # fmt: skip
         return Prepared(*encoder_decoder_source(model, input_ids, options, attention_mask))
-    return Prepared(*_decoder_only(model, input_ids, options, attention_mask, steps))
+    source = _decoder_only(model, input_ids, options, attention_mask, steps, prompt_cache)
+    return Prepared(*source)
 
 
 def beam_strategy(prepared: Prepared, options: DecodeOptions, fill_token_id: int) -> BeamSearch:
@@ -169,7 +182,7 @@ def token_strategy(prepared: Prepared, options: DecodeOptions, fill_token_id: in
     )  # fmt: skip
 
 
-def _decoder_only(model, input_ids, options: DecodeOptions, attention_mask, steps):
+def _decoder_only(model, input_ids, options: DecodeOptions, attention_mask, steps, prompt_cache):
     """(DecoderOnlySteps, the prompt, eos_token_id) of a decoder-only model's call."""
     config = model.config
     B, L = _check_call(config, input_ids, options)
@@ -181,7 +194,13 @@ def _decoder_only(model, input_ids, options: DecodeOptions, attention_mask, step
             "holds only real tokens); expected an all-ones mask, or one prompt per call"
         )
     positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, L): real tokens count
-    cache = make_cache(model, batch=B, max_length=L + options.max_new_tokens, sinks=sinks)
+    cached, on_feed = 0, None
+    if prompt_cache is None:
+        cache = make_cache(model, batch=B, max_length=L + options.max_new_tokens, sinks=sinks)
+    else:
+        _check_prompt_cache(prompt_cache, B, padded, options)
+        cache, cached = prompt_cache.start(model, input_ids, L + options.max_new_tokens)
+        on_feed = prompt_cache.fed
     if B * L > 1 and input_ids.device.type == "cpu" and _has_bf16_linears(model):
         capabilities.warn_if_bf16_is_emulated(
             "decoding a bf16 model's prompt",
@@ -189,8 +208,24 @@ def _decoder_only(model, input_ids, options: DecodeOptions, attention_mask, step
             "products of several rows compute in fp32 at full speed",
         )
     step = model if steps is None else steps
-    source = DecoderOnlySteps(model, step, input_ids, mask if padded else None, positions, cache)
+    source = DecoderOnlySteps(model, step, input_ids, mask if padded else None, positions, cache,
+                              cached=cached, on_feed=on_feed)  # fmt: skip
     return source, input_ids, options.eos_token_id
+
+
+def _check_prompt_cache(prompt_cache, B: int, padded: bool, options: DecodeOptions) -> None:
+    """What a `PromptCache` decodes: one unpadded sequence, by greedy search or sampling."""
+    if not isinstance(prompt_cache, PromptCache):
+        raise TypeError(f"prompt_cache: expected a qkv.generation.PromptCache or None, got "
+                        f"{type(prompt_cache).__name__}")  # fmt: skip
+    refused = (
+        f"a batch of {B} prompts" if B != 1 else "a padded prompt" if padded
+        else f"num_beams={options.num_beams}" if options.num_beams > 1
+        else "sinks (a StreamingLLM cache)" if options.sinks is not None else None
+    )  # fmt: skip
+    if refused is not None:
+        raise ValueError(f"prompt_cache: keeps one unpadded sequence's cache, decoded by greedy "
+                         f"search or sampling; got {refused}")  # fmt: skip
 
 
 def _has_bf16_linears(model: nn.Module) -> bool:

@@ -42,21 +42,27 @@ class DecoderOnlySteps:
     ids checked), every later step through `step` (the model, or what stands in for its
     forward: `qkv.generate`'s `steps`), called as the model is and returning a CausalLMOutput
     (its `top_logit` and `top_token` where the step reduced its logits itself).
+    `cached`: how many of the prompt's first tokens the cache holds already (prefix caching,
+    qkv.generation.prompt_cache): the rest of the prompt goes through the model over them.
+    `on_feed(tokens (R,))`: told each step's tokens before they go through the model.
     """
 
-    def __init__(self, model, step, input_ids, mask, positions, cache) -> None:
+    def __init__(self, model, step, input_ids, mask, positions, cache, *, cached: int = 0,
+                 on_feed=None) -> None:  # fmt: skip
         self.model, self.step, self.cache = model, step, cache
         self.input_ids, self.mask, self.positions = input_ids, mask, positions
+        self.cached, self.on_feed = cached, on_feed
 
     def first(self) -> Logits:
         """The logits after the prompt (B, V), which goes through the model in chunks of
         PROMPT_CHUNK tokens, each attending over the cache the earlier ones filled: a long
-        prompt's activations are held for one chunk at a time, not for the whole prompt."""
+        prompt's activations are held for one chunk at a time, not for the whole prompt. A
+        prompt whose first `cached` tokens are in the cache starts after them."""
         length = self.input_ids.shape[1]
-        if isinstance(self.cache, SinkKVCache) or length <= PROMPT_CHUNK:
+        if isinstance(self.cache, SinkKVCache) or (self.cached == 0 and length <= PROMPT_CHUNK):
             return self._logits(self.model, self.input_ids, check_ids=True)
         prompt_mask, prompt_positions = self.mask, self.positions
-        for start in range(0, length, PROMPT_CHUNK):
+        for start in range(self.cached, length, PROMPT_CHUNK):
             end = min(start + PROMPT_CHUNK, length)
             self.mask = None if prompt_mask is None else prompt_mask[:, :end]
             self.positions = prompt_positions[:, start:end]
@@ -73,6 +79,8 @@ class DecoderOnlySteps:
         self.positions = self.positions[:, -1:] + 1  # (R, 1)
         if self.mask is not None:
             self.mask = torch.cat([self.mask, self.mask.new_ones(rows, 1)], dim=1)
+        if self.on_feed is not None:
+            self.on_feed(choice.tokens)
         # Only the prompt needs its ids checked: later tokens are the loop's own choices.
         return self._logits(self.step, choice.tokens.unsqueeze(1), check_ids=False)
 

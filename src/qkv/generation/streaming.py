@@ -12,6 +12,7 @@ from torch import nn
 from qkv.generation.generate import start_decoding
 from qkv.generation.loop import DecodeStep
 from qkv.generation.options import DecodeOptions, decode_options
+from qkv.generation.prompt_cache import PromptCache
 
 __all__ = ["decode_steps", "stream"]
 
@@ -23,6 +24,7 @@ def stream(
     *,
     attention_mask: torch.Tensor | None = None,
     steps: Callable | None = None,
+    prompt_cache: PromptCache | None = None,
     **fields: object,
 ) -> Iterator[torch.Tensor]:
     """The same decoding as `generate`, yielding each step's tokens (B,) as they come
@@ -33,7 +35,7 @@ def stream(
             f"num_beams: beam search knows its tokens only at the end; expected num_beams=1 to "
             f"stream, got {options.num_beams} (generate returns the best hypotheses)"
         )
-    decoding = start_decoding(model, input_ids, options, attention_mask, steps)
+    decoding = start_decoding(model, input_ids, options, attention_mask, steps, prompt_cache)
     return (step.tokens for step in decoding.steps)
 
 
@@ -44,6 +46,7 @@ def decode_steps(
     *,
     attention_mask: torch.Tensor | None = None,
     steps: Callable | None = None,
+    prompt_cache: PromptCache | None = None,
     **fields: object,
 ) -> Iterator[DecodeStep]:
     """The same decoding as `generate`, yielding a `DecodeStep` (tokens, logits, cache, and with
@@ -52,4 +55,4 @@ def decode_steps(
     Arguments are checked here, when called; the decoding runs as the iterator is consumed.
     """
     options = decode_options(options, fields)
-    return start_decoding(model, input_ids, options, attention_mask, steps).steps
+    return start_decoding(model, input_ids, options, attention_mask, steps, prompt_cache).steps

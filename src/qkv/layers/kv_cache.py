@@ -96,6 +96,21 @@ class StaticKVCache(KVStorage):
                 f"cache or a SinkKVCache"
             )
 
+    def kept_prefix(self, length: int, max_length: int) -> StaticKVCache:
+        """A new cache holding this one's first `length` tokens, with at least `max_length`
+        slots: this cache's tensors where they have that many (this cache is then not to be
+        written again), else larger copies. Prefix caching (qkv.generation.prompt_cache)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"length: expected 0 <= length <= {self.length} (the tokens "
+                             f"cached), got {length}")  # fmt: skip
+        kept = StaticKVCache.__new__(StaticKVCache)
+        kept.keys, kept.values, kept.length = self.keys, self.values, length
+        kept.max_length = max(max_length, self.max_length)
+        if max_length > self.max_length:
+            kept.keys = tuple(_with_slots(keys, length, max_length) for keys in self.keys)
+            kept.values = tuple(_with_slots(values, length, max_length) for values in self.values)
+        return kept
+
     def attend_inputs(
         self,
         layer: int,
@@ -118,6 +133,13 @@ class StaticKVCache(KVStorage):
         keys[:, :, self.length : end] = k
         values[:, :, self.length : end] = v
         return q, keys[:, :, :end], values[:, :, :end]
+
+
+def _with_slots(tensor: torch.Tensor, length: int, slots: int) -> torch.Tensor:
+    """(B, H_kv, S, D) -> a new (B, H_kv, slots, D) holding its first `length` slots."""
+    grown = tensor.new_zeros(*tensor.shape[:2], slots, tensor.shape[3])
+    grown[:, :, :length] = tensor[:, :, :length]
+    return grown
 
 
 class LayerCache:
