@@ -81,6 +81,7 @@ SECTIONS = {
         "real_model", ("decode_smollm2", "decode_smollm2_avx2"), part="decode", each="decode_file"
     ),
     "prompt_chunks": Section("real_model", ("prompt_chunks",), part="chunks"),
+    "chat_turns": Section("real_model", ("chat_turns",), part="chat"),
     "perplexity_smollm2": Section("real_model", ("perplexity_smollm2",), part="perplexity"),
 }  # fmt: skip
 # Any other result file is listed at the end; smoke runs (*_quick.json) are left out.
