@@ -38,3 +38,49 @@ def test_explain_says_when_a_query_is_computed_in_fp32():
     longer = torch.randn(1, 4, 2, 8, dtype=torch.bfloat16)
     assert "computed in fp32" not in qkv.explain(longer, k, v, causal=True)
     assert "computed in fp32" not in qkv.explain(q.float(), k.float(), v.float(), causal=True)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (8, 1), (4, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_groups_queries_stacked_on_their_kv_head_give_each_heads_attention(
+    heads, kv_heads, dtype
+):
+    """GQA and MQA, one query per head over a cache (causal aligned bottom-right sees every
+    key): each K/V head's group of queries goes to the kernel as its rows. Against the float64
+    reference with K/V repeated per query head; fp32 within fp32's rounding, bf16 within twice
+    PyTorch's own low-precision error."""
+    generator = torch.Generator().manual_seed(1)
+    shapes = ((2, heads, 1, 16), (2, kv_heads, L_K, 16), (2, kv_heads, L_K, 8))
+    q, k, v = (torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes)
+    exact = sdpa_reference(q, k, v, causal=True, scale=0.3)
+    low = [t.to(dtype) for t in (q, k, v)]
+    ours = qkv.attention(*low, causal=True, scale=0.3)
+    assert ours.shape == (2, heads, 1, 8) and ours.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours.double(), exact, rtol=0, atol=1e-6)
+    else:
+        theirs = sdpa_reference(*low, causal=True, scale=0.3)
+        assert (ours.double() - exact).abs().max() <= 2 * (theirs.double() - exact).abs().max()
+    text = qkv.explain(*low, causal=True)
+    assert "each group's queries stacked as its K/V head's rows" in text
+
+
+def test_stacked_queries_keep_the_nan_rule_per_head():
+    """A NaN query gives NaN to its own head alone; a NaN key gives NaN to every head of its
+    group and to no other group (`qkv.attention.nan_rows`)."""
+    q, k, v = torch.randn(1, 6, 1, 8), torch.randn(1, 2, L_K, 8), torch.randn(1, 2, L_K, 8)
+    q[0, 4, 0, 3] = float("nan")  # head 4: group of K/V head 1
+    k[0, 0, 17, 2] = float("nan")  # K/V head 0: heads 0-2
+    out = qkv.attention(q, k, v, causal=True)
+    nan_heads = out.isnan().any(-1).flatten().tolist()
+    assert nan_heads == [True, True, True, False, True, False]
+
+
+def test_a_group_is_not_stacked_where_its_queries_see_different_keys():
+    """Two queries per head (a chunk of a prompt), causal: not stacked, and the explanation
+    says enable_gqa."""
+    q, k, v = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
+    text = qkv.explain(q, k, v, causal=True)
+    assert "stacked" not in text and "enable_gqa=True" in text
+    expected = sdpa_reference(q, k, v, causal=True)
+    torch.testing.assert_close(qkv.attention(q, k, v, causal=True), expected, rtol=1e-5, atol=1e-6)

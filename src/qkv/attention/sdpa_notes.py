@@ -48,12 +48,12 @@ def notes(request: AttentionRequest) -> list[str]:
             f"CPU kernel is several times slower for a single low-precision query)"
         )
     if request.group_size > 1:
-        out.append(
-            f"GQA/MQA ({request.num_heads} query heads over {request.num_kv_heads} K/V heads): "
-            + (
-                "enable_gqa=True, K/V not repeated"
-                if sdpa._HAS_ENABLE_GQA
-                else "K/V repeated (torch < 2.5 has no enable_gqa)"
-            )
-        )
+        heads = f"GQA/MQA ({request.num_heads} query heads over {request.num_kv_heads} K/V heads)"
+        if not sdpa._needs_mask(request) and sdpa._stacks_group(request):
+            how = "each group's queries stacked as its K/V head's rows, each K/V head read once"
+        elif sdpa._HAS_ENABLE_GQA:
+            how = "enable_gqa=True, K/V not repeated"
+        else:
+            how = "K/V repeated (torch < 2.5 has no enable_gqa)"
+        out.append(f"{heads}: {how}")
     return out
