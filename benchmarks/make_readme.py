@@ -80,6 +80,7 @@ SECTIONS = {
     "decode_smollm2": Section(
         "real_model", ("decode_smollm2", "decode_smollm2_avx2"), part="decode", each="decode_file"
     ),
+    "decode_context": Section("real_model", ("decode_context",), part="context"),
     "prompt_chunks": Section("real_model", ("prompt_chunks",), part="chunks"),
     "chat_turns": Section("real_model", ("chat_turns",), part="chat"),
     "perplexity_smollm2": Section("real_model", ("perplexity_smollm2",), part="perplexity"),
