@@ -84,3 +84,37 @@ def test_a_group_is_not_stacked_where_its_queries_see_different_keys():
     assert "stacked" not in text and "enable_gqa=True" in text
     expected = sdpa_reference(q, k, v, causal=True)
     torch.testing.assert_close(qkv.attention(q, k, v, causal=True), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (8, 1)])
+@pytest.mark.parametrize(
+    "options",
+    [{"window": 5}, {"mask": EMPTY_SECOND_ROW}, {"lengths": torch.tensor([L_K, 11])},
+     {"bias": "per head"}, {"alibi_slopes": "per head"}],
+    ids=["window", "padding-mask", "lengths", "bias-per-head", "alibi"],
+)  # fmt: skip
+def test_stacked_queries_take_every_mask_and_bias(heads, kv_heads, options):
+    """One query per head, with a mask, padding, a window or a bias per head (ALiBi's
+    slopes): the stacked rows give each head its own attention (float64 reference with K/V
+    repeated); a row with no visible key gives 0."""
+    generator = torch.Generator().manual_seed(2)
+    shapes = ((2, heads, 1, 16), (2, kv_heads, L_K, 16), (2, kv_heads, L_K, 16))
+    q, k, v = (torch.randn(shape, generator=generator) for shape in shapes)
+    options = dict(options)
+    reference = dict(options)
+    if options.get("bias") == "per head":
+        bias = torch.randn(1, heads, 1, L_K, generator=generator)
+        options["bias"], reference["bias"] = bias, bias.double()
+    if options.get("alibi_slopes") == "per head":
+        slopes = qkv.positional.alibi_slopes(heads)
+        options["alibi_slopes"] = slopes
+        positions = torch.arange(L_K, dtype=torch.float64)
+        distance = (positions - (L_K - 1)).abs()  # the query sits at the last key's position
+        reference = {"bias": -(slopes.double()[:, None] * distance)[None, :, None, :]}
+    if "lengths" in options:
+        keys = torch.arange(L_K) < options["lengths"][:, None]  # (B, L_k)
+        reference = {"mask": keys[:, None, None, :]}
+    ours = qkv.attention(q, k, v, causal=True, **options)
+    expected = sdpa_reference(q.double(), k.double(), v.double(), causal=True, **reference)
+    torch.testing.assert_close(ours.double(), expected, rtol=0, atol=1e-5)
+    assert "stacked as its K/V head's rows" in qkv.explain(q, k, v, causal=True, **options)

@@ -78,27 +78,22 @@ def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:
     dtype = _compute_dtype(request)
     if dtype != q.dtype:
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    if not _needs_mask(request) and _stacks_group(request):
-        output = _stacked_group_attention(q, k, v, request.scale)
-        output = fill_nan_rows(output, nan_rows(q, k[:, :, :1], None))  # as below
-        return _cast_back(output, request), None
+    stacked = _stacks_group(request)  # else enable_gqa (or K/V repeated) for GQA/MQA
     gqa = {}
-    if request.group_size > 1:
+    if request.group_size > 1 and not stacked:
         if _HAS_ENABLE_GQA:
             gqa = {"enable_gqa": True}
         else:
             k = k.repeat_interleave(request.group_size, dim=1)  # (B, H, L_k, D)
             v = v.repeat_interleave(request.group_size, dim=1)  # (B, H, L_k, D_v)
     if not _needs_mask(request):
-        output = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            dropout_p=request.dropout_p,
-            is_causal=request.causal and _plain_causal(request),
-            scale=request.scale,
-            **gqa,
-        )
+        if stacked:
+            output = _stacked_group_attention(q, k, v, request.scale)
+        else:
+            output = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=request.dropout_p,
+                is_causal=request.causal and _plain_causal(request), scale=request.scale, **gqa,
+            )  # fmt: skip
         # Every row sees key 0 here, and the kernel already gives NaN to a row with some of its
         # keys NaN: a row comes back 0 only when all its keys are NaN, key 0 among them. So
         # key 0 stands for the whole K cache, and a decoding step reads D values, not L_k x D.
@@ -111,10 +106,13 @@ def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:
     else:  # the rows with no visible key see every key in attn_mask: zeroed below anyway
         kernel_k = without_nan_keys(k, nan_key)
         visible = attn_mask if attn_mask.dtype == torch.bool else ~torch.isneginf(attn_mask)
-    output = F.scaled_dot_product_attention(
-        q, kernel_k, v, attn_mask=attn_mask, dropout_p=request.dropout_p, scale=request.scale,
-        **gqa,
-    )  # fmt: skip
+    if stacked:
+        output = _stacked_group_attention(q, kernel_k, v, request.scale, attn_mask)
+    else:
+        output = F.scaled_dot_product_attention(
+            q, kernel_k, v, attn_mask=attn_mask, dropout_p=request.dropout_p,
+            scale=request.scale, **gqa,
+        )  # fmt: skip
     output = fill_nan_rows(output, nan_rows(q, k, visible, nan_key))
     if row_visible is not None:
         output = torch.where(row_visible, output, 0.0)  # rows with no visible key -> 0
@@ -123,23 +121,26 @@ def run(request: AttentionRequest) -> tuple[torch.Tensor, None]:
 
 def _stacks_group(request: AttentionRequest) -> bool:
     """A decoding step's one query per head, with GQA/MQA and no dropout: the queries of a K/V
-    head's group see the same keys, all of them, so they can be one call's query rows."""
+    head's group can be one call's query rows (a mask or bias per head folds with them)."""
     return request.query_len == 1 and request.group_size > 1 and request.dropout_p == 0.0
 
 
-def _stacked_group_attention(q, k, v, scale: float | None) -> torch.Tensor:
+def _stacked_group_attention(q, k, v, scale: float | None, attn_mask=None) -> torch.Tensor:
     """(B, H, 1, D) queries over (B, H_kv, L_k, D) keys as (B, H_kv, group, D): each K/V head's
     group of queries stacked as its rows (head h is row h % group of K/V head h // group, as
     `enable_gqa` pairs them), so that the kernel reads each K/V head once, where with
     `enable_gqa` PyTorch's CPU kernel reads it once per query head: a group shares its K/V
     head (Ainslie et al. 2023), and so one read of it. SmolLM2's decoding step (9 query
     heads, 3 K/V heads, 30 layers) over 3600 cached keys: ~14 ms of attention against ~18
-    (Intel AVX-512, 2 threads). -> (B, H, 1, D_v)."""
+    (Intel AVX-512, 2 threads). attn_mask: broadcastable to (B, H, 1, L_k); a head dimension
+    of H is folded as the queries are. -> (B, H, 1, D_v)."""
     B, H, _, D = q.shape
     H_kv = k.shape[1]
     stacked = q.reshape(B, H_kv, H // H_kv, D)
-    output = F.scaled_dot_product_attention(stacked, k, v, scale=scale)  # (B, H_kv, group, D_v)
-    return output.reshape(B, H, 1, v.shape[-1])
+    if attn_mask is not None and attn_mask.dim() >= 3 and attn_mask.shape[-3] == H > 1:
+        attn_mask = attn_mask.reshape(*attn_mask.shape[:-3], H_kv, H // H_kv, attn_mask.shape[-1])
+    output = F.scaled_dot_product_attention(stacked, k, v, attn_mask=attn_mask, scale=scale)
+    return output.reshape(B, H, 1, v.shape[-1])  # from (B, H_kv, group, D_v)
 
 
 def repads(request: AttentionRequest) -> bool:

@@ -49,7 +49,7 @@ def notes(request: AttentionRequest) -> list[str]:
         )
     if request.group_size > 1:
         heads = f"GQA/MQA ({request.num_heads} query heads over {request.num_kv_heads} K/V heads)"
-        if not sdpa._needs_mask(request) and sdpa._stacks_group(request):
+        if sdpa._stacks_group(request):
             how = "each group's queries stacked as its K/V head's rows, each K/V head read once"
         elif sdpa._HAS_ENABLE_GQA:
             how = "enable_gqa=True, K/V not repeated"
