@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -100,7 +101,8 @@ class LlamaCppChat:
             messages.append({"role": "user", "content": question})
             text = self.loaded.chat_format.render(messages)
             ids = self.loaded.tokenizer.encode(text, add_special_tokens=False).ids
-            run = len(ids) - _shared(list(self.llm._input_ids), ids[:-1])
+            cached = os.path.commonprefix([self.llm._input_ids.tolist(), ids[:-1]])
+            run = len(ids) - len(cached)
             answer, chosen, first = [], 0, None
             started = time.perf_counter()
             for token in self.llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0):
@@ -117,15 +119,6 @@ class LlamaCppChat:
                 "answer_tokens": chosen, "answer_s": elapsed,
             })  # fmt: skip
         return turns
-
-
-def _shared(cached: list[int], ids: list[int]) -> int:
-    length = 0
-    for a, b in zip(cached, ids, strict=False):
-        if a != b:
-            break
-        length += 1
-    return length
 
 
 def turn_row(rows: list[dict]) -> dict:
