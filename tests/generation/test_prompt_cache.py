@@ -70,6 +70,9 @@ def test_a_prompt_that_departs_from_the_cached_tokens_keeps_their_common_prefix(
     # the same prompt again: all of it but its last token, whose logits the first choice needs
     _assert_as_afresh(model, departing, prompt_cache)
     assert prompt_cache.reused == departing.shape[1] - 1
+    other = torch.cat([(departing[:, :1] + 1) % VOCAB, departing[:, 1:]], dim=1)
+    _assert_as_afresh(model, other, prompt_cache)  # nothing shared: the cache's slots reused
+    assert prompt_cache.reused == 0
 
 
 def test_a_longer_conversation_grows_the_cache_and_keeps_its_tokens():

@@ -63,11 +63,10 @@ class PromptCache:
         tokens are recorded by `fed` from here on."""
         prompt = input_ids[0]  # (L,)
         kept = 0
-        if self.cache is not None and self._holds(model, prompt):
-            kept = _common_prefix(self.ids, prompt[:-1].tolist())
-        if kept == 0:
+        if self.cache is None or not self._holds(model, prompt):
             self.cache = make_cache(model, batch=1, max_length=max_length)
-        else:  # room to grow by doubling, so that a long chat copies its cache rarely
+        else:  # its tensors kept, grown by doubling so that a long chat copies them rarely
+            kept = _common_prefix(self.ids, prompt[:-1].tolist())
             slots = max_length
             if max_length > self.cache.max_length:
                 slots = max(max_length, min(2 * self.cache.max_length, model.config.context_length))

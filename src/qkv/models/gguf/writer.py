@@ -150,8 +150,9 @@ def _fused_gpt2_attention(tensors: dict) -> dict:
             parts = [tensors[name.replace(".attn_q.", f".attn_{p}.")] for p in "qkv"]
             kinds = {kind for _, kind in parts}
             if len(kinds) > 1:
-                raise ValueError(f"model: GPT-2's fused attn_qkv needs q, k and v of one kind; "
-                                 f"{name} has {sorted(map(str, kinds))}")  # fmt: skip
+                named = sorted(kind or "float" for kind in kinds)
+                raise ValueError(f"model: GPT-2's fused attn_qkv needs q, k and v of one kind "
+                                 f"(float, or blocks of one kind); {name}: {named}")  # fmt: skip
             fused = torch.cat([tensor for tensor, _ in parts], dim=0)
             out[name.replace(".attn_q.", ".attn_qkv.")] = (fused, kinds.pop())
         elif ".attn_k." not in name and ".attn_v." not in name:
