@@ -1,7 +1,8 @@
-"""One bf16/fp16 query on the CPU (a decoding step) runs through SDPA in fp32, where PyTorch's
-CPU kernel is several times faster: the output must come back in the input dtype, at most twice
-as far from the fp64 result as PyTorch's own low-precision call (qkv's low-precision rule), with
-causal, windows, GQA and fully masked rows handled as everywhere else."""
+"""One bf16/fp16 query row on the CPU (a decoding step) runs through SDPA in fp32, where
+PyTorch's CPU kernel is several times faster; a GQA/MQA group's queries stacked on their K/V head
+are several rows and keep their dtype. Either way the output comes back in the input dtype, at
+most twice as far from the fp64 result as PyTorch's own low-precision call (qkv's low-precision
+rule), with causal, windows, GQA and fully masked rows handled as everywhere else."""
 
 import pytest
 import torch
@@ -38,6 +39,10 @@ def test_explain_says_when_a_query_is_computed_in_fp32():
     longer = torch.randn(1, 4, 2, 8, dtype=torch.bfloat16)
     assert "computed in fp32" not in qkv.explain(longer, k, v, causal=True)
     assert "computed in fp32" not in qkv.explain(q.float(), k.float(), v.float(), causal=True)
+    grouped_k = k[:, :2]  # GQA: the group's two queries stacked are two rows, kept in bf16
+    text = qkv.explain(q, grouped_k, grouped_k, causal=True)
+    assert "computed in fp32" not in text and "stacked" in text
+    assert qkv.attention(q, grouped_k, grouped_k, causal=True).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (8, 1), (4, 2)])

@@ -11,8 +11,10 @@ What this wrapper adds to the raw call, and nothing more:
 - a row with a NaN query or a NaN key in view gives NaN, where the kernel would return 0
   (`qkv.attention.nan_rows`);
 - GQA/MQA via `enable_gqa` (torch >= 2.5), so K/V are not repeated where the kernel allows it;
-- one bf16/fp16 query on the CPU (a decoding step) runs in fp32, where PyTorch's CPU kernel is
-  several times faster (see `_compute_dtype`);
+  a decoding step's queries stacked as the rows of their K/V head, so that each K/V head is read
+  once (`_stacked_group_attention`);
+- one bf16/fp16 query row on the CPU (a decoding step without GQA) runs in fp32, where
+  PyTorch's CPU kernel is several times faster (see `_compute_dtype`);
 - sequences packed along L (`qkv.sparse.Packed`, causal or not, nothing else masked) are
   gathered into a padded batch of sequences for the kernel and scattered back
   (qkv.attention.sdpa_packed): the kernel's work is that of a padded batch, not of the whole
@@ -167,15 +169,19 @@ def _cast_back(output: torch.Tensor, request: AttentionRequest) -> torch.Tensor:
 
 
 def _compute_dtype(request: AttentionRequest) -> torch.dtype:
-    """fp32 for one bf16/fp16 query on the CPU (a decoding step), else q's own dtype.
+    """fp32 for one bf16/fp16 query per K/V head on the CPU (a decoding step), else q's dtype.
 
-    PyTorch's CPU kernel serves a single low-precision query several times slower per key than
-    an fp32 one, so the fp32 call, three small casts included, is faster, increasingly so as the
-    key length grows (see benchmarks/decode.py), and its softmax statistics are fp32 either way.
-    Larger L_q keeps the kernel's own dtype.
+    PyTorch's CPU kernel serves a single low-precision query row several times slower per key
+    than an fp32 one, so the fp32 call, three small casts included, is faster, increasingly so
+    as the key length grows (see benchmarks/decode.py), and its softmax statistics are fp32
+    either way. Several rows keep the kernel's own dtype: a longer L_q, and a GQA/MQA group
+    stacked on its K/V head (`_stacks_group`), whose low-precision call took 0.43-0.86x the
+    time of the fp32 one, casts included (groups of 2 to 8 over 512 and 3600 keys, bf16 and
+    fp16; Intel AVX-512 and held to AVX2, 2 threads).
     """
     low_precision = request.q.dtype in (torch.bfloat16, torch.float16)
-    if low_precision and request.query_len == 1 and request.q.device.type == "cpu":
+    one_row = request.query_len == 1 and not _stacks_group(request)
+    if low_precision and one_row and request.q.device.type == "cpu":
         return torch.float32
     return request.q.dtype
 
