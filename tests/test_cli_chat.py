@@ -186,6 +186,25 @@ def test_help_lists_chat(capsys):
     assert "\n    chat " in out and "generate" in out
 
 
+@pytest.mark.parametrize(("flag", "dtype"), [("fp16", torch.float16), ("model", torch.float32)])
+def test_kv_dtype_sets_the_cache_of_the_chat(tiny, capsys, monkeypatch, flag, dtype):
+    """--kv-dtype fp16: the conversation's KV cache in fp16 (half the bytes); by default the
+    model's own dtype."""
+    _serve(monkeypatch, tiny)
+    chats = []
+    answer = Chat.answer
+
+    def recorded(self, on_text):
+        chats.append(self)
+        return answer(self, on_text)
+
+    monkeypatch.setattr(Chat, "answer", recorded)
+    status, out, _ = _chat(capsys, monkeypatch, ["hi"], "--max-new-tokens", "3", "--no-compile",
+                           "--kv-dtype", flag)  # fmt: skip
+    assert status == 0 and out
+    assert chats[0].prompt_cache.cache.keys[0].dtype == dtype
+
+
 def test_the_oldest_turns_go_first_and_the_system_message_stays(tiny, capsys, monkeypatch):
     asked = _serve(monkeypatch, tiny)
     lines = ["one", "two", "three", "four", "five"]
@@ -388,8 +407,8 @@ def test_an_interactive_chat_compiles_its_step_in_the_background(
         return
     ((command, options, written),) = started
     chat = [sys.executable, "-m", "qkv.cli", "chat", "--model", "smollm2", "--compile"]
-    assert command[-len(chat) - 4 : -4] == chat
-    assert command[-4:] == ["--weights", "auto", "--max-new-tokens", "2"]
+    assert command[-len(chat) - 6 : -6] == chat
+    assert command[-6:] == ["--weights", "auto", "--kv-dtype", "model", "--max-new-tokens", "2"]
     if os.name == "posix" and shutil.which("nice"):
         assert command[1:3] == ["-n", "19"]
     assert options["start_new_session"] and options["stdout"] == subprocess.DEVNULL

@@ -48,7 +48,7 @@ def test_a_damaged_library_is_compiled_again_with_a_warning(tmp_path, monkeypatc
     compiler that fails, so the caller decodes elsewhere), and the warning names the file."""
     monkeypatch.setenv("QKV_COMPILE_CACHE", str(tmp_path))
     model = qkv_model("tiny-llama")
-    key = (model_key(model, OPTIONS), 1, torch.int64, torch.int64, False)
+    key = (model_key(model, OPTIONS), 1, torch.int64, torch.int64, False, None)  # fp32 cache
     folder = make_folder(tmp_path / key[0])
     (folder / "exported-b1-int64-int64.pt2").write_bytes(b"PK not a whole package")
 

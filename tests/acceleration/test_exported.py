@@ -264,14 +264,13 @@ def test_a_library_built_for_another_model_is_refused_before_it_runs(
     was built for loads it; a model whose tensors have other shapes is refused by name (the
     library would read out of bounds) and compiles its own (here: cannot, so it says so)."""
     directory, _ = store
-    stored = next(
-        key for key in exported._RUNNERS[llama] if key[1:] == (1, torch.int64, torch.int64, False)
-    )
+    unpadded = (1, torch.int64, torch.int64, False, None)  # batch, dtypes, masked, cache dtype
+    stored = next(key for key in exported._RUNNERS[llama] if key[1:] == unpadded)
     library = directory / stored[0] / "exported-b1-int64-int64.pt2"  # the fixture's, not another's
     copied = directory / "copied" / library.name
     copied.parent.mkdir(mode=0o700)
     copied.write_bytes(library.read_bytes())
-    key = ("copied", 1, torch.int64, torch.int64, False)
+    key = ("copied", *unpadded)
 
     def no_compiler(*args):
         raise RuntimeError("no compiler in this test")
@@ -380,3 +379,20 @@ def test_auto_uses_a_compiled_library_and_otherwise_stays_eager(llama, store, el
     generate(other, prompt, max_new_tokens=4, steps=steps)
     assert list(steps.exported.runners.values()) == [None]
     assert len(store[1]) == before and elsewhere == []
+
+
+def test_a_half_precision_cache_has_a_library_of_its_own(llama, store):
+    """`kv_dtype=torch.float16`: a library built for that cache (stored apart from the fp32
+    cache's), with the eager steps' tokens and logits over the same cache. Last in the module:
+    the tests above count the fixture's compilation alone."""
+    prompt = torch.arange(1, 8).unsqueeze(0)
+    half = {"max_new_tokens": NEW_TOKENS, "kv_dtype": torch.float16}
+    compiled = list(decode_steps(llama, prompt, steps=decoding_steps(llama, "aot"), **half))
+    eager = list(decode_steps(llama, prompt, **half))
+    logits = [torch.stack([s.logits for s in run], 1) for run in (compiled, eager)]
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+    assert [int(s.tokens[0]) for s in compiled] == [int(s.tokens[0]) for s in eager]
+    assert compiled[-1].cache.keys[0].dtype == torch.float16
+    assert store[1].count(llama) == 2  # the fixture's, and this cache's
+    stored = sorted(path.name for path in store[0].rglob("exported-b1-*.pt2"))
+    assert "exported-b1-int64-int64-kv-float16.pt2" in stored

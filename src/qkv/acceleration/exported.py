@@ -126,7 +126,9 @@ class ExportedStep:
         cannot be exported here (the reason is logged once)."""
         ids, positions = input_ids.dtype, kwargs["position_ids"].dtype
         masked = kwargs.get("attention_mask") is not None
-        key = (model_key(self.model, self.options), input_ids.shape[0], ids, positions, masked)
+        kv = kwargs["cache"].keys[0].dtype  # a library per cache dtype other than the model's
+        kv = None if kv == next(self.model.parameters()).dtype else kv
+        key = (model_key(self.model, self.options), input_ids.shape[0], ids, positions, masked, kv)
         runners = _RUNNERS.setdefault(self.model, {})
         if key not in runners:
             found = _load_or_compile(self.model, key, self.options, input_ids, kwargs, self.compile)
@@ -143,14 +145,16 @@ class ExportedStep:
 def ready(model: nn.Module, options: dict[str, Any]) -> bool:
     """Whether the model's unpadded step is compiled already: a library in memory, or one
     stored that a later call would load (well under a second) rather than compile (tens of
-    seconds). A padded batch's library alone does not count."""
+    seconds). A padded batch's library alone does not count, nor one for a cache of another
+    dtype than the model's (`kv_dtype`)."""
     key = model_key(model, options)
     loaded = _RUNNERS.get(model, {})
-    if any(k[0] == key and not k[4] and not isinstance(r, str) for k, r in loaded.items()):
+    if any(k[0] == key and not k[4] and k[5] is None and not isinstance(r, str)
+           for k, r in loaded.items()):  # fmt: skip
         return True
     directory = store_directory()
     stored = [] if directory is None else (directory / key).glob("exported-*.pt2")
-    return any(not path.stem.endswith("-masked") for path in stored)
+    return any("-masked" not in path.stem and "-kv-" not in path.stem for path in stored)
 
 
 def _served(input_ids: torch.Tensor, kwargs: dict) -> bool:
@@ -280,7 +284,8 @@ def _library_path(key: tuple) -> Path | None:
     directory = store_directory()
     if directory is None:
         return None
-    name = "exported-b{}-{}-{}{}.pt2".format(*key[1:4], "-masked" if key[4] else "")
+    kv = "" if key[5] is None else f"-kv-{key[5]}"
+    name = "exported-b{}-{}-{}{}{}.pt2".format(*key[1:4], "-masked" if key[4] else "", kv)
     return directory / key[0] / name.replace("torch.", "")
 
 

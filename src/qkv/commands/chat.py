@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING
 
 from qkv.commands._sampling import (
     add_compile_argument,
+    add_kv_dtype_argument,
     add_sampling_arguments,
     add_weights_argument,
+    kv_dtype,
     steps_for,
 )
 from qkv.commands._text_input import check_arguments
@@ -52,7 +54,8 @@ def _chat(args: argparse.Namespace) -> int:
         chat = Chat(
             loaded, system=args.system, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-            steps=steps_for(loaded.model, args.compile, "chat", when_eager=build),
+            kv_dtype=kv_dtype(args), steps=steps_for(loaded.model, args.compile, "chat",
+                                                      when_eager=build),
         )  # fmt: skip
     except (ValueError, TypeError, OSError, ImportError) as error:
         print(f"qkv chat: error: {error}", file=sys.stderr)
@@ -85,7 +88,8 @@ def _build_in_background(args: argparse.Namespace) -> str | None:
     if store_directory() is None:
         return None
     command = [sys.executable, "-m", "qkv.cli", "chat", "--model", args.model, "--compile",
-               "--weights", args.weights, "--max-new-tokens", "2"]  # fmt: skip
+               "--weights", args.weights, "--kv-dtype", args.kv_dtype,
+               "--max-new-tokens", "2"]  # fmt: skip
     nice = shutil.which("nice")
     command = [nice, "-n", "19", *command] if nice and os.name == "posix" else command
     try:
@@ -180,5 +184,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     add_sampling_arguments(chat)
     add_weights_argument(chat)
+    add_kv_dtype_argument(chat)
     add_compile_argument(chat)
     chat.set_defaults(run=_chat)

@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING
 
 from qkv.commands._sampling import (
     add_compile_argument,
+    add_kv_dtype_argument,
     add_sampling_arguments,
     add_weights_argument,
+    kv_dtype,
     steps_for,
 )
 from qkv.commands._text_input import check_arguments
@@ -63,7 +65,7 @@ def _continue(loaded: ChatModel, prompt: str, args: argparse.Namespace) -> tuple
     pieces = stream_text(
         loaded.model, after_prompt, prompt, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-        sinks=None if args.sinks is None else tuple(args.sinks),
+        sinks=None if args.sinks is None else tuple(args.sinks), kv_dtype=kv_dtype(args),
         steps=steps_for(loaded.model, args.compile, "generate"),
     )  # fmt: skip
     started = time.perf_counter()
@@ -80,7 +82,7 @@ def _answer(loaded: ChatModel, prompt: str, args: argparse.Namespace) -> tuple[i
         raise ValueError("--sinks: a chat answer ends within the model's context; not with --chat")
     chat = Chat(
         loaded, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, kv_dtype=kv_dtype(args),
         steps=steps_for(loaded.model, args.compile, "generate"),
     )  # fmt: skip
     chat.add_user(prompt)
@@ -184,6 +186,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     add_sampling_arguments(generate)
     add_weights_argument(generate)
+    add_kv_dtype_argument(generate)
     generate.add_argument(
         "--sinks",
         type=int,

@@ -195,11 +195,12 @@ def _decoder_only(model, input_ids, options: DecodeOptions, attention_mask, step
         )
     positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, L): real tokens count
     cached, on_feed = 0, None
+    slots, kv_dtype = L + options.max_new_tokens, options.kv_dtype
     if prompt_cache is None:
-        cache = make_cache(model, batch=B, max_length=L + options.max_new_tokens, sinks=sinks)
+        cache = make_cache(model, batch=B, max_length=slots, sinks=sinks, dtype=kv_dtype)
     else:
         _check_prompt_cache(prompt_cache, B, padded, options)
-        cache, cached = prompt_cache.start(model, input_ids, L + options.max_new_tokens)
+        cache, cached = prompt_cache.start(model, input_ids, slots, dtype=kv_dtype)
         on_feed = prompt_cache.fed
     if B * L > 1 and input_ids.device.type == "cpu" and _has_bf16_linears(model):
         capabilities.warn_if_bf16_is_emulated(

@@ -15,9 +15,13 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import torch
+
 from qkv.validation import check_int, check_seed
 
-__all__ = ["DecodeOptions", "decode_options"]
+__all__ = ["KV_DTYPES", "DecodeOptions", "decode_options"]
+
+KV_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -32,7 +36,12 @@ class DecodeOptions:
     num_beams > 1: beam search (qkv.generation.beam_strategy.BeamSearch), deterministic
     (temperature 0); its hypotheses are ranked by sum of
     log-probabilities / new tokens ** length_penalty, and a prompt stops searching once it has
-    num_beams finished ones (early_stopping) or once none of its beams can beat them."""
+    num_beams finished ones (early_stopping) or once none of its beams can beat them.
+    kv_dtype: the KV cache's dtype (None: the model's); torch.float16 or torch.bfloat16 halves
+    an fp32 model's cache, and its attention then runs in that dtype (as llama.cpp's default f16
+    cache does): a decoding step reads half the bytes, which pays past a few hundred tokens for
+    GQA/MQA models, whose groups of queries make several rows (`qkv.attention` casts one
+    low-precision query row per head, as MHA has, to fp32)."""
 
     max_new_tokens: int
     temperature: float = 0.0
@@ -44,6 +53,7 @@ class DecodeOptions:
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool = True
+    kv_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         check_int("max_new_tokens", self.max_new_tokens, minimum=0)
@@ -56,6 +66,8 @@ class DecodeOptions:
             _check_sinks(self.sinks)
             object.__setattr__(self, "sinks", tuple(self.sinks))
         _check_beams(self)
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype: expected one of {KV_DTYPES}, got {self.kv_dtype!r}")
 
     @property
     def sampling(self) -> dict:

@@ -15,8 +15,9 @@ recomputed. The logits are those of the whole prompt run afresh (to fp32's round
 different order of sums), tested against it. One sequence (B = 1), unpadded, greedy search or
 sampling; `qkv.generate(..., prompt_cache=)`, `stream` and `decode_steps` take it.
 
-A cache belongs to one model as it was when the cache was filled: another model (or another
-dtype) starts it afresh; a model whose weights change in place (trained, loaded) needs `clear()`.
+A cache belongs to one model as it was when the cache was filled: another model (or the model in
+another dtype, or a call asking another `kv_dtype`) starts it afresh; a model whose weights
+change in place (trained, loaded) needs `clear()`.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class PromptCache:
         self.cache: StaticKVCache | None = None
         self.reused = 0
         self._model: weakref.ref | None = None
+        self._model_dtype: torch.dtype | None = None
         self._fed: list[torch.Tensor] = []  # the last call's prompt (L,), then its tokens (1,)
 
     @property
@@ -55,16 +57,17 @@ class PromptCache:
         self.cache, self.reused, self._model, self._fed = None, 0, None, []
 
     def start(
-        self, model: nn.Module, input_ids: torch.Tensor, max_length: int
+        self, model: nn.Module, input_ids: torch.Tensor, max_length: int, dtype=None
     ) -> tuple[StaticKVCache, int]:
-        """(The cache a call over `input_ids` (1, L) decodes with, at least `max_length` slots;
-        how many of the prompt's first tokens it holds already, at most L - 1: the prompt's
-        last token goes through the model, whose logits the first choice needs.) The fed
-        tokens are recorded by `fed` from here on."""
+        """(The cache a call over `input_ids` (1, L) decodes with, at least `max_length` slots
+        of `dtype` (None: the model's); how many of the prompt's first tokens it holds already,
+        at most L - 1: the prompt's last token goes through the model, whose logits the first
+        choice needs.) The fed tokens are recorded by `fed` from here on."""
         prompt = input_ids[0]  # (L,)
+        dtype = next(model.parameters()).dtype if dtype is None else dtype
         kept = 0
-        if self.cache is None or not self._holds(model, prompt):
-            self.cache = make_cache(model, batch=1, max_length=max_length)
+        if self.cache is None or not self._holds(model, prompt, dtype):
+            self.cache = make_cache(model, batch=1, max_length=max_length, dtype=dtype)
         else:  # its tensors kept, grown by doubling so that a long chat copies them rarely
             kept = _common_prefix(self.ids, prompt[:-1].tolist())
             slots = max_length
@@ -72,6 +75,7 @@ class PromptCache:
                 slots = max(max_length, min(2 * self.cache.max_length, model.config.context_length))
             self.cache = self.cache.kept_prefix(kept, slots)
         self.reused, self._model, self._fed = kept, weakref.ref(model), [prompt]
+        self._model_dtype = next(model.parameters()).dtype
         return self.cache, kept
 
     def fed(self, tokens: torch.Tensor) -> None:
@@ -79,15 +83,15 @@ class PromptCache:
         so that an interrupted step leaves at most one token past the cache's length)."""
         self._fed.append(tokens)
 
-    def _holds(self, model: nn.Module, prompt: torch.Tensor) -> bool:
-        """Whether the cache was filled by `model` as it is: the same module, its cache's
-        dtype and device."""
-        parameter = next(model.parameters())
+    def _holds(self, model: nn.Module, prompt: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Whether the cache was filled by `model` as it is (the same module, of the same
+        dtype), in `dtype`, on the prompt's device."""
         keys = self.cache.keys[0]
         return (
             self._model is not None
             and self._model() is model
-            and keys.dtype == parameter.dtype
+            and self._model_dtype == next(model.parameters()).dtype
+            and keys.dtype == dtype
             and keys.device == prompt.device
         )
 

@@ -75,12 +75,13 @@ def stream_text(
     seed: int | None = None,
     sinks: tuple[int, int] | None = None,
     steps: Callable | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> Iterator[str]:
     """The continuation of `prompt`, as pieces of text in the order they are generated.
 
     The prompt is encoded with the tokenizer's own settings (special tokens included); the
     pieces join to `tokenizer.decode(new token ids)`. Arguments are checked when called.
-    `steps` is `qkv.generate`'s.
+    `steps` and `kv_dtype` are `qkv.generate`'s.
     """
     if not isinstance(prompt, str):
         raise TypeError(f"prompt: expected a str, got {type(prompt).__name__}")
@@ -91,7 +92,7 @@ def stream_text(
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)  # (1, L)
     tokens = stream(
         model, input_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-        top_p=top_p, seed=seed, sinks=sinks, steps=steps,
+        top_p=top_p, seed=seed, sinks=sinks, steps=steps, kv_dtype=kv_dtype,
     )  # fmt: skip
     return incremental_text(tokenizer, (int(step[0]) for step in tokens))
 

@@ -166,6 +166,7 @@ class MultiHeadAttention(nn.Module):
             k, v = cache.keys_values(project_keys_values)  # the memory's, computed once
         elif cache is not None:
             q, k, v = cache.attend_inputs(q, *project_keys_values(), self.rope, positions)
+            q = q if q.dtype == k.dtype else q.to(k.dtype)  # a cache in another dtype (kv_dtype)
         else:
             k, v = project_keys_values()
             if self.rope is not None:
@@ -195,6 +196,8 @@ class MultiHeadAttention(nn.Module):
         )
         output, weights = result if return_weights else (result, None)
         output = output.transpose(1, 2).reshape(B, L_q, H * D)  # (B, L_q, H * D): concat heads
+        if output.dtype != x.dtype:  # attention ran in the cache's dtype
+            output = output.to(x.dtype)
         output = self.out_proj(output)  # (B, L_q, E)
         return (output, weights) if return_weights else output
 
