@@ -8,8 +8,9 @@ CPython's documentation, cut to each context length, then 64 new tokens; the tim
 steps after the first new token (the prefill apart), as tokens/s:
     qkv        `load_chat_model("smollm2")` (as `qkv chat` holds it), the step compiled ahead of
                time (`decoding_steps(model, "aot")`), the fp32 KV cache
+    qkv f16 KV the same with `kv_dtype=torch.float16` (`qkv chat --kv-dtype fp16`)
     llama.cpp  llama-cpp-python's `Llama.eval` one token at a time, its default f16 KV cache
-The two take turns over the rounds; the median of each, and the median of their paired ratios.
+They take turns over the rounds; the median of each, and the median of their paired ratios.
 Each step reads the weights once and the whole KV cache once: past a few hundred tokens of
 context the cache's bytes, not the weights', set the pace (qkv's fp32 cache holds twice
 llama.cpp's f16 bytes per token). Written to results/decode_context.json with the machine.
@@ -38,9 +39,10 @@ HERE = Path(__file__).resolve().parent
 NEW_TOKENS = 64
 
 
-def qkv_rate(model, steps, prompt: list[int]) -> tuple[float, list[int]]:
+def qkv_rate(model, steps, prompt: list[int], kv_dtype=None) -> tuple[float, list[int]]:
     """(tokens/s of the steps after the first new token, the new tokens)."""
-    decoding = decode_steps(model, torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, steps=steps)
+    decoding = decode_steps(model, torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, steps=steps,
+                            kv_dtype=kv_dtype)  # fmt: skip
     tokens = [int(next(decoding).tokens[0])]
     started = time.perf_counter()
     tokens += [int(step.tokens[0]) for step in decoding]
@@ -86,32 +88,42 @@ def main() -> None:
     ids = loaded.tokenizer.encode(" ".join(topics.values())[:200_000]).ids
     kv_bytes = kv_values_per_position(read_gguf(path).metadata) * 4  # fp32 K and V, per token
     llama = LlamaCpp(path, max(args.contexts) + NEW_TOKENS, threads)
-    qkv_rate(loaded.model, steps, ids[:16])  # compiles (or loads) the step once
+    qkv_rate(loaded.model, steps, ids[:16])  # compiles (or loads) each step once
+    qkv_rate(loaded.model, steps, ids[:16], torch.float16)
     rows = []
+    names = ("qkv", "qkv_f16_kv", "llama_cpp")
     for context in args.contexts:
         prompt = ids[:context]
-        rates = {"qkv": [], "llama_cpp": []}
+        rates = {name: [] for name in names}
         same = 0
         for round_index in range(args.rounds):
             ours, theirs = None, None
-            for name in ("qkv", "llama_cpp")[:: 1 if round_index % 2 == 0 else -1]:
-                if name == "qkv":
+            shift = round_index % len(names)
+            for name in names[shift:] + names[:shift]:
+                if name == "llama_cpp":
+                    rate, theirs = llama.rate(prompt)
+                elif name == "qkv":
                     rate, ours = qkv_rate(loaded.model, steps, prompt)
                 else:
-                    rate, theirs = llama.rate(prompt)
+                    rate, _ = qkv_rate(loaded.model, steps, prompt, torch.float16)
                 rates[name].append(rate)
             same = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b),
                         NEW_TOKENS)  # fmt: skip
         ratios = [a / b for a, b in zip(rates["qkv"], rates["llama_cpp"], strict=True)]
+        half = [a / b for a, b in zip(rates["qkv_f16_kv"], rates["llama_cpp"], strict=True)]
         rows.append({
             "context": context, "qkv_tok_s": statistics.median(rates["qkv"]),
+            "qkv_f16_kv_tok_s": statistics.median(rates["qkv_f16_kv"]),
             "llama_cpp_tok_s": statistics.median(rates["llama_cpp"]),
             "qkv_vs_llama_cpp": statistics.median(ratios),
+            "qkv_f16_kv_vs_llama_cpp": statistics.median(half),
             "kv_cache_mb": kv_bytes * (context + NEW_TOKENS) / 2**20,
             "same_tokens_before_parting": same, "samples": rates,
         })  # fmt: skip
-        log(f"context {context}: qkv {rows[-1]['qkv_tok_s']:.1f} tok/s, llama.cpp "
-            f"{rows[-1]['llama_cpp_tok_s']:.1f} ({rows[-1]['qkv_vs_llama_cpp']:.2f}x)")  # fmt: skip
+        row = rows[-1]
+        log(f"context {context}: qkv {row['qkv_tok_s']:.1f} tok/s, with an f16 KV cache "
+            f"{row['qkv_f16_kv_tok_s']:.1f}, llama.cpp {row['llama_cpp_tok_s']:.1f} "
+            f"({row['qkv_vs_llama_cpp']:.2f}x, {row['qkv_f16_kv_vs_llama_cpp']:.2f}x)")  # fmt: skip
     payload = {
         "machine": machine_info("cpu"), "model": path.name, "threads": threads,
         "rounds": args.rounds, "new_tokens": NEW_TOKENS, "loaded": loaded.weights,
