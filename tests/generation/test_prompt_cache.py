@@ -131,10 +131,13 @@ def test_what_a_prompt_cache_cannot_keep_is_refused_by_name(change, named):
                      prompt_cache=PromptCache(), **options)  # fmt: skip
 
 
-def test_a_prompt_cache_is_for_decoder_only_models_and_is_a_prompt_cache():
+def test_a_prompt_cache_and_kv_dtype_are_for_decoder_only_models():
     config = TransformerConfig(src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, embed_dim=16,
                                num_heads=2, num_encoder_layers=1, num_decoder_layers=1,
                                ffn_dim=32)  # fmt: skip
+    with pytest.raises(ValueError, match="kv_dtype: for decoder-only models"):
+        decode_steps(Transformer(config).eval(), _ids(5, 1), max_new_tokens=4,
+                     kv_dtype=torch.float16)  # fmt: skip
     with pytest.raises(ValueError, match="prompt_cache: for decoder-only models"):
         decode_steps(Transformer(config).eval(), _ids(5, 1), max_new_tokens=4,
                      prompt_cache=PromptCache())  # fmt: skip

@@ -159,6 +159,11 @@ def prepare(
         if prompt_cache is not None:
             raise ValueError("prompt_cache: for decoder-only models; expected None for an "
                              "encoder-decoder Transformer")  # fmt: skip
+        if options.kv_dtype is not None:
+            raise ValueError(
+                "kv_dtype: for decoder-only models; expected None for an "
+                "encoder-decoder Transformer (its caches are the model's dtype)"
+            )
         return Prepared(*encoder_decoder_source(model, input_ids, options, attention_mask))
     source = _decoder_only(model, input_ids, options, attention_mask, steps, prompt_cache)
     return Prepared(*source)
